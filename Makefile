@@ -1,0 +1,57 @@
+# memsched -- `make demo` and `make test` work on a fresh machine: they install
+# what is missing, build, then run.
+PYTHON      ?= python3
+TORCH_PIN   ?= 2.14.1
+BUILD_DIR   ?= build
+APT_PKGS    := libgtest-dev libbenchmark-dev nlohmann-json3-dev
+PY_PKGS     := pytest pytest-benchmark matplotlib
+export MEMSCHED_BUILD_DIR := $(abspath $(BUILD_DIR))
+# torch's cpp_extension guesses CUDA_HOME from nvcc's location; point it at the toolkit.
+ifneq ($(wildcard /usr/local/cuda),)
+export CUDA_HOME ?= /usr/local/cuda
+endif
+
+.PHONY: all deps build test test-cpp test-python demo bench clean
+
+all: build
+
+# Install only what is missing. An installed torch >= 2.11 is kept (the GPU
+# machine ships 2.11); otherwise the pinned CUDA build, which lets a CPU-only
+# machine compile and link every CUDA path.
+deps:
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian packages:$$missing"; \
+	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	  else echo "note: cannot install$$missing (no apt-get); C++ tests need them"; fi; \
+	fi
+	@$(PYTHON) -c "import torch, sys; v=tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 11) else 1)" 2>/dev/null \
+	  || $(PYTHON) -m pip install -q "torch==$(TORCH_PIN)"
+	@for p in $(PY_PKGS); do m=$$(echo $$p | tr - _); [ $$p = pytest-benchmark ] && m=pytest_benchmark; \
+	  $(PYTHON) -c "import $$m" 2>/dev/null || $(PYTHON) -m pip install -q $$p; done
+
+build: deps
+	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
+
+test-cpp: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j2
+
+test-python: build
+	$(PYTHON) -m pytest -q tests/python
+
+test: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j2
+	$(PYTHON) -m pytest -q tests/python
+
+demo: build
+	$(PYTHON) -m memsched demo --out-dir demo_out
+
+bench: build
+	$(PYTHON) -m pytest -q benchmarks/python --benchmark-only --benchmark-json=bench_out/python.json
+	cmake -S . -B $(BUILD_DIR) -DMEMSCHED_BUILD_BENCHMARKS=ON >/dev/null && cmake --build $(BUILD_DIR) --parallel
+	@mkdir -p bench_out; for b in $(BUILD_DIR)/benchmarks/cpp/bench_*; do [ -x $$b ] && $$b --benchmark_out=bench_out/$$(basename $$b).json --benchmark_out_format=json; done; true
+
+clean:
+	rm -rf $(BUILD_DIR) python/memsched/_C*.so python/memsched/libmemsched_alloc*.so *.egg-info python/*.egg-info

@@ -1,0 +1,19 @@
+// bindings.h -- the bind_* functions that module.cpp calls to fill memsched._C.
+//
+// Note [One module, several binding files]
+//   Rationale: STYLE.md wants one file that registers every binding; a file
+//   that includes torch headers costs ~30 s and ~1 GB to compile here.
+//   Approach: module.cpp is the one registry (it calls every bind_* below, in
+//   order); each bind_*.cpp binds one component with pybind11 alone, so only
+//   bind_torch.cpp pays for torch headers. pybind11 is torch's bundled copy.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace memsched::bindings {
+
+void bind_errors(pybind11::module_& m);
+void bind_trace(pybind11::module_& m);
+void bind_torch(pybind11::module_& m);
+
+}  // namespace memsched::bindings

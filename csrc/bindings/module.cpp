@@ -1,0 +1,15 @@
+// module.cpp -- memsched._C: registers every binding (See Note [One module,
+// several binding files] in bindings.h).
+#include "bindings/bindings.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "memsched native core: trace, simulator, planners, allocator, scheduler";
+  memsched::bindings::bind_errors(m);
+  memsched::bindings::bind_trace(m);
+  memsched::bindings::bind_torch(m);
+#ifdef MEMSCHED_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+}

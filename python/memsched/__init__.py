@@ -1,0 +1,21 @@
+"""memsched: memory scheduling for PyTorch training.
+
+Profile one training step into a Trace, plan which activations stay on the GPU
+under a memory budget, execute the plan, reorder backward. See README.md.
+"""
+import torch  # noqa: F401  -- loads libc10/libtorch before the extension needs them
+
+from memsched import _C
+from memsched._C import MemschedError, Op, TensorRecord, Trace
+from memsched.units import format_bytes, parse_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MemschedError",
+    "Op",
+    "TensorRecord",
+    "Trace",
+    "format_bytes",
+    "parse_bytes",
+]

@@ -1,0 +1,63 @@
+"""memsched.Trace from Python: building, derived views, JSON files, errors."""
+import json
+
+import pytest
+
+import memsched
+
+
+def build_trace():
+    t = memsched.Trace()
+    f0 = t.add_op("fc1", "fc1", "forward", duration_us=5.0)
+    f1 = t.add_op("fc2", "fc2", "forward", duration_us=5.0)
+    b0 = t.add_op("fc2_bwd", "fc2", "backward", duration_us=9.0)
+    t.add_tensor(400, "float32", "parameter", uses=[f0, b0])
+    t.add_tensor(64, "float32", "activation", producer_op=f0, uses=[f1, b0], freed_after_op=b0)
+    t.add_tensor(32, "float32", "temporary", producer_op=f1, freed_after_op=f1)
+    return t
+
+
+def test_views_match_hand_counts():
+    t = build_trace()
+    assert t.live_bytes() == [464, 496, 464]
+    assert t.peak_bytes() == 496 and t.peak_op() == 1
+    assert t.activation_bytes() == 64
+    assert t.bytes_of_kind("parameter") == 400
+
+
+def test_json_file_round_trip(tmp_path):
+    t = build_trace()
+    path = tmp_path / "trace.json"
+    t.to_json(str(path))
+    back = memsched.Trace.from_json(str(path))
+    assert back.to_json_string() == t.to_json_string()
+    assert [op.phase for op in back.ops] == ["forward", "forward", "backward"]
+    assert [r.kind for r in back.tensors] == ["parameter", "activation", "temporary"]
+
+
+def test_malformed_trace_names_the_field(tmp_path):
+    doc = json.loads(build_trace().to_json_string())
+    doc["tensors"][1]["bytes"] = -1
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(memsched.MemschedError, match=r"tensors\[1\] field 'bytes' is negative"):
+        memsched.Trace.from_json(str(path))
+    assert issubclass(memsched.MemschedError, RuntimeError)
+
+
+def test_unknown_kind_is_rejected_from_python():
+    with pytest.raises(memsched.MemschedError, match="unknown tensor kind 'weights'"):
+        memsched.Trace().add_tensor(4, "float32", "weights")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("6GiB", 6 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), (4096, 4096), ("4096", 4096),
+])
+def test_parse_bytes(text, expected):
+    assert memsched.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["six gigs", "-1GiB", -5, "4 parsecs", None, True])
+def test_parse_bytes_rejects_with_field_name(bad):
+    with pytest.raises(ValueError, match="budget"):
+        memsched.parse_bytes(bad)
