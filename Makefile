@@ -49,9 +49,10 @@ demo: build
 	$(PYTHON) -m memsched demo --out-dir demo_out
 
 bench: build
-	$(PYTHON) -m pytest -q benchmarks/python --benchmark-only --benchmark-json=bench_out/python.json
+	@mkdir -p bench_out
+	$(PYTHON) -m pytest -q benchmarks/python --benchmark-json=bench_out/python.json
 	cmake -S . -B $(BUILD_DIR) -DMEMSCHED_BUILD_BENCHMARKS=ON >/dev/null && cmake --build $(BUILD_DIR) --parallel
-	@mkdir -p bench_out; for b in $(BUILD_DIR)/benchmarks/cpp/bench_*; do [ -x $$b ] && $$b --benchmark_out=bench_out/$$(basename $$b).json --benchmark_out_format=json; done; true
+	@for b in $(BUILD_DIR)/benchmarks/cpp/bench_*; do [ -x $$b ] && $$b --benchmark_out=bench_out/$$(basename $$b).json --benchmark_out_format=json; done; true
 
 clean:
 	rm -rf $(BUILD_DIR) python/memsched/_C*.so python/memsched/libmemsched_alloc*.so *.egg-info python/*.egg-info
