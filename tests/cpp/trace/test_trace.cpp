@@ -139,6 +139,9 @@ std::string error_for(const std::string& text) {
   return "";
 }
 
+// Readable test names in ctest output instead of a byte dump.
+void PrintTo(const Malformed& m, std::ostream* os) { *os << m.name; }
+
 class TraceJsonMalformed : public ::testing::TestWithParam<Malformed> {};
 
 TEST_P(TraceJsonMalformed, ErrorNamesRecordAndField) {
