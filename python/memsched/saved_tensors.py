@@ -1,0 +1,214 @@
+"""saved_tensors.py -- the activation-identity rule, as two reusable pieces.
+
+Shared by the profiler (memsched.profiler) and the offload executor
+(memsched.offload). See docs/CONVENTIONS-activation-identity.md, Note
+[Activation identity].
+
+  ModuleStack          forward pre/post hooks on every submodule; `.current`
+                       is the path of the innermost module running now.
+  ActivationNumbering  per step: packed tensor -> None (parameter/buffer
+                       storage) or Activation(ordinal, is_first_pack, label).
+  storage_key(t)       the storage identity used by both (a StorageImpl address).
+
+Typical use inside saved_tensors_hooks::
+
+    stack = ModuleStack(model).install()
+    numbering = ActivationNumbering(model)
+    numbering.start_step()
+    def pack(t):
+        act = numbering.number(t, stack.current)
+        ...
+    stack.remove()
+
+Note [Storage keys and reuse]
+  Rationale: views of one storage must share a key, and a key must not be
+  handed to a different storage later in the same step (an activation freed
+  in forward -- e.g. offloaded to the host -- lets the allocator hand its
+  memory to the next one; a data_ptr key would then merge the two).
+  Approach: the key is the StorageImpl address (`untyped_storage()._cdata`,
+  the same number as memsched._C.storage_ref(t)[0]), and ActivationNumbering
+  holds a torch StorageWeakRef to every storage it has keyed. A weak
+  reference keeps the StorageImpl object (not its data) alive, so its address
+  cannot be reused while we hold it: within one step a key names exactly one
+  storage. start_step() drops the weak references.
+  Limitations: tensors without a storage (sparse, some subclasses) cannot be
+  de-duplicated; each pack of one counts as a new activation.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["ModuleStack", "ActivationNumbering", "Activation", "storage_key", "activation_label", "dtype_name"]
+
+
+def storage_key(tensor: torch.Tensor) -> Optional[int]:
+    """StorageImpl address of `tensor` (views share it); None without a storage.
+
+    Equal to memsched._C.storage_ref(tensor)[0]. See Note [Storage keys and reuse]
+    for how long a key stays unique.
+    """
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32 (the Trace's dtype spelling)."""
+    return str(dtype).replace("torch.", "")
+
+
+def activation_label(ordinal: int, module_path: str, tensor: torch.Tensor) -> str:
+    """`act:<ordinal>:<module_path>:<shape>:<dtype>` (Note [Activation identity]).
+
+    shape is the storage-owning tensor's shape: the view base (`tensor._base`)
+    when `tensor` is an autograd-tracked view, else `tensor` itself.
+    """
+    owner = tensor._base if tensor._base is not None else tensor
+    shape = "[" + ", ".join(str(int(s)) for s in owner.shape) + "]"
+    return f"act:{ordinal}:{module_path}:{shape}:{dtype_name(owner.dtype)}"
+
+
+class ModuleStack:
+    """The innermost nn.Module running now, by its path in `model`.
+
+    install() registers a forward pre-hook (push) and an always-called forward
+    hook (pop) on every submodule of `model` (the root included, path "");
+    `current` is the path on top of the stack, "" outside any module. Forward
+    hooks registered with always_call=True run even when forward raises, so the
+    stack stays balanced; remove() removes every hook it added and clears the
+    stack. Usable as a context manager. Forward only: autograd runs backward
+    without calling module hooks (the profiler maps backward ops separately).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = model
+        self._stack: List[str] = []
+        self._handles: list = []
+
+    @property
+    def current(self) -> str:
+        return self._stack[-1] if self._stack else ""
+
+    @property
+    def depth(self) -> int:
+        return len(self._stack)
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def install(self) -> "ModuleStack":
+        if self._handles:
+            raise RuntimeError("ModuleStack.install(): already installed; call remove() first")
+        try:
+            for path, module in self._model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(self._make_push(path)))
+                self._handles.append(module.register_forward_hook(self._make_pop(path), always_call=True))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    def __enter__(self) -> "ModuleStack":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def _make_push(self, path: str):
+        stack = self._stack
+
+        def push(module, args):
+            stack.append(path)
+
+        return push
+
+    def _make_pop(self, path: str):
+        stack = self._stack
+
+        def pop(module, args, output):
+            # Pop down to (and including) this module's own entry: tolerant of a
+            # child whose pop never ran (cannot happen with always_call, but a
+            # hook added by someone else may raise between ours).
+            while stack:
+                if stack.pop() == path:
+                    break
+
+        return pop
+
+
+class Activation(NamedTuple):
+    ordinal: int          # 0, 1, 2, ... in first-pack order within the step
+    is_first_pack: bool   # True the first time this storage is packed in the step
+    label: str            # act:<ordinal>:<module_path>:<shape>:<dtype>
+
+
+class ActivationNumbering:
+    """Numbers the saved activations of one step (Note [Activation identity]).
+
+    number(t, module_path) returns None when t's storage belongs to a parameter
+    or buffer of `model` (autograd saved a weight: kind `parameter`), else an
+    Activation. Views of one storage share an ordinal; the label is fixed at the
+    storage's first pack. Call start_step() at the start of every step (it also
+    re-reads the parameter storages, so replaced parameters are seen).
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module] = None):
+        self._model = model
+        self._param_refs: Dict[int, StorageWeakRef] = {}
+        self._seen: Dict[int, Tuple[StorageWeakRef, Activation]] = {}
+        self._labels: List[str] = []
+        self.start_step()
+
+    def start_step(self) -> None:
+        self._seen.clear()
+        self._labels.clear()
+        self._param_refs.clear()
+        if self._model is not None:
+            for t in list(self._model.parameters()) + list(self._model.buffers()):
+                key = storage_key(t)
+                if key is not None:
+                    self._param_refs[key] = StorageWeakRef(t.untyped_storage())
+
+    @property
+    def count(self) -> int:
+        """Activations numbered so far in this step."""
+        return len(self._labels)
+
+    @property
+    def labels(self) -> List[str]:
+        """Labels by ordinal, for this step so far (a copy)."""
+        return list(self._labels)
+
+    def is_parameter(self, tensor: torch.Tensor) -> bool:
+        key = storage_key(tensor)
+        return key is not None and key in self._param_refs
+
+    def number(self, tensor: torch.Tensor, module_path: str = "") -> Optional[Activation]:
+        key = storage_key(tensor)
+        if key is not None and key in self._param_refs:
+            return None
+        if key is not None:
+            hit = self._seen.get(key)
+            if hit is not None:
+                # Holding the weak ref means the address cannot have been reused
+                # (Note [Storage keys and reuse]); expired() is a cheap guard.
+                ref, act = hit
+                if not ref.expired():
+                    return act._replace(is_first_pack=False)
+        ordinal = len(self._labels)
+        act = Activation(ordinal, True, activation_label(ordinal, module_path, tensor))
+        self._labels.append(act.label)
+        if key is not None:
+            self._seen[key] = (StorageWeakRef(tensor.untyped_storage()), act)
+        return act
