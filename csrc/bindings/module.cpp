@@ -7,6 +7,7 @@ PYBIND11_MODULE(_C, m) {
   memsched::bindings::bind_errors(m);
   memsched::bindings::bind_trace(m);
   memsched::bindings::bind_torch(m);
+  memsched::bindings::bind_sched(m);
 #ifdef MEMSCHED_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else
