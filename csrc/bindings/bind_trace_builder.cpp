@@ -1,0 +1,65 @@
+// bind_trace_builder.cpp -- memsched._C.TraceBuilder: the profiler's recorder
+// (See Note [Trace builder events]). Kinds and phases cross as their JSON strings.
+#include <pybind11/stl.h>
+
+#include "bindings/bindings.h"
+#include "core/check.h"
+#include "core/trace_builder.h"
+
+namespace py = pybind11;
+
+namespace memsched::bindings {
+namespace {
+
+Phase to_phase(const std::string& s) {
+  Phase p;
+  MEMSCHED_CHECK(parse_phase(s, &p), "unknown phase '", s, "'; expected forward, backward or optimizer");
+  return p;
+}
+
+TensorKind to_kind(const std::string& s) {
+  TensorKind k;
+  MEMSCHED_CHECK(parse_tensor_kind(s, &k), "unknown tensor kind '", s,
+                 "'; expected parameter, gradient, activation, optimizer_state or temporary");
+  return k;
+}
+
+}  // namespace
+
+void bind_trace_builder(py::module_& m) {
+  py::class_<TraceBuilder>(m, "TraceBuilder",
+                           "Records one step event by event into a Trace; See Note [Trace builder events].")
+      .def(py::init<std::string>(), py::arg("device") = "")
+      .def("begin_op",
+           [](TraceBuilder& b, const std::string& name, const std::string& module_path, const std::string& phase) {
+             return b.begin_op(name, module_path, to_phase(phase));
+           },
+           py::arg("name"), py::arg("module_path"), py::arg("phase"))
+      .def("end_op", &TraceBuilder::end_op, py::arg("duration_us"), py::arg("flops"), py::arg("bytes_read"),
+           py::arg("bytes_written"))
+      .def("set_duration_us", &TraceBuilder::set_duration_us, py::arg("op_id"), py::arg("duration_us"))
+      .def("tensor_existing",
+           [](TraceBuilder& b, uint64_t key, int64_t bytes, const std::string& dtype, const std::string& kind,
+              const std::string& label) { return b.tensor_existing(key, bytes, dtype, to_kind(kind), label); },
+           py::arg("key"), py::arg("bytes"), py::arg("dtype"), py::arg("kind"), py::arg("label") = "")
+      .def("tensor_allocated",
+           [](TraceBuilder& b, uint64_t key, int64_t bytes, const std::string& dtype, const std::string& kind,
+              const std::string& label) { return b.tensor_allocated(key, bytes, dtype, to_kind(kind), label); },
+           py::arg("key"), py::arg("bytes"), py::arg("dtype"), py::arg("kind") = "temporary", py::arg("label") = "")
+      .def("tensor_used", &TraceBuilder::tensor_used, py::arg("key"))
+      .def("tensor_freed", &TraceBuilder::tensor_freed, py::arg("key"))
+      .def("upgrade_kind",
+           [](TraceBuilder& b, uint64_t key, const std::string& kind, const std::string& label) {
+             b.upgrade_kind(key, to_kind(kind), label);
+           },
+           py::arg("key"), py::arg("kind"), py::arg("label") = "")
+      .def("is_live", &TraceBuilder::is_live, py::arg("key"))
+      .def("live_keys", &TraceBuilder::live_keys)
+      .def_property_readonly("num_ops", &TraceBuilder::num_ops)
+      .def_property_readonly("num_records", &TraceBuilder::num_records)
+      .def_property_readonly("in_op", &TraceBuilder::in_op)
+      .def("finish", &TraceBuilder::finish, "The validated Trace; leaves the builder empty.")
+      .def("check_invariants", &TraceBuilder::check_invariants);
+}
+
+}  // namespace memsched::bindings
