@@ -8,6 +8,7 @@ import torch  # noqa: F401  -- loads libc10/libtorch before the extension needs 
 from memsched import _C
 from memsched._C import MemschedError, Op, TensorRecord, Trace
 from memsched.units import format_bytes, parse_bytes
+from memsched.profiler import profile
 
 __version__ = "0.1.0"
 
@@ -18,4 +19,5 @@ __all__ = [
     "Trace",
     "format_bytes",
     "parse_bytes",
+    "profile",
 ]
