@@ -30,7 +30,7 @@ void bind_sched(py::module_& m) {
       .def("pop", &DwScheduler::pop)
       .def("complete", &DwScheduler::complete, py::arg("id"))
       .def("contribute", &DwScheduler::contribute, py::arg("param"))
-      .def("end_iteration", &DwScheduler::end_iteration)
+      .def("end_iteration", &DwScheduler::end_iteration, py::arg("allow_missing") = false)
       .def_property_readonly("held_bytes", &DwScheduler::held_bytes)
       .def_property_readonly("max_deferred_bytes", &DwScheduler::max_deferred_bytes)
       .def_property_readonly("queued", &DwScheduler::queued)

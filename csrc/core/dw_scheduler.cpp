@@ -239,18 +239,22 @@ DwCompletion DwScheduler::contribute(int32_t param) {
   return out;
 }
 
-void DwScheduler::end_iteration() {
+std::vector<int32_t> DwScheduler::end_iteration(bool allow_missing) {
   MEMSCHED_CHECK(in_iteration_, "end_iteration: no iteration is running (begin_iteration)");
   MEMSCHED_CHECK(queue_.empty() && in_flight_.empty(), "end_iteration: ", queue_.size(),
                  " deferred items are still queued and ", in_flight_.size(),
                  " in flight; flush (pop + complete) first");
+  std::vector<int32_t> short_params;
   for (int32_t p = 0; p < num_params(); ++p) {
-    MEMSCHED_CHECK(received_[p] == expected_[p], "end_iteration: parameter ", p, " received ",
-                   received_[p], " of ", expected_[p],
+    if (received_[p] == expected_[p]) continue;
+    MEMSCHED_CHECK(allow_missing, "end_iteration: parameter ", p, " received ", received_[p], " of ",
+                   expected_[p],
                    " expected gradient contributions; a use produced no gradient (was backward run "
                    "through every output?)");
+    short_params.push_back(p);
   }
   in_iteration_ = false;
+  return short_params;
 }
 
 void DwScheduler::check_invariants() const {

@@ -106,9 +106,12 @@ class DwScheduler {
   // A contribution that did not go through the queue (autograd accumulated it).
   DwCompletion contribute(int32_t param);
 
-  // Ends the iteration. Throws if work is queued or in flight, or if a
-  // parameter received fewer or more contributions than expected.
-  void end_iteration();
+  // Ends the iteration. Throws if work is queued or in flight. A parameter
+  // that received fewer contributions than forward counted (a use whose output
+  // never reached the loss) throws unless allow_missing; with allow_missing the
+  // short parameters are returned (ascending) so the executor can finish them
+  // with what did arrive -- exactly what plain autograd would hold.
+  std::vector<int32_t> end_iteration(bool allow_missing = false);
 
   const DwStats& stats() const { return stats_; }
   int64_t held_bytes() const { return stats_.held_bytes; }

@@ -203,6 +203,19 @@ TEST(DwScheduler, ClearErrors) {
   EXPECT_THROW(s.end_iteration(), Error);  // expected 1, received 0
 }
 
+TEST(DwScheduler, AllowMissingReturnsTheShortParameters) {
+  DwScheduler s;
+  const int32_t a = s.add_param(8), b = s.add_param(8), c = s.add_param(8);
+  s.begin_iteration();
+  for (int32_t p : {a, b, b, c}) s.expect_contribution(p);
+  s.contribute(a);
+  s.contribute(b);  // the second use of b never reached the loss; c not at all
+  EXPECT_EQ(s.end_iteration(/*allow_missing=*/true), (std::vector<int32_t>{b, c}));
+  s.begin_iteration();  // counts start again from zero
+  EXPECT_EQ(s.expected(b), 0);
+  EXPECT_EQ(s.received(b), 0);
+}
+
 TEST(DwScheduler, GapInBucketNumbersIsRejected) {
   DwScheduler s;
   s.add_param(8, 1);
