@@ -1,0 +1,14 @@
+"""memsched.offload: execute an offload plan in eager PyTorch.
+
+  OffloadSchedule  (schedule.py)     Trace + Plan -> per-activation actions and prefetch triggers
+  CopyEngine       (copy_engine.py)  D2H / H2D copies on side streams (in order on CPU) + deferred release
+  HostBuffers      (host_buffers.py) pinned (CUDA) or pageable (CPU) host blocks
+  OffloadExecutor  (executor.py)     the saved-tensor hooks; one StepStats per step
+"""
+from memsched.offload.copy_engine import CopyEngine, CopyTicket
+from memsched.offload.executor import OffloadExecutor, StepStats
+from memsched.offload.host_buffers import HostBuffers
+from memsched.offload.schedule import OffloadSchedule, ordinal_of_label
+
+__all__ = ["CopyEngine", "CopyTicket", "HostBuffers", "OffloadExecutor", "OffloadSchedule", "StepStats",
+           "ordinal_of_label"]

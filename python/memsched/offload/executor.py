@@ -1,0 +1,366 @@
+"""The plan-driven offload executor: saved-tensor hooks that move planned activations to host and back.
+
+Entry point: OffloadExecutor(model, device, host_buffers). install() once;
+then per step: set_schedule(schedule) (None: run plainly), the model's forward
+runs with the hooks, backward unpacks, end_step() -> StepStats. remove()
+restores everything.
+
+Note [Executor hooks and their lifetime]
+  Rationale: the user drives the loop, so the executor cannot wrap "the step";
+  it must attach to the model and be removable without a trace.
+  Approach: a forward pre-hook on the root module pushes the saved-tensor hooks
+  (torch._C._autograd._push_saved_tensors_default_hooks) and an always-called
+  forward hook pops them, so only tensors saved inside model(...) are packed by
+  us; a loss computed outside the model is left to PyTorch. ModuleStack (from
+  memsched.saved_tensors) gives the module path for labels. Forward hooks with
+  always_call run on Exception but not on KeyboardInterrupt: `pushed_` records
+  whether our pair is on the hook stack, and the next forward or remove() pops
+  it (after checking it is ours). An exception inside forward abandons that
+  step's numbering: the next forward starts a fresh step.
+  Unpack hooks are stored per saved tensor at pack time, so backward works
+  whether or not our pair is still pushed.
+
+Note [What is never offloaded]
+  - parameters and buffers of the model (ActivationNumbering gives them no
+    ordinal; they are returned as they are);
+  - storages smaller than `min_bytes`, storages on another device, non-strided
+    or conjugate/negative-bit tensors, tensor subclasses;
+  - tensors whose (ordinal, label) does not equal the trace's: from the first
+    mismatch on, the step runs plainly (See Note [Activation identity]);
+  - a second save of an offloaded storage after it was modified in place
+    (different _version): that save keeps the device tensor, since the host
+    copy holds the older values.
+  Every offload is an exact byte copy of the whole storage; unpack rebuilds the
+  view (dtype, size, stride, storage offset) on the fetched storage. Values are
+  therefore bitwise those PyTorch would have used -- a wrong plan costs time or
+  memory, never a wrong gradient.
+
+Note [Packing without reference cycles]
+  A pack hook that returns the tensor it was given (or a tuple holding it)
+  leaks when the tensor is the node's own output: tensor -> grad_fn -> saved
+  variable -> packed object -> tensor. Kept activations are therefore packed
+  as (ordinal, tensor.detach()), which shares storage and version counter but
+  not grad_fn -- what PyTorch itself stores for outputs.
+"""
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memsched.offload.copy_engine import CopyEngine
+from memsched.saved_tensors import ActivationNumbering, ModuleStack
+
+
+@dataclass
+class StepStats:
+    """What one step did, measured."""
+    mode: str = "plain"            # "plain" (no schedule), "planned", "diverged"
+    duration_s: float = 0.0        # wall clock from the first forward to end_step()
+    activations: int = 0           # COUNT of activation storages packed
+    activation_bytes: int = 0      # SUM of their storage bytes
+    offloaded: int = 0             # COUNT of storages copied to host
+    offloaded_bytes: int = 0       # SUM
+    d2h_bytes: int = 0             # SUM device-to-host bytes moved
+    h2d_bytes: int = 0             # SUM host-to-device bytes moved
+    prefetched: int = 0            # COUNT fetched ahead of use on the H2D stream
+    on_demand: int = 0             # COUNT fetched synchronously at unpack (stalls)
+    late_prefetches: int = 0       # COUNT prefetches still in flight when their tensor was needed
+    stall_s: float = 0.0           # host seconds blocked in on-demand fetches
+    peak_bytes: int = 0            # max sampled memory (see memory_source)
+    memory_source: str = ""        # what the samples measure
+    mismatch: str = ""             # first identity mismatch, "" if none
+    samples: list = field(default_factory=list)  # [(t_s, bytes)] memory over the step
+    copies: list = field(default_factory=list)   # [(kind, start_s, end_s, bytes)] copy streams
+
+
+class _Offloaded:
+    """One offloaded storage: its host copy and, during backward, its device copy."""
+
+    __slots__ = ("ordinal", "nbytes", "version", "d2h", "h2d", "device_bytes", "packs", "unpacks", "source")
+
+    def __init__(self, ordinal, nbytes, version, d2h, source):
+        self.ordinal = ordinal        # activation ordinal
+        self.nbytes = nbytes          # storage bytes
+        self.version = version        # tensor._version when copied
+        self.d2h = d2h                # CopyTicket of the host copy (dst = flat uint8 host tensor)
+        self.h2d = None               # CopyTicket of the prefetch, None until issued
+        self.device_bytes = None      # flat uint8 device tensor once fetched, until the last unpack
+        self.packs = 0                # COUNT saves referring to this storage
+        self.unpacks = 0              # COUNT unpacks so far
+        self.source = source          # StorageWeakRef of the original device storage (released in forward)
+
+
+class _View:
+    """What autograd stores for an offloaded save: the storage handle plus the view geometry."""
+
+    __slots__ = ("handle", "dtype", "size", "stride", "offset")
+
+    def __init__(self, handle, t):
+        self.handle = handle
+        self.dtype = t.dtype
+        self.size = tuple(t.size())
+        self.stride = tuple(t.stride())
+        self.offset = t.storage_offset()
+
+
+class OffloadExecutor:
+    """Saved-tensor hooks executing an OffloadSchedule. See the Notes above."""
+
+    def __init__(self, model, device, host_buffers, min_bytes=0, on_mismatch=None):
+        self.model = model
+        self.device = torch.device(device)
+        self.min_bytes = int(min_bytes)          # size floor for offload, bytes
+        self.engine = CopyEngine(self.device, host_buffers)
+        self.on_mismatch = on_mismatch           # callback(str) on the first mismatch of a step
+        self.numbering = ActivationNumbering(model)
+        self.stack = ModuleStack(model)
+        self.schedule = None                     # OffloadSchedule for the next step; None: plain
+        self.active = True                       # False: forward runs untouched (e.g. while profiling)
+        self.handles_ = []                       # hook handles on the root module
+        self.pushed_ = False                     # our saved-tensor hooks are on the hook stack
+        self.in_step_ = False                    # a step has started (first forward seen)
+        self.forward_failed_ = False             # the last forward raised: restart numbering
+        self._reset_step()
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def install(self):
+        if self.handles_:
+            raise RuntimeError("OffloadExecutor.install(): already installed")
+        try:
+            self.stack.install()
+            self.handles_.append(self.model.register_forward_pre_hook(self._forward_pre))
+            self.handles_.append(self.model.register_forward_hook(self._forward_post, always_call=True))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def remove(self):
+        """Remove every hook, pop our saved-tensor hooks if still pushed, wait for copies."""
+        self._pop_hooks()
+        for h in self.handles_:
+            h.remove()
+        self.handles_ = []
+        self.stack.remove()
+        self.engine.finish()
+        self._reset_step()
+        self.in_step_ = False
+
+    def set_schedule(self, schedule):
+        """Schedule for the steps that follow (None: plain PyTorch with measurement)."""
+        self.schedule = schedule
+
+    # -- step bookkeeping -------------------------------------------------------------------------
+    def _reset_step(self):
+        self.stats = StepStats()
+        self.offloaded_ = {}        # ordinal -> _Offloaded
+        self.tracked_ = []          # [(StorageWeakRef, bytes)] device storages we watch (CPU samples)
+        self.fired_upto_ = -2       # last trigger op fired (-2: none, -1: backward start)
+        self.diverged_ = False
+        self.t0_ = time.perf_counter()
+        self.t0_event_ = None
+
+    def _begin_step(self):
+        self.engine.finish()
+        self.numbering.start_step()
+        self._reset_step()
+        self.in_step_ = True
+        self.forward_failed_ = False
+        self.stats.mode = "planned" if self.schedule is not None else "plain"
+        if self.engine.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.t0_event_ = torch.cuda.Event(enable_timing=True)
+            self.t0_event_.record(torch.cuda.current_stream(self.device))
+            self.stats.memory_source = "torch.cuda.memory_allocated"
+        else:
+            self.stats.memory_source = "saved-activation storages alive (executor count)"
+        self._sample()
+
+    def end_step(self):
+        """Finish the step: wait for copies, release what they held, return its StepStats."""
+        stats = self.stats
+        if not self.in_step_:
+            return None
+        log, (d2h, h2d) = self.engine.finish()
+        stats.d2h_bytes, stats.h2d_bytes = d2h, h2d
+        stats.duration_s = time.perf_counter() - self.t0_
+        self._sample()
+        if self.engine.is_cuda:
+            torch.cuda.synchronize(self.device)
+            stats.peak_bytes = max(stats.peak_bytes, torch.cuda.max_memory_allocated(self.device))
+            for kind, nbytes, _, _, start_event, done in log:
+                start = self.t0_event_.elapsed_time(start_event) / 1e3
+                stats.copies.append((kind, start, start + start_event.elapsed_time(done) / 1e3, nbytes))
+        else:
+            stats.copies = [(kind, issued - self.t0_, finished - self.t0_, nbytes)
+                            for kind, nbytes, issued, finished, _, _ in log]
+        self.offloaded_ = {}
+        self.tracked_ = []
+        self.in_step_ = False
+        self.stats = StepStats()
+        return stats
+
+    @property
+    def diverged(self):
+        return self.diverged_
+
+    # -- forward hooks on the root module -----------------------------------------------------------
+    def _forward_pre(self, module, args):
+        if self.pushed_:  # a KeyboardInterrupt skipped our pop; see Note [Executor hooks and their lifetime]
+            self._pop_hooks()
+            self.forward_failed_ = True
+        if self.stack.depth > 1:
+            # The interrupted forward also skipped ModuleStack's pops: start it afresh (the root's
+            # own entry is "", which an empty stack reports as well).
+            self.stack.remove()
+            self.stack.install()
+        if not self.active:
+            return
+        if not self.in_step_ or self.forward_failed_:
+            self._begin_step()
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        self.pushed_ = True
+
+    def _forward_post(self, module, args, output):
+        self._pop_hooks()
+        if output is None and self.in_step_:
+            # always_call hook after an exception (forward returned nothing): abandon the step.
+            self.forward_failed_ = True
+
+    def _pop_hooks(self):
+        if not self.pushed_:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] == self._pack:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        self.pushed_ = False
+
+    # -- pack / unpack -----------------------------------------------------------------------------
+    def _pack(self, t):
+        self.engine.poll()
+        act = self.numbering.number(t, self.stack.current)
+        if act is None:
+            return t  # parameter or buffer: no cycle possible (leaf), nothing to do
+        k = act.ordinal
+        if act.is_first_pack:
+            nbytes = t.untyped_storage().nbytes()
+            self.stats.activations += 1
+            self.stats.activation_bytes += nbytes
+            if t.device == self.device:
+                self._track(t, nbytes)
+            if self.schedule is not None and not self.diverged_:
+                expected = self.schedule.labels.get(k)
+                if expected != act.label:
+                    self._diverge(f"activation {k}: trace has {expected!r}, this step has {act.label!r}")
+                elif k in self.schedule.offload and self._offloadable(t, nbytes):
+                    self._offload(k, t, nbytes)
+            self._sample()
+        h = self.offloaded_.get(k)
+        if h is not None and t._version == h.version:
+            h.packs += 1
+            return _View(h, t)
+        return (k, t.detach())  # See Note [Packing without reference cycles]
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        self.engine.poll()
+        if isinstance(packed, tuple):
+            k, t = packed
+            self._observe(k)
+            return t
+        h = packed.handle
+        self._observe(h.ordinal)
+        if h.device_bytes is None:
+            self._materialize(h)
+        h.unpacks += 1
+        dev = h.device_bytes
+        if h.unpacks >= h.packs:
+            h.device_bytes = None  # the returned tensor now owns it; a second backward fetches again
+        out = torch.empty(0, dtype=packed.dtype, device=self.device)
+        out.set_(dev.untyped_storage(), packed.offset, packed.size, packed.stride)
+        self._sample()
+        return out
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _offloadable(self, t, nbytes):
+        return (nbytes >= self.min_bytes and nbytes > 0 and t.device == self.device
+                and t.layout == torch.strided and type(t) is torch.Tensor
+                and not t.is_conj() and not t.is_neg() and not t.is_quantized)
+
+    def _offload(self, k, t, nbytes):
+        storage = t.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
+        ticket = self.engine.offload(flat)
+        self.offloaded_[k] = _Offloaded(k, nbytes, t._version, ticket, StorageWeakRef(storage))
+        self.stats.offloaded += 1
+        self.stats.offloaded_bytes += nbytes
+
+    def _observe(self, k):
+        """An unpack of ordinal k: fire every prefetch trigger up to its first backward op."""
+        s = self.schedule
+        if s is None or self.diverged_:
+            return
+        op = s.first_bwd_op.get(k)
+        if op is None or op <= self.fired_upto_:
+            return
+        for q in s.triggers_through(op, self.fired_upto_):
+            for j in s.prefetch_at[q]:
+                h = self.offloaded_.get(j)
+                if h is not None and h.h2d is None and h.device_bytes is None:
+                    h.h2d = self.engine.fetch(h.d2h.dst, after=h.d2h)
+                    self._track(h.h2d.dst, h.nbytes)
+                    self.stats.prefetched += 1
+        self.fired_upto_ = op
+
+    def _materialize(self, h):
+        if h.h2d is not None:
+            if not h.h2d.is_complete():
+                self.stats.late_prefetches += 1
+            self.engine.wait(h.h2d)
+            h.device_bytes = h.h2d.dst
+            h.h2d = None
+            return
+        start = time.perf_counter()
+        ticket = self.engine.fetch(h.d2h.dst, after=h.d2h)
+        self.engine.synchronize(ticket)
+        self.stats.stall_s += time.perf_counter() - start
+        self.stats.on_demand += 1
+        h.device_bytes = ticket.dst
+        self._track(ticket.dst, h.nbytes)
+
+    def _diverge(self, why):
+        self.diverged_ = True
+        self.stats.mode = "diverged"
+        self.stats.mismatch = why
+        if self.on_mismatch is not None:
+            self.on_mismatch(why)
+        else:
+            warnings.warn(f"memsched: this step does not match the profiled trace ({why}); "
+                          "it runs without offloading from there on", RuntimeWarning, stacklevel=3)
+
+    def _track(self, t, nbytes):
+        """Watch a device storage for the CPU memory samples (CUDA reads the allocator instead)."""
+        if not self.engine.is_cuda:
+            self.tracked_.append((StorageWeakRef(t.untyped_storage()), nbytes))
+
+    def _sample(self):
+        now = time.perf_counter() - self.t0_
+        if self.engine.is_cuda:
+            value = torch.cuda.memory_allocated(self.device)
+        else:
+            alive = [(r, b) for r, b in self.tracked_ if not r.expired()]
+            self.tracked_ = alive
+            value = sum(b for _, b in alive)
+        self.stats.samples.append((now, value))
+        self.stats.peak_bytes = max(self.stats.peak_bytes, value)
+
+    def check_invariants(self):
+        self.engine.check_invariants()
+        for k, h in self.offloaded_.items():
+            assert h.ordinal == k and h.unpacks <= max(h.packs, h.unpacks)
+            assert h.h2d is None or h.device_bytes is None, "a fetched tensor has no prefetch in flight"
+        if self.schedule is not None:
+            assert set(self.offloaded_) <= self.schedule.offload or self.diverged_

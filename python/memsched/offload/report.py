@@ -1,0 +1,173 @@
+"""Reports for memsched.optimize(): the planned-vs-measured table and the timeline PNG.
+
+Entry points: planned_activation_curve(trace, plan), format_table(rows),
+RunReport, save_timeline(path, ...). Pure Python + matplotlib (Agg).
+"""
+import statistics
+from dataclasses import dataclass, field
+
+from memsched.offload.schedule import plan_decisions
+from memsched.units import format_bytes
+
+
+def planned_activation_curve(trace, plan):
+    """Bytes of saved activations resident on the device during each op, if `plan` runs exactly.
+
+    Kept activation: resident from its producer op to its free op. Offloaded:
+    from its producer to max(offload_after_op, last forward use), then again from
+    prefetch_at_op to its free op (Note [Tensor lifetime convention] in trace.h).
+    This is the quantity the CPU executor measures (storages alive).
+    """
+    ops = trace.ops
+    n = len(ops)
+    curve = [0] * n
+    offload = {}
+    if plan is not None:
+        for d in plan_decisions(plan):
+            if d.offload:
+                offload[d.tensor_id] = d
+    for rec in trace.tensors:
+        if rec.kind != "activation":
+            continue
+        start = 0 if rec.producer_op < 0 else rec.producer_op
+        end = n - 1 if rec.freed_after_op < 0 else rec.freed_after_op
+        d = offload.get(rec.id)
+        if d is None:
+            spans = [(start, end)]
+        else:
+            fwd = [u for u in rec.uses if ops[u].phase == "forward"]
+            release = max([d.offload_after_op] + fwd)
+            spans = [(start, min(release, end)), (max(d.prefetch_at_op, release + 1), end)]
+        for a, b in spans:
+            for i in range(a, b + 1):
+                curve[i] += rec.bytes
+    return curve
+
+
+def format_table(header, rows):
+    """Plain-text table: header is a list of column names, rows lists of strings."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths)))
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), sep] + [line(r) for r in rows])
+
+
+def _ms(seconds):
+    return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+def _b(n):
+    return "-" if n is None else format_bytes(n)
+
+
+@dataclass
+class RunReport:
+    """What run.report() computed; str() is the printed table."""
+    device: str = ""
+    planner: str = ""
+    budget_bytes: int = None           # None: no budget (keep all)
+    steps_profiled: int = 0            # COUNT
+    steps_planned: int = 0             # COUNT executed with the plan
+    steps_plain: int = 0               # COUNT run plainly (mismatch / no plan)
+    planned: dict = field(default_factory=dict)   # name -> value (simulated / from the plan)
+    measured: dict = field(default_factory=dict)  # name -> value (median over planned steps)
+    memory_source: str = ""
+    host_source: str = ""
+    notes: list = field(default_factory=list)
+    table: str = ""
+
+    def __str__(self):
+        return self.table
+
+    def __repr__(self):
+        return (f"RunReport(device={self.device!r}, planner={self.planner!r}, steps_planned={self.steps_planned}, "
+                f"measured_peak={self.measured.get('peak_bytes')})")
+
+
+def build_report(run_info, planned, step_stats, notes=()):
+    """RunReport from the run's settings, the planned figures and the StepStats of executed steps."""
+    r = RunReport(**run_info)
+    r.notes = list(notes)
+    executed = [s for s in step_stats if s.mode == "planned"]
+    r.steps_planned = len(executed)
+    r.steps_plain = len(step_stats) - len(executed)
+    r.planned = dict(planned)
+    if executed:
+        med = lambda key: statistics.median(getattr(s, key) for s in executed)
+        r.measured = {
+            "step_time_s": med("duration_s"),
+            "peak_bytes": max(s.peak_bytes for s in executed),
+            "activation_peak_bytes": max(s.peak_bytes for s in executed) if not r.device.startswith("cuda") else None,
+            "bytes_moved": med("d2h_bytes") + med("h2d_bytes"),
+            "stall_s": med("stall_s"),
+            "offloaded": med("offloaded"),
+            "offloaded_bytes": med("offloaded_bytes"),
+            "prefetched": med("prefetched"),
+            "on_demand": med("on_demand"),
+        }
+        r.memory_source = executed[-1].memory_source
+    m, p = r.measured, r.planned
+    cuda = r.device.startswith("cuda")
+    rows = [
+        ["peak memory (allocated)", _b(p.get("peak_bytes")), _b(m.get("peak_bytes")) if cuda else "- (CPU)"],
+        ["peak saved activations", _b(p.get("activation_peak_bytes")),
+         _b(m.get("activation_peak_bytes")) if not cuda else "-"],
+        ["step time", _ms(p.get("step_time_s")), _ms(m.get("step_time_s"))],
+        ["bytes moved (D2H + H2D)", _b(p.get("bytes_moved")), _b(m.get("bytes_moved"))],
+        ["stall time", _ms(p.get("stall_s")), _ms(m.get("stall_s"))],
+        ["offloaded activations", str(p.get("offloaded", "-")), str(m.get("offloaded", "-"))],
+        ["prefetched / on demand", f"{p.get('prefetched', '-')} / {p.get('on_demand', '-')}",
+         f"{m.get('prefetched', '-')} / {m.get('on_demand', '-')}"],
+    ]
+    budget = "none (keep all)" if r.budget_bytes is None else format_bytes(r.budget_bytes)
+    head = (f"memsched.optimize: device {r.device}, planner {r.planner}, budget {budget}; steps: "
+            f"{r.steps_profiled} profiled, {r.steps_planned} planned, {r.steps_plain} plain")
+    lines = [head, format_table(["", "planned (simulated)", "measured (median)"], rows)]
+    if r.memory_source:
+        lines.append(f"measured memory: {r.memory_source}; host buffers: {r.host_source}")
+    lines.extend(r.notes)
+    r.table = "\n".join(lines)
+    return r
+
+
+def save_timeline(path, title, planned_curve, measured, copies, planned_copies=None):
+    """Write the step's memory timeline as a PNG.
+
+    planned_curve: [(t_s, bytes)], measured: [(t_s, bytes)], copies:
+    [(kind, start_s, end_s, bytes)] measured on the copy streams, planned_copies
+    likewise from the simulator (optional).
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, lanes) = plt.subplots(2, 1, figsize=(10, 6), sharex=True,
+                                    gridspec_kw={"height_ratios": [3, 1]})
+    mib = 2.0 ** 20
+    if planned_curve:
+        ax.step([t * 1e3 for t, _ in planned_curve], [b / mib for _, b in planned_curve], where="post",
+                label="planned", color="tab:blue", alpha=0.8)
+    if measured:
+        ax.plot([t * 1e3 for t, _ in measured], [b / mib for _, b in measured], label="measured",
+                color="tab:red", marker=".", markersize=3, linewidth=1)
+    ax.set_ylabel("memory (MiB)")
+    ax.set_title(title)
+    ax.legend(loc="upper right")
+    lane_y = {"d2h": 2, "h2d": 1}
+    for kind, y in lane_y.items():
+        spans = [(s * 1e3, max((e - s) * 1e3, 1e-3)) for k, s, e, _ in copies if k == kind]
+        if spans:
+            lanes.broken_barh(spans, (y - 0.35, 0.3), color="tab:red", label=f"measured {kind}")
+        if planned_copies:
+            spans = [(s * 1e3, max((e - s) * 1e3, 1e-3)) for k, s, e, _ in planned_copies if k == kind]
+            if spans:
+                lanes.broken_barh(spans, (y + 0.05, 0.3), color="tab:blue", alpha=0.7)
+    lanes.set_yticks([2, 1])
+    lanes.set_yticklabels(["D2H stream", "H2D stream"])
+    lanes.set_ylim(0.4, 2.6)
+    lanes.set_xlabel("time in step (ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

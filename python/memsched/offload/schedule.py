@@ -1,0 +1,125 @@
+"""What the executor does at run time, derived from a Trace and a Plan.
+
+Entry point: OffloadSchedule.build(trace, plan, min_bytes) -> OffloadSchedule.
+Everything is keyed by activation ordinal (See Note [Activation identity] in
+docs/CONVENTIONS-activation-identity.md): the executor sees ordinals and labels,
+never trace ids.
+
+Note [Plan ops to backward triggers]
+  Rationale: the plan says "prefetch tensor T when op p starts", with p an op of
+  the profiled trace, but the executor can only observe what autograd shows it
+  in eager mode: the unpack of a saved tensor, which happens when the backward
+  node that reads it starts.
+  Approach: an op is *observable* when it is the first backward use of some
+  activation of the trace (kept or offloaded: every saved activation passes
+  through the unpack hook). A prefetch planned at op p is issued at the latest
+  observable op q <= p, i.e. at the first unpack of any activation whose first
+  backward use is q; if no observable op precedes p it is issued at the first
+  unpack of the backward pass. When an unpack is observed, every trigger up to
+  and including its op fires (so a trigger whose tensors are never unpacked
+  cannot hold prefetches back). A prefetch whose trigger is the tensor's own
+  first backward use is "on demand": fetched synchronously at its unpack and
+  counted as a stall.
+  Granularity: rounding p down to an observable op issues a prefetch at most
+  one observable op early -- never late -- so it can cost memory (up to the
+  tensors of that gap), never time.
+  The D2H copy is issued when the activation is first packed, i.e. during its
+  producer op, which is at or before the plan's offload_after_op: never late.
+"""
+import bisect
+import re
+
+_LABEL = re.compile(r"^act:(\d+):")
+
+
+def ordinal_of_label(label):
+    """The activation ordinal written in a trace label "act:<ordinal>:...", or None."""
+    m = _LABEL.match(label or "")
+    return int(m.group(1)) if m else None
+
+
+def plan_decisions(plan):
+    """The TensorDecision list of a plan object (memsched.Plan or a stand-in with .decisions)."""
+    decisions = getattr(plan, "decisions", None)
+    if decisions is None:
+        raise TypeError(f"plan: expected an object with .decisions (a memsched plan), got {type(plan).__name__}")
+    return list(decisions)
+
+
+class OffloadSchedule:
+    """Per-ordinal actions for one profiled step."""
+
+    def __init__(self):
+        self.labels = {}           # ordinal -> label expected at that ordinal
+        self.bytes = {}            # ordinal -> storage bytes in the trace
+        self.first_bwd_op = {}     # ordinal -> trace op index of its first backward use (absent: none)
+        self.offload = set()       # ordinals to copy to host
+        self.trigger_op = {}       # offloaded ordinal -> observable op at whose first unpack it is prefetched;
+                                   #   -1: at the first unpack of the step; absent: on demand
+        self.prefetch_at = {}      # observable op (or -1) -> ordinals prefetched there, in plan order
+        self.observable_ops = []   # sorted trace op indices that the unpack hook reveals
+        self.skipped_small = 0     # COUNT: planned offloads below the size floor (kept)
+
+    @classmethod
+    def build(cls, trace, plan, min_bytes=0):
+        """Turn (trace, plan) into an OffloadSchedule. plan=None: keep everything."""
+        s = cls()
+        ops = trace.ops
+        tensors = trace.tensors
+        ordinal_of_id = {}
+        for rec in tensors:
+            if rec.kind != "activation":
+                continue
+            k = ordinal_of_label(rec.label)
+            if k is None:
+                continue
+            ordinal_of_id[rec.id] = k
+            s.labels[k] = rec.label
+            s.bytes[k] = rec.bytes
+            bwd = [u for u in rec.uses if ops[u].phase == "backward"]
+            if bwd:
+                s.first_bwd_op[k] = min(bwd)
+        s.observable_ops = sorted(set(s.first_bwd_op.values()))
+        if plan is None:
+            return s
+        for d in plan_decisions(plan):
+            if not d.offload:
+                continue
+            k = ordinal_of_id.get(d.tensor_id)
+            if k is None or k not in s.first_bwd_op:
+                continue  # not a matchable activation, or never read in backward: nothing to do
+            if s.bytes[k] < min_bytes:
+                s.skipped_small += 1
+                continue
+            s.offload.add(k)
+            first_use = s.first_bwd_op[k]
+            p = min(d.prefetch_at_op, first_use)
+            i = bisect.bisect_right(s.observable_ops, p) - 1
+            trigger = s.observable_ops[i] if i >= 0 else -1
+            if trigger == first_use:
+                continue  # on demand
+            s.trigger_op[k] = trigger
+            s.prefetch_at.setdefault(trigger, []).append(k)
+        s.check_invariants()
+        return s
+
+    def triggers_through(self, op, fired_upto):
+        """Trigger ops in (fired_upto, op], in order; -1 (backward start) first when fired_upto < -1."""
+        out = []
+        if fired_upto < -1 and -1 in self.prefetch_at:
+            out.append(-1)
+        lo = bisect.bisect_right(self.observable_ops, fired_upto)
+        hi = bisect.bisect_right(self.observable_ops, op)
+        out.extend(q for q in self.observable_ops[lo:hi] if q in self.prefetch_at)
+        return out
+
+    @property
+    def offloaded_bytes(self):
+        return sum(self.bytes[k] for k in self.offload)
+
+    def check_invariants(self):
+        assert self.offload <= set(self.first_bwd_op), "offloaded tensors are read in backward"
+        for k, q in self.trigger_op.items():
+            assert k in self.offload and q < self.first_bwd_op[k], "a prefetch fires before its first use"
+            assert k in self.prefetch_at[q]
+        assert sum(len(v) for v in self.prefetch_at.values()) == len(self.trigger_op)

@@ -1,0 +1,355 @@
+"""memsched.optimize(): profile the first step, plan for the budget, execute the plan from then on.
+
+Entry point: optimize(model, optimizer=None, budget=None, planner="dp", ...) -> Run,
+a context manager:
+
+    with memsched.optimize(model, optimizer=opt, budget="6GiB") as run:
+        for batch in loader:
+            loss_fn(model(batch)).backward()
+            run.step()          # optimizer.step() + zero_grad(); plans after the first step
+    run.report()                # prints the planned-vs-measured table, returns a RunReport
+    run.save_timeline("step.png")
+
+Note [Profiling inside the user's first step]
+  Rationale: memsched.profile(step_fn, ...) runs a step it is given, but here
+  the user drives the loop, so there is no step function to hand over.
+  Approach: __enter__ installs the profiler's instrumentation; the first
+  forward, backward (and whatever else runs until run.step()) is recorded;
+  run.step() finalises the Trace, plans it for the budget, simulates the plan,
+  and from the second step on the OffloadExecutor executes it (the executor's
+  hooks are installed at __enter__ but stay inactive while profiling). The
+  first step's optimizer.step() runs after the Trace is closed, so the trace
+  holds forward + backward only.
+  A step that does not match the trace (See Note [Activation identity]) runs
+  without offloading from the first mismatching activation on, with one
+  warning per Run; the next step is profiled again and re-planned, at most
+  `max_reprofiles` times -- after that mismatching steps simply run plainly.
+
+Note [Budgets]
+  budget=None: "as fast as possible within the device's memory": keep_all when
+  the profiled peak fits the device (always on CPU), else `planner` at 90% of
+  the device's total memory. An int or a string ("6GiB"): a device-memory
+  budget in bytes for the whole step (parameters, gradients and optimizer
+  state included). A float f in (0, 1]: the profiled peak minus (1 - f) times
+  the step's saved-activation bytes, i.e. "keep f of the activations' memory".
+"""
+import time
+import warnings
+
+import torch
+
+from memsched import _C
+from memsched.offload.executor import OffloadExecutor
+from memsched.offload.host_buffers import HostBuffers
+from memsched.offload.report import build_report, planned_activation_curve, save_timeline
+from memsched.offload.schedule import OffloadSchedule
+from memsched.units import parse_bytes
+
+__all__ = ["optimize", "Run"]
+
+_DEFAULT_MIN_BYTES_CUDA = 1 << 20   # offloading less than 1 MiB costs more in latency than it saves
+_DEVICE_MEMORY_FRACTION = 0.9       # budget=None on a device that the step does not fit
+
+
+# -- the pieces of other issues, behind one seam each (tests may substitute stand-ins) -----------------
+def start_profile(model, optimizer, device):
+    """Start recording one step; returns an object whose stop() returns the memsched.Trace."""
+    from memsched import profiler  # issue 2
+    session_type = getattr(profiler, "StepProfiler", None) or getattr(profiler, "ProfileSession", None)
+    if session_type is None:
+        raise _C.MemschedError("memsched.profiler has no step session; optimize() needs one to profile "
+                               "the first step inside the user's loop")
+    return session_type(model=model, optimizer=optimizer).start()
+
+
+def make_plan(trace, budget_bytes, planner, device):
+    """memsched.plan() of the planner issue."""
+    import memsched
+    return memsched.plan(trace, budget=budget_bytes, planner=planner, device=device)
+
+
+def simulate(trace, plan, device):
+    """memsched.simulate() of the planner issue; None when it is not available."""
+    import memsched
+    fn = getattr(memsched, "simulate", None)
+    return fn(trace, plan, device=device) if fn is not None else None
+
+
+def _attr(obj, *names, default=None):
+    for n in names:
+        if obj is not None and hasattr(obj, n):
+            return getattr(obj, n)
+    return default
+
+
+class Run:
+    """A memsched.optimize() session; see the module docstring."""
+
+    def __init__(self, model, optimizer=None, budget=None, planner="dp", device=None, ooo=False,
+                 fuse_optimizer=False, min_offload_bytes=None, max_reprofiles=2, device_model=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not hasattr(optimizer, "step"):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
+        if not isinstance(planner, str) or not planner:
+            raise ValueError(f"planner: expected a planner name such as 'dp', got {planner!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.planner = planner
+        self.device = torch.device(device) if device is not None else self._model_device(model)
+        self.budget_spec = budget
+        if budget is not None and not isinstance(budget, float):
+            self.budget_spec = parse_bytes(budget, name="budget")
+        elif isinstance(budget, float) and not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget: a float is a fraction of the activation memory in (0, 1], got {budget}")
+        self.device_model = device_model if device_model is not None else ("cpu" if self.device.type == "cpu"
+                                                                            else None)
+        if min_offload_bytes is None:
+            min_offload_bytes = _DEFAULT_MIN_BYTES_CUDA if self.device.type == "cuda" else 0
+        self.min_offload_bytes = int(min_offload_bytes)
+        self.max_reprofiles = int(max_reprofiles)
+        self.ooo_ = None
+        if ooo or fuse_optimizer:
+            self.ooo_ = self._make_ooo(fuse_optimizer)
+        self.fuse_optimizer = bool(fuse_optimizer)
+        self.host = HostBuffers(pinned=self.device.type == "cuda")
+        self.executor = OffloadExecutor(model, self.device, self.host, min_bytes=self.min_offload_bytes,
+                                        on_mismatch=self._on_mismatch)
+        self.trace = None            # memsched.Trace of the last profiled step
+        self.plan = None             # the plan executed now (None: keep everything)
+        self.schedule = None         # OffloadSchedule of self.plan
+        self.simulation = None       # memsched.simulate() result for (trace, plan)
+        self.budget_bytes = None     # resolved budget, bytes (None: no budget)
+        self.step_stats = []         # StepStats of every executed (non-profiled) step
+        self.steps_profiled = 0      # COUNT
+        self.reprofiles = 0          # COUNT of re-profiles after a mismatch
+        self.mismatches = 0          # COUNT of steps that did not match the trace
+        self.warned_ = False
+        self.profile_ = None         # profiler session while profiling
+        self.entered_ = False
+
+    # -- context manager ---------------------------------------------------------------------------
+    def __enter__(self):
+        if self.entered_:
+            raise RuntimeError("memsched.optimize(): this Run is already active; create a new one")
+        self.entered_ = True
+        try:
+            self.executor.install()
+            if self.ooo_ is not None:
+                self.ooo_.install()
+            self._start_profiling()
+        except BaseException:
+            self._cleanup()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self._cleanup()
+        return False
+
+    def _cleanup(self):
+        """Remove every hook and session; safe to call twice and after a partial __enter__."""
+        if self.profile_ is not None:
+            session, self.profile_ = self.profile_, None
+            try:
+                session.stop()
+            except Exception:
+                pass  # a half-recorded step (the body raised) has no valid trace; drop it
+        if self.ooo_ is not None:
+            self.ooo_.remove()
+        self.executor.remove()
+        self.entered_ = False
+
+    # -- the user's step ----------------------------------------------------------------------------
+    def step(self):
+        """End the current step: plan after a profiled step, run optimizer.step() and zero_grad()."""
+        if not self.entered_:
+            raise RuntimeError("run.step(): call it inside `with memsched.optimize(...) as run:`")
+        if self.profile_ is not None:
+            session, self.profile_ = self.profile_, None
+            trace = session.stop()
+            self.steps_profiled += 1
+            self._adopt_trace(trace)
+        else:
+            stats = self.executor.end_step()
+            if stats is not None:
+                t0 = time.perf_counter()
+                self._optimizer_step()
+                stats.duration_s += self._sync_elapsed(t0)
+                self.step_stats.append(stats)
+                if stats.mode == "diverged" or self._count_mismatch(stats):
+                    self.mismatches += 1
+                    if self.reprofiles < self.max_reprofiles:
+                        self.reprofiles += 1
+                        self._start_profiling()
+                return
+        self._optimizer_step()
+
+    def _optimizer_step(self):
+        if self.ooo_ is not None:
+            self.ooo_.step()
+            if self.fuse_optimizer:
+                return
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _count_mismatch(self, stats):
+        """Fewer activations than the trace (a shorter control-flow path): mismatch, found at step end."""
+        if self.schedule is None or stats.mode != "planned":
+            return False
+        if stats.activations != len(self.schedule.labels):
+            self._on_mismatch(f"the step saved {stats.activations} activations, the trace "
+                              f"{len(self.schedule.labels)}")
+            stats.mode = "diverged"
+            return True
+        return False
+
+    def _sync_elapsed(self, t0):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    # -- profiling and planning ----------------------------------------------------------------------
+    def _start_profiling(self):
+        self.executor.active = False
+        self.profile_ = start_profile(self.model, self.optimizer, self.device)
+
+    def _adopt_trace(self, trace):
+        self.trace = trace
+        self.budget_bytes, planner = self._resolve_budget(trace)
+        if planner is None:
+            self.plan = None
+        else:
+            self.plan = make_plan(trace, self.budget_bytes, planner, self.device_model)
+        self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
+        self.schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes)
+        self.executor.set_schedule(self.schedule)
+        self.executor.active = True
+
+    def _resolve_budget(self, trace):
+        """(budget_bytes or None, planner name or None for keep everything). See Note [Budgets]."""
+        spec = self.budget_spec
+        if spec is None:
+            if self.device.type != "cuda":
+                return None, None
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            if trace.peak_bytes() <= _DEVICE_MEMORY_FRACTION * total:
+                return None, None
+            return int(_DEVICE_MEMORY_FRACTION * total), self.planner
+        if isinstance(spec, float):
+            act = trace.activation_bytes()
+            return int(trace.peak_bytes() - (1.0 - spec) * act), self.planner
+        return spec, self.planner
+
+    def _on_mismatch(self, why):
+        if not self.warned_:
+            self.warned_ = True
+            warnings.warn(f"memsched.optimize: a step does not match the profiled trace ({why}); it runs "
+                          f"without offloading and the next step is profiled again (at most "
+                          f"{self.max_reprofiles} times; this warning is shown once)", RuntimeWarning,
+                          stacklevel=4)
+
+    def _make_ooo(self, fuse_optimizer):
+        try:
+            from memsched.ooo import OutOfOrderBackward
+        except ImportError as e:
+            raise _C.MemschedError("optimize(ooo=True / fuse_optimizer=True) needs memsched.ooo (the out-of-order "
+                                   f"backward component), which this build does not have ({e}); pass ooo=False") from e
+        return OutOfOrderBackward(self.model, self.optimizer, fuse_optimizer=fuse_optimizer)
+
+    @staticmethod
+    def _model_device(model):
+        for p in model.parameters():
+            return p.device
+        for b in model.buffers():
+            return b.device
+        return torch.device("cpu")
+
+    # -- reports ------------------------------------------------------------------------------------
+    def planned_figures(self):
+        """What the plan predicts: simulator figures where available, plus the plan's own counts."""
+        out = {}
+        if self.trace is None:
+            return out
+        curve = planned_activation_curve(self.trace, self.plan)
+        out["activation_peak_bytes"] = max(curve) if curve else 0
+        sched = self.schedule
+        if sched is not None:
+            out["offloaded"] = len(sched.offload)
+            out["prefetched"] = len(sched.trigger_op)
+            out["on_demand"] = len(sched.offload) - len(sched.trigger_op)
+            out["bytes_moved"] = 2 * sched.offloaded_bytes
+        sim = self.simulation
+        if sim is not None:
+            step_us = _attr(sim, "step_time_us")
+            stall_us = _attr(sim, "stall_time_us", "stall_us", "total_stall_us")
+            out["peak_bytes"] = _attr(sim, "peak_bytes")
+            out["step_time_s"] = None if step_us is None else step_us / 1e6
+            out["stall_s"] = None if stall_us is None else stall_us / 1e6
+        elif self.plan is None:
+            out["peak_bytes"] = self.trace.peak_bytes()
+            out["bytes_moved"] = 0
+        return out
+
+    def report(self, file=None):
+        """Print the planned-vs-measured table (to stdout or `file`) and return it as a RunReport."""
+        info = dict(device=str(self.device), planner=self.planner if self.plan is not None else "keep_all",
+                    budget_bytes=self.budget_bytes, steps_profiled=self.steps_profiled,
+                    host_source=self.host.source)
+        notes = []
+        if self.mismatches:
+            notes.append(f"{self.mismatches} step(s) did not match the profiled trace and ran without "
+                         f"offloading from the mismatch on; {self.reprofiles} re-profile(s)")
+        if self.device.type == "cpu":
+            notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
+        r = build_report(info, self.planned_figures(), self.step_stats, notes)
+        print(r.table, file=file)
+        return r
+
+    def save_timeline(self, path):
+        """PNG of the last executed step: memory planned and measured, copy streams. Returns path."""
+        if self.trace is None:
+            raise RuntimeError("run.save_timeline(): no step has been profiled yet; call it after a few run.step()")
+        executed = [s for s in self.step_stats if s.mode == "planned"] or self.step_stats
+        last = executed[-1] if executed else None
+        planned, planned_copies = self._planned_timeline()
+        title = (f"memsched {self.planner if self.plan is not None else 'keep_all'} on {self.device}: "
+                 f"planned vs measured ({last.memory_source if last else 'no executed step'})")
+        return save_timeline(path, title, planned, last.samples if last else [], last.copies if last else [],
+                             planned_copies)
+
+    def _planned_timeline(self):
+        """[(t_s, bytes)] of the plan (simulator timeline when given, else the op-level model) + copies."""
+        sim = self.simulation
+        timeline = _attr(sim, "memory_timeline", "timeline")
+        if timeline:
+            try:
+                pts = [(float(_attr(p, "time_us", default=p[0])) / 1e6, int(_attr(p, "bytes", default=p[1])))
+                       for p in timeline]
+                copies = []
+                for c in _attr(sim, "copies", default=[]) or []:
+                    copies.append((_attr(c, "kind", default="d2h"), _attr(c, "start_us") / 1e6,
+                                   _attr(c, "end_us") / 1e6, _attr(c, "bytes", default=0)))
+                return pts, copies
+            except (TypeError, IndexError, AttributeError):
+                pass
+        ops = self.trace.ops
+        curve = planned_activation_curve(self.trace, self.plan)
+        # Place ops on a time axis by their measured durations.
+        t, pts = 0.0, []
+        for op, b in zip(ops, curve):
+            pts.append((t, b))
+            t += max(op.duration_us, 0.0) / 1e6
+        return pts, []
+
+
+def optimize(model, optimizer=None, budget=None, planner="dp", device=None, ooo=False, fuse_optimizer=False,
+             **options):
+    """Train `model` under a memory budget: see the module docstring and Note [Budgets].
+
+    Options: min_offload_bytes (size floor; default 1 MiB on CUDA, 0 on CPU),
+    max_reprofiles (default 2), device_model (passed to plan/simulate).
+    """
+    return Run(model, optimizer=optimizer, budget=budget, planner=planner, device=device, ooo=ooo,
+               fuse_optimizer=fuse_optimizer, **options)
