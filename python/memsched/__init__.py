@@ -9,6 +9,7 @@ from memsched import _C
 from memsched._C import MemschedError, Op, TensorRecord, Trace
 from memsched.units import format_bytes, parse_bytes
 from memsched.profiler import profile
+from memsched import models
 
 __version__ = "0.1.0"
 
@@ -20,4 +21,5 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
     "profile",
+    "models",
 ]
