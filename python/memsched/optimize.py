@@ -53,13 +53,10 @@ _DEVICE_MEMORY_FRACTION = 0.9       # budget=None on a device that the step does
 
 # -- the pieces of other issues, behind one seam each (tests may substitute stand-ins) -----------------
 def start_profile(model, optimizer, device):
-    """Start recording one step; returns an object whose stop() returns the memsched.Trace."""
-    from memsched import profiler  # issue 2
-    session_type = getattr(profiler, "StepProfiler", None) or getattr(profiler, "ProfileSession", None)
-    if session_type is None:
-        raise _C.MemschedError("memsched.profiler has no step session; optimize() needs one to profile "
-                               "the first step inside the user's loop")
-    return session_type(model=model, optimizer=optimizer).start()
+    """Start recording one step (called at the step's first forward); returns an object whose
+    stop() returns the memsched.Trace and whose abort() drops a failed step."""
+    from memsched.offload.profile_session import ProfileSession
+    return ProfileSession(model, optimizer, device).start()
 
 
 def make_plan(trace, budget_bytes, planner, device):
@@ -126,6 +123,10 @@ class Run:
         self.mismatches = 0          # COUNT of steps that did not match the trace
         self.warned_ = False
         self.profile_ = None         # profiler session while profiling
+        self.profile_armed_ = False  # the next forward starts a profiler session
+        self.profile_failed_ = False # the profiled forward raised: restart at the next forward
+        self.in_forward_ = False     # between the root's forward pre-hook and forward hook
+        self.handles_ = []           # Run's own hooks on the root module
         self.entered_ = False
 
     # -- context manager ---------------------------------------------------------------------------
@@ -134,6 +135,8 @@ class Run:
             raise RuntimeError("memsched.optimize(): this Run is already active; create a new one")
         self.entered_ = True
         try:
+            self.handles_ = [self.model.register_forward_pre_hook(self._root_pre),
+                             self.model.register_forward_hook(self._root_post, always_call=True)]
             self.executor.install()
             if self.ooo_ is not None:
                 self.ooo_.install()
@@ -149,12 +152,11 @@ class Run:
 
     def _cleanup(self):
         """Remove every hook and session; safe to call twice and after a partial __enter__."""
-        if self.profile_ is not None:
-            session, self.profile_ = self.profile_, None
-            try:
-                session.stop()
-            except Exception:
-                pass  # a half-recorded step (the body raised) has no valid trace; drop it
+        self._abort_profile()
+        self.profile_armed_ = False
+        for h in self.handles_:
+            h.remove()
+        self.handles_ = []
         if self.ooo_ is not None:
             self.ooo_.remove()
         self.executor.remove()
@@ -170,6 +172,8 @@ class Run:
             trace = session.stop()
             self.steps_profiled += 1
             self._adopt_trace(trace)
+        elif self.profile_armed_:
+            pass  # no forward since the last step: nothing recorded, nothing executed
         else:
             stats = self.executor.end_step()
             if stats is not None:
@@ -212,8 +216,36 @@ class Run:
 
     # -- profiling and planning ----------------------------------------------------------------------
     def _start_profiling(self):
+        """Profile the next step: the session opens at its first forward (see _root_pre)."""
         self.executor.active = False
-        self.profile_ = start_profile(self.model, self.optimizer, self.device)
+        self.profile_armed_ = True
+
+    def _abort_profile(self):
+        if self.profile_ is not None:
+            session, self.profile_ = self.profile_, None
+            abort = getattr(session, "abort", None)
+            try:
+                abort() if abort is not None else session.stop()
+            except Exception:
+                pass  # a half-recorded step has no valid trace; drop it
+
+    def _root_pre(self, module, args):
+        if self.in_forward_ or (self.profile_ is not None and self.profile_failed_):
+            # The profiled forward raised (or a KeyboardInterrupt skipped our forward hook): that
+            # step's recording is incomplete. Record this one instead.
+            if self.profile_ is not None:
+                self._abort_profile()
+                self.profile_armed_ = True
+        self.in_forward_ = True
+        self.profile_failed_ = False
+        if self.profile_armed_ and self.profile_ is None:
+            self.profile_armed_ = False
+            self.profile_ = start_profile(self.model, self.optimizer, self.device)
+
+    def _root_post(self, module, args, output):
+        self.in_forward_ = False
+        if output is None and self.profile_ is not None:
+            self.profile_failed_ = True
 
     def _adopt_trace(self, trace):
         self.trace = trace

@@ -57,19 +57,17 @@ class StandInProfiler:
             self.events.append(("unpack", p[0]))
             return p[1]
 
-        def pre(m, a):
-            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-            self.pushed = True
-
-        def post(m, a, o):
-            if self.pushed:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-                self.pushed = False
-
-        self.handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post, always_call=True)]
+        # memsched.optimize starts a session at the step's first forward; like memsched.profile the
+        # hooks then cover the rest of the step (loss, backward).
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        self.pushed = True
+        self.handles = []
         return self
 
     def stop(self):
+        if self.pushed:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.pushed = False
         for h in self.handles:
             h.remove()
         self.stack.remove()
@@ -92,9 +90,11 @@ class StandInProfiler:
 
 def record_trace(model, step_fn):
     """Run step_fn() once under StandInProfiler; return its Trace."""
-    session = StandInProfiler(model).start()
+    session = StandInProfiler(model)
+    h = model.register_forward_pre_hook(lambda m, a: session.start() if not hasattr(session, "pushed") else None)
     try:
         step_fn()
+        h.remove()
     finally:
         trace = session.stop()
     return trace

@@ -8,15 +8,17 @@ restores everything.
 Note [Executor hooks and their lifetime]
   Rationale: the user drives the loop, so the executor cannot wrap "the step";
   it must attach to the model and be removable without a trace.
-  Approach: a forward pre-hook on the root module pushes the saved-tensor hooks
-  (torch._C._autograd._push_saved_tensors_default_hooks) and an always-called
-  forward hook pops them, so only tensors saved inside model(...) are packed by
-  us; a loss computed outside the model is left to PyTorch. ModuleStack (from
-  memsched.saved_tensors) gives the module path for labels. Forward hooks with
-  always_call run on Exception but not on KeyboardInterrupt: `pushed_` records
-  whether our pair is on the hook stack, and the next forward or remove() pops
-  it (after checking it is ours). An exception inside forward abandons that
-  step's numbering: the next forward starts a fresh step.
+  Approach: the first forward of a step (a forward pre-hook on the root module)
+  pushes the saved-tensor hooks (torch._C._autograd._push_saved_tensors_default_hooks);
+  end_step() (run.step()) pops them. So the hooks cover what the profiler
+  covered -- forward, the loss, backward (a reentrant checkpoint's recompute) --
+  and ordinals match the trace's. ModuleStack (memsched.saved_tensors) gives
+  the module path for labels. An exception inside forward (seen by an
+  always-called forward hook: output None) abandons the step: later packs
+  pass through untouched and the next forward pops our pair and starts a
+  fresh step. Always-called hooks do not run on KeyboardInterrupt; the next
+  forward notices (`in_forward_` still set, ModuleStack unbalanced) and
+  restarts both; remove() pops our pair after checking it is on top.
   Unpack hooks are stored per saved tensor at pack time, so backward works
   whether or not our pair is still pushed.
 
@@ -27,6 +29,9 @@ Note [What is never offloaded]
     or conjugate/negative-bit tensors, tensor subclasses;
   - tensors whose (ordinal, label) does not equal the trace's: from the first
     mismatch on, the step runs plainly (See Note [Activation identity]);
+  - a save of a fetched copy during backward (a reentrant checkpoint saving
+    what it unpacked): it counts as a re-pack of the original's ordinal, as in
+    the profiled step, and stays on the device;
   - a second save of an offloaded storage after it was modified in place
     (different _version): that save keeps the device tensor, since the host
     copy holds the older values.
@@ -50,7 +55,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memsched.offload.copy_engine import CopyEngine
-from memsched.saved_tensors import ActivationNumbering, ModuleStack
+from memsched.saved_tensors import ActivationNumbering, ModuleStack, storage_key
 
 
 @dataclass
@@ -122,6 +127,7 @@ class OffloadExecutor:
         self.pushed_ = False                     # our saved-tensor hooks are on the hook stack
         self.in_step_ = False                    # a step has started (first forward seen)
         self.forward_failed_ = False             # the last forward raised: restart numbering
+        self.in_forward_ = False                 # between the root's forward pre-hook and forward hook
         self._reset_step()
 
     # -- lifetime ---------------------------------------------------------------------------------
@@ -147,6 +153,8 @@ class OffloadExecutor:
         self.engine.finish()
         self._reset_step()
         self.in_step_ = False
+        self.in_forward_ = False
+        self.forward_failed_ = False
 
     def set_schedule(self, schedule):
         """Schedule for the steps that follow (None: plain PyTorch with measurement)."""
@@ -156,6 +164,7 @@ class OffloadExecutor:
     def _reset_step(self):
         self.stats = StepStats()
         self.offloaded_ = {}        # ordinal -> _Offloaded
+        self.fetched_ = {}          # storage key of a fetched copy -> (StorageWeakRef, ordinal)
         self.tracked_ = []          # [(StorageWeakRef, bytes)] device storages we watch (CPU samples)
         self.fired_upto_ = -2       # last trigger op fired (-2: none, -1: backward start)
         self.diverged_ = False
@@ -179,7 +188,8 @@ class OffloadExecutor:
         self._sample()
 
     def end_step(self):
-        """Finish the step: wait for copies, release what they held, return its StepStats."""
+        """Finish the step: pop the hooks, wait for copies, release what they held; return StepStats."""
+        self._pop_hooks()
         stats = self.stats
         if not self.in_step_:
             return None
@@ -197,6 +207,7 @@ class OffloadExecutor:
             stats.copies = [(kind, issued - self.t0_, finished - self.t0_, nbytes)
                             for kind, nbytes, issued, finished, _, _ in log]
         self.offloaded_ = {}
+        self.fetched_ = {}
         self.tracked_ = []
         self.in_step_ = False
         self.stats = StepStats()
@@ -208,23 +219,25 @@ class OffloadExecutor:
 
     # -- forward hooks on the root module -----------------------------------------------------------
     def _forward_pre(self, module, args):
-        if self.pushed_:  # a KeyboardInterrupt skipped our pop; see Note [Executor hooks and their lifetime]
-            self._pop_hooks()
+        if self.in_forward_ or self.stack.depth > 1:
+            # The previous forward was interrupted by a BaseException (KeyboardInterrupt), which skips
+            # always_call hooks -- ours and ModuleStack's. Restart both.
             self.forward_failed_ = True
-        if self.stack.depth > 1:
-            # The interrupted forward also skipped ModuleStack's pops: start it afresh (the root's
-            # own entry is "", which an empty stack reports as well).
             self.stack.remove()
             self.stack.install()
+        self.in_forward_ = True
         if not self.active:
             return
-        if not self.in_step_ or self.forward_failed_:
+        if self.in_step_ and self.forward_failed_:
+            self._pop_hooks()
+            self.in_step_ = False
+        if not self.in_step_:
             self._begin_step()
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
-        self.pushed_ = True
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            self.pushed_ = True
 
     def _forward_post(self, module, args, output):
-        self._pop_hooks()
+        self.in_forward_ = False
         if output is None and self.in_step_:
             # always_call hook after an exception (forward returned nothing): abandon the step.
             self.forward_failed_ = True
@@ -239,7 +252,14 @@ class OffloadExecutor:
 
     # -- pack / unpack -----------------------------------------------------------------------------
     def _pack(self, t):
+        if self.forward_failed_:
+            return t if t.grad_fn is None else t.detach()  # an abandoned step: PyTorch's behaviour
         self.engine.poll()
+        alias = self.fetched_.get(storage_key(t))
+        if alias is not None and not alias[0].expired():
+            # A fetched copy saved again (e.g. a reentrant checkpoint's recompute): the profiled step
+            # saw the original storage here, so this is a re-pack of the same ordinal.
+            return (alias[1], t.detach())
         act = self.numbering.number(t, self.stack.current)
         if act is None:
             return t  # parameter or buffer: no cycle possible (leaf), nothing to do
@@ -277,6 +297,7 @@ class OffloadExecutor:
             self._materialize(h)
         h.unpacks += 1
         dev = h.device_bytes
+        self.fetched_[storage_key(dev)] = (StorageWeakRef(dev.untyped_storage()), h.ordinal)
         if h.unpacks >= h.packs:
             h.device_bytes = None  # the returned tensor now owns it; a second backward fetches again
         out = torch.empty(0, dtype=packed.dtype, device=self.device)
