@@ -1,0 +1,186 @@
+// dp_planner.cpp -- the S1 dynamic program (See Note [DP planner model] in dp_planner.h).
+#include "core/dp_planner.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+#include "core/check.h"
+#include "core/prefetch_placement.h"
+#include "core/simulator.h"
+
+namespace memsched {
+
+namespace {
+
+constexpr int64_t kDpCells = int64_t{1} << 27;     // n * C the DP may use
+constexpr int64_t kMinStates = 4096;
+constexpr int64_t kMaxStates = int64_t{1} << 22;
+
+int64_t ceil_div(int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }
+
+struct Cost {
+  int64_t bytes = std::numeric_limits<int64_t>::max();
+  int64_t tie = std::numeric_limits<int64_t>::max();
+  bool finite() const { return bytes != std::numeric_limits<int64_t>::max(); }
+  bool operator<(const Cost& o) const { return bytes != o.bytes ? bytes < o.bytes : tie < o.tie; }
+};
+
+}  // namespace
+
+DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes) {
+  DpModel m;
+  m.budget_bytes = budget_bytes;
+  const auto& cands = analysis.candidates;
+  const auto n = static_cast<int64_t>(cands.size());
+  m.order.resize(n);
+  std::iota(m.order.begin(), m.order.end(), 0);
+  std::sort(m.order.begin(), m.order.end(), [&](int64_t x, int64_t y) {
+    const auto& a = cands[x];
+    const auto& b = cands[y];
+    if (a.first_backward_use != b.first_backward_use) return a.first_backward_use > b.first_backward_use;
+    if (a.last_forward_use != b.last_forward_use) return a.last_forward_use < b.last_forward_use;
+    return a.tensor_id < b.tensor_id;
+  });
+  int64_t total = 0;
+  for (const auto& c : cands) total += c.bytes;
+  const int64_t max_states = std::clamp(kDpCells / std::max<int64_t>(n, 1), kMinStates, kMaxStates);
+  m.granularity_bytes = 1;
+  while (ceil_div(total, m.granularity_bytes) > max_states) m.granularity_bytes *= 2;
+  const int64_t g = m.granularity_bytes;
+
+  m.nested_last_forward_use.resize(n);
+  m.cover_units.resize(n);
+  m.bytes.resize(n);
+  int64_t run_f = -1;
+  for (int64_t k = 0; k < n; ++k) {
+    const auto& c = cands[m.order[k]];
+    run_f = std::max(run_f, c.last_forward_use);
+    m.nested_last_forward_use[k] = run_f;
+    m.cover_units[k] = c.bytes / g;
+    m.bytes[k] = c.bytes;
+  }
+  // prefix_cover[k] = g * sum_{l<k} cov_l : what offloading all of the first k frees.
+  std::vector<int64_t> prefix_cover(n + 1, 0);
+  for (int64_t k = 0; k < n; ++k) prefix_cover[k + 1] = prefix_cover[k] + m.cover_units[k] * g;
+
+  m.need_units.assign(n + 1, 0);
+  m.least_budget_bytes = 0;
+  const auto n_ops = static_cast<int64_t>(analysis.live_bytes.size());
+  for (int64_t i = 0; i < n_ops; ++i) {
+    // m_i = #{k : f'_k < i} capped by #{k : first_backward_use_k > i} (both prefixes of pi).
+    const int64_t by_f = std::lower_bound(m.nested_last_forward_use.begin(), m.nested_last_forward_use.end(), i) -
+                         m.nested_last_forward_use.begin();
+    int64_t lo = 0, hi = n;  // first k with first_backward_use <= i (non-increasing along pi)
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (cands[m.order[mid]].first_backward_use > i) lo = mid + 1;
+      else hi = mid;
+    }
+    const int64_t mi = std::min(by_f, lo);
+    const int64_t need = analysis.live_bytes[i] - budget_bytes;
+    if (need > 0) m.need_units[mi] = std::max(m.need_units[mi], ceil_div(need, g));
+    m.least_budget_bytes = std::max(m.least_budget_bytes, analysis.live_bytes[i] - prefix_cover[mi]);
+  }
+  m.capacity_units = *std::max_element(m.need_units.begin(), m.need_units.end());
+  m.feasible = budget_bytes >= m.least_budget_bytes;
+  return m;
+}
+
+DpSolution solve_dp(const DpModel& model, size_t num_candidates) {
+  DpSolution sol;
+  sol.offload.assign(num_candidates, false);
+  if (!model.feasible) return sol;
+  const auto n = static_cast<int64_t>(model.order.size());
+  const int64_t C = model.capacity_units;
+  if (C == 0) {  // nothing to free
+    sol.feasible = true;
+    return sol;
+  }
+  const size_t width = static_cast<size_t>(C + 1);
+  std::vector<Cost> cur(width);
+  cur[0] = Cost{0, 0};
+  if (model.need_units[0] > 0) return sol;
+  // took[k * width + c]: dp_{k+1}[c] came from offloading candidate k.
+  std::vector<bool> took(static_cast<size_t>(n) * width, false);
+  std::vector<int64_t> cap_pred(n, -1);  // predecessor state of dp_{k+1}[C] when it came from offloading k
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t w = model.cover_units[k];
+    if (w > 0) {  // w == 0 frees nothing in the model and costs bytes: never chosen
+      // In place, states descending: a state is read as a source before it is
+      // written as a target (target min(c + w, C) > c for c < C; c == C can
+      // only map to itself, which never improves a positive cost).
+      const size_t base = static_cast<size_t>(k) * width;
+      for (int64_t c = C - 1; c >= 0; --c) {
+        if (!cur[c].finite()) continue;
+        const int64_t c2 = std::min(c + w, C);
+        const Cost cand{cur[c].bytes + model.bytes[k], cur[c].tie + k};
+        if (cand < cur[c2]) {
+          cur[c2] = cand;
+          took[base + c2] = true;
+          if (c2 == C) cap_pred[k] = c;
+        }
+      }
+    }
+    for (int64_t c = 0; c < std::min(model.need_units[k + 1], C + 1); ++c) cur[c] = Cost{};
+  }
+  int64_t best = -1;
+  for (int64_t c = 0; c <= C; ++c)
+    if (cur[c].finite() && (best < 0 || cur[c] < cur[best])) best = c;
+  if (best < 0) return sol;  // cannot happen when model.feasible
+  sol.feasible = true;
+  sol.offloaded_bytes = cur[best].bytes;
+  sol.tie_break = cur[best].tie;
+  int64_t c = best;
+  for (int64_t k = n - 1; k >= 0; --k) {
+    if (!took[static_cast<size_t>(k) * width + c]) continue;
+    sol.offload[model.order[k]] = true;
+    c = (c == C) ? cap_pred[k] : c - model.cover_units[k];
+  }
+  MEMSCHED_CHECK(c == 0, "solve_dp: reconstruction ended at state ", c, "; internal error");
+  return sol;
+}
+
+std::string DpPlanner::description() const {
+  return "S1 dynamic program: least bytes offloaded with memory checked at every op (nested model), "
+         "prefetch placed by simulation";
+}
+
+Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t budget_bytes) const {
+  const OffloadAnalysis analysis = analyze_offload(trace);
+  const DpModel model = build_dp_model(analysis, budget_bytes);
+  if (!model.feasible) {
+    throw_budget_unreachable(name(), budget_bytes, model.least_budget_bytes, least_budget_bytes(analysis),
+                             "its nested model keeps a tensor on the device until every tensor needed later "
+                             "in backward has finished its forward use");
+  }
+  const DpSolution sol = solve_dp(model, analysis.candidates.size());
+  MEMSCHED_CHECK(sol.feasible, "dp: the model is feasible but the DP found no solution; internal error");
+
+  Plan best;
+  double best_time = std::numeric_limits<double>::infinity();
+  const std::vector<TensorDecision> base = offload_set_decisions(analysis, sol.offload);
+  for (double slack : {1.0, 2.0, 4.0}) {
+    DeviceModel slow = device;  // the latest-hiding rule with `slack` times the copy time
+    slow.h2d_bw_gbps /= slack;
+    slow.h2d_latency_us *= slack;
+    std::vector<TensorDecision> d = base;
+    place_prefetch_latest_hiding(trace, slow, analysis, d);
+    const bool fits = fit_prefetches_to_budget(analysis, d, budget_bytes);
+    MEMSCHED_CHECK(fits, "dp: a model-feasible plan does not fit the modelled memory; internal error");
+    Plan p = keep_all_plan(analysis, budget_bytes);
+    p.planner = name();
+    p.decisions = std::move(d);
+    p.objective = static_cast<double>(sol.offloaded_bytes);
+    p.objective_name = "offloaded_bytes";
+    if (sol.offloaded_bytes == 0) return p;
+    const double t = simulate(trace, p, device).step_time_us;
+    if (t < best_time) {
+      best_time = t;
+      best = std::move(p);
+    }
+  }
+  return best;
+}
+
+}  // namespace memsched

@@ -1,0 +1,126 @@
+// plan.cpp -- offload analysis, plan validation and the modelled memory curve (see plan.h).
+#include "core/plan.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace memsched {
+
+int64_t Plan::num_offloaded() const {
+  int64_t n = 0;
+  for (const auto& d : decisions) n += d.offload ? 1 : 0;
+  return n;
+}
+
+int64_t Plan::offloaded_bytes(const Trace& trace) const {
+  int64_t total = 0;
+  for (const auto& d : decisions) {
+    if (d.offload && d.tensor_id >= 0 && d.tensor_id < static_cast<int64_t>(trace.tensors.size()))
+      total += trace.tensors[d.tensor_id].bytes;
+  }
+  return total;
+}
+
+OffloadAnalysis analyze_offload(const Trace& trace) {
+  trace.validate();
+  OffloadAnalysis a;
+  const auto n_ops = static_cast<int64_t>(trace.ops.size());
+  a.first_backward_op = n_ops;
+  for (int64_t i = 0; i < n_ops; ++i) {
+    if (trace.ops[i].phase == Phase::kBackward) { a.first_backward_op = i; break; }
+  }
+  a.live_bytes = trace.live_bytes();
+  a.candidate_index.assign(trace.tensors.size(), -1);
+  const int64_t beta = a.first_backward_op;
+  for (const auto& t : trace.tensors) {
+    if (t.kind != TensorKind::kActivation || n_ops == 0) continue;
+    if (t.producer_op != kBeforeStep &&
+        (t.producer_op >= beta || trace.ops[t.producer_op].phase != Phase::kForward))
+      continue;
+    auto it = std::lower_bound(t.uses.begin(), t.uses.end(), beta);
+    if (it == t.uses.end() || trace.ops[*it].phase != Phase::kBackward) continue;
+    OffloadCandidate c;
+    c.tensor_id = t.id;
+    c.bytes = t.bytes;
+    c.live_start = trace.live_start(t);
+    c.live_end = trace.live_end(t);
+    c.earliest_offload_op = std::max<int64_t>(t.producer_op, 0);
+    c.last_forward_use = it == t.uses.begin() ? c.earliest_offload_op : std::max(c.earliest_offload_op, *(it - 1));
+    c.first_backward_use = *it;
+    a.candidate_index[t.id] = static_cast<int64_t>(a.candidates.size());
+    a.candidates.push_back(c);
+  }
+  return a;
+}
+
+Plan keep_all_plan(const OffloadAnalysis& analysis, int64_t budget_bytes) {
+  Plan p;
+  p.budget_bytes = budget_bytes;
+  p.decisions.reserve(analysis.candidates.size());
+  for (const auto& c : analysis.candidates) p.decisions.push_back({c.tensor_id, false, -1, -1});
+  p.objective_name = "offloaded_bytes";
+  return p;
+}
+
+void validate_plan(const Trace& trace, const OffloadAnalysis& analysis, const Plan& plan) {
+  (void)trace;
+  MEMSCHED_CHECK(plan.budget_bytes >= 0, "plan: field 'budget_bytes' is negative (", plan.budget_bytes, ")");
+  MEMSCHED_CHECK(plan.decisions.size() == analysis.candidates.size(), "plan: has ", plan.decisions.size(),
+                 " decisions but the trace has ", analysis.candidates.size(),
+                 " offloadable tensors; a plan needs one decision per offloadable tensor, ascending tensor_id");
+  for (size_t k = 0; k < plan.decisions.size(); ++k) {
+    const TensorDecision& d = plan.decisions[k];
+    const OffloadCandidate& c = analysis.candidates[k];
+    MEMSCHED_CHECK(d.tensor_id == c.tensor_id, "plan: decisions[", k, "] field 'tensor_id' is ", d.tensor_id,
+                   " but the ", k, "-th offloadable tensor is ", c.tensor_id, " (ascending tensor_id expected)");
+    if (!d.offload) continue;
+    MEMSCHED_CHECK(d.offload_after_op >= c.earliest_offload_op && d.offload_after_op < analysis.first_backward_op,
+                   "plan: decisions[", k, "] (tensor ", d.tensor_id, ") field 'offload_after_op' is ",
+                   d.offload_after_op, "; it must lie in [", c.earliest_offload_op, ", ",
+                   analysis.first_backward_op - 1, "] (after its producer, before the first backward op)");
+    MEMSCHED_CHECK(d.prefetch_at_op >= analysis.first_backward_op && d.prefetch_at_op <= c.first_backward_use,
+                   "plan: decisions[", k, "] (tensor ", d.tensor_id, ") field 'prefetch_at_op' is ", d.prefetch_at_op,
+                   "; it must lie in [", analysis.first_backward_op, ", ", c.first_backward_use,
+                   "] (a backward op no later than the tensor's first backward use)");
+  }
+}
+
+std::vector<int64_t> modelled_memory(const OffloadAnalysis& analysis, const std::vector<TensorDecision>& decisions) {
+  const auto n = static_cast<int64_t>(analysis.live_bytes.size());
+  MEMSCHED_CHECK(decisions.size() == analysis.candidates.size(), "modelled_memory: ", decisions.size(),
+                 " decisions for ", analysis.candidates.size(), " offloadable tensors");
+  std::vector<int64_t> diff(n + 1, 0);
+  for (size_t k = 0; k < decisions.size(); ++k) {
+    const auto& d = decisions[k];
+    if (!d.offload) continue;
+    const auto& c = analysis.candidates[k];
+    // Off the device during ops (max(offload_after_op, last_forward_use), prefetch_at_op).
+    const int64_t lo = std::max(d.offload_after_op, c.last_forward_use) + 1;
+    const int64_t hi = d.prefetch_at_op;  // exclusive
+    if (lo < hi) {
+      diff[lo] -= c.bytes;
+      diff[hi] += c.bytes;
+    }
+  }
+  std::vector<int64_t> mem(n);
+  int64_t run = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    run += diff[i];
+    mem[i] = analysis.live_bytes[i] + run;
+  }
+  return mem;
+}
+
+int64_t least_budget_bytes(const OffloadAnalysis& analysis) {
+  std::vector<TensorDecision> all;
+  all.reserve(analysis.candidates.size());
+  for (const auto& c : analysis.candidates)
+    all.push_back({c.tensor_id, true, c.earliest_offload_op, c.first_backward_use});
+  const auto mem = modelled_memory(analysis, all);
+  int64_t least = 0;
+  for (int64_t m : mem) least = std::max(least, m);
+  return least;
+}
+
+}  // namespace memsched

@@ -1,0 +1,108 @@
+// plan.h -- a Plan: which activations leave the device during a step, when
+// they go out and when they come back. The contract between the planners, the
+// simulator and the offload executor.
+//
+// Entry points: Plan, TensorDecision, OffloadAnalysis / analyze_offload()
+// (which tensors may be offloaded and their key ops), validate_plan(),
+// modelled_memory() (the plan's memory curve when copies are instantaneous),
+// least_budget_bytes().
+//
+// Note [Plan semantics]
+//   Offloadable tensor: kind activation, producer a forward op (or kBeforeStep,
+//   e.g. a model input saved for backward) and at least one use at or after the
+//   first backward op, the first such use being a backward op. Everything else
+//   stays on the device; a Plan has one TensorDecision per offloadable tensor,
+//   ascending tensor_id, and nothing for the other tensors.
+//   For an offloaded tensor t (offload == true):
+//   - offload: the device->host copy is issued on the D2H stream once op
+//     `offload_after_op` has finished (earliest_offload_op <= offload_after_op
+//     < first_backward_op; the copy cannot start before its producer). Its
+//     device memory is released when BOTH the copy has finished AND op
+//     `last_forward_use` has finished (eager PyTorch's forward graph may still
+//     hold the tensor).
+//   - prefetch: the host->device copy is requested when the compute stream
+//     reaches op `prefetch_at_op` (first_backward_op <= prefetch_at_op <=
+//     first_backward_use), i.e. before that op waits for anything; it starts
+//     when the H2D stream is free AND the budget has room for the tensor. The
+//     tensor's first backward use waits for the copy. prefetch_at_op ==
+//     first_backward_use means "fetched on demand" (the copy is exposed).
+//   - after it is back, the tensor stays on the device until its freed_after_op.
+//   For a kept tensor (offload == false) both op fields are -1.
+//   copies_on_compute_stream (offload_all_sync, i.e. torch's save_on_cpu): the
+//   same copies run on the compute stream: D2H right after op offload_after_op,
+//   H2D right before op prefetch_at_op, so the compute stream waits for them.
+//
+// Note [Modelled memory]
+//   With instantaneous copies an offloaded tensor occupies the device during
+//   ops [live_start, max(offload_after_op, last_forward_use)] and
+//   [prefetch_at_op, live_end]; modelled_memory()[i] sums that over all tensors.
+//   The simulator never lets an op or a prefetch allocate past the budget while
+//   a pending offload copy could still free memory, so its simulated peak is at
+//   most max_i modelled_memory()[i] (tested); planners therefore place
+//   decisions so that the modelled memory fits the budget at EVERY op.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/trace.h"
+
+namespace memsched {
+
+struct TensorDecision {
+  int64_t tensor_id = 0;          // TensorRecord::id of an offloadable tensor
+  bool offload = false;           // false: stays on the device all step
+  int64_t offload_after_op = -1;  // D2H copy issued once this op finished; -1 when kept
+  int64_t prefetch_at_op = -1;    // H2D copy requested when this op is reached; -1 when kept
+};
+
+struct Plan {
+  std::string planner;                   // registry name of the planner that made it
+  int64_t budget_bytes = 0;              // device memory budget the plan was made for
+  std::vector<TensorDecision> decisions; // one per offloadable tensor, ascending tensor_id
+  double objective = 0.0;                // the planner's own objective value (see objective_name)
+  std::string objective_name;            // e.g. "offloaded_bytes"
+  bool copies_on_compute_stream = false; // offload_all_sync: copies block the compute stream
+
+  int64_t num_offloaded() const;
+  int64_t offloaded_bytes(const Trace& trace) const;  // sum of bytes of offloaded tensors (each moves out and back)
+};
+
+// Key ops of one offloadable tensor (See Note [Plan semantics]).
+struct OffloadCandidate {
+  int64_t tensor_id = 0;           // TensorRecord::id
+  int64_t bytes = 0;               // storage bytes
+  int64_t live_start = 0;          // first op during which it is live (Trace::live_start)
+  int64_t live_end = 0;            // last op during which it is live (Trace::live_end)
+  int64_t earliest_offload_op = 0; // max(producer_op, 0): the D2H copy may follow this op
+  int64_t last_forward_use = 0;    // last use before first_backward_op, or earliest_offload_op if none
+  int64_t first_backward_use = 0;  // first use at or after first_backward_op (a backward op)
+};
+
+struct OffloadAnalysis {
+  int64_t first_backward_op = 0;            // index of the first backward op; ops.size() if none
+  std::vector<OffloadCandidate> candidates; // ascending tensor_id
+  std::vector<int64_t> live_bytes;          // Trace::live_bytes(): everything on the device
+  std::vector<int64_t> candidate_index;     // tensor id -> index into candidates, -1 if not offloadable
+};
+
+// Validates the trace, then finds the offloadable tensors.
+OffloadAnalysis analyze_offload(const Trace& trace);
+
+// A plan that keeps every offloadable tensor (the shape every planner fills in).
+Plan keep_all_plan(const OffloadAnalysis& analysis, int64_t budget_bytes);
+
+// Throws memsched::Error naming the decision and field when `plan` does not
+// fit Note [Plan semantics] for this trace.
+void validate_plan(const Trace& trace, const OffloadAnalysis& analysis, const Plan& plan);
+
+// Note [Modelled memory]: bytes on the device during each op with instantaneous copies.
+std::vector<int64_t> modelled_memory(const OffloadAnalysis& analysis, const std::vector<TensorDecision>& decisions);
+
+// The least budget any plan can reach: max_i of modelled_memory() when every
+// offloadable tensor leaves right after its last forward use and comes back
+// on demand.
+int64_t least_budget_bytes(const OffloadAnalysis& analysis);
+
+}  // namespace memsched

@@ -1,0 +1,177 @@
+// test_dp_planner.cpp -- the dp planner's dynamic program equals brute force on
+// its model (Note [DP planner model]) for many random traces and budgets, and
+// its plans stay within the budget in the simulator.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "core/check.h"
+#include "core/dp_planner.h"
+#include "core/plan.h"
+#include "core/simulator.h"
+#include "core/synthetic_trace.h"
+
+namespace memsched {
+namespace {
+
+struct BruteForce {
+  bool feasible = false;
+  int64_t bytes = 0;  // least offloaded bytes
+  int64_t tie = 0;    // then least sum of positions in pi
+};
+
+// Enumerates every subset of the candidates (Gray code order) and evaluates
+// the model from its definition, op by op: candidate at position k of pi
+// (first_backward_use descending, then last_forward_use, then id) frees
+// g * floor(bytes / g) during ops i with f'_k < i < first_backward_use_k,
+// f'_k = max last_forward_use over positions <= k; every op must satisfy
+// live_bytes[i] - freed[i] <= budget. Written independently of the DP's
+// prefix aggregation.
+BruteForce brute_force(const OffloadAnalysis& a, int64_t budget, int64_t g) {
+  const auto& c = a.candidates;
+  const auto n = static_cast<int64_t>(c.size());
+  std::vector<int64_t> pi(n);
+  std::iota(pi.begin(), pi.end(), 0);
+  std::sort(pi.begin(), pi.end(), [&](int64_t x, int64_t y) {
+    if (c[x].first_backward_use != c[y].first_backward_use) return c[x].first_backward_use > c[y].first_backward_use;
+    if (c[x].last_forward_use != c[y].last_forward_use) return c[x].last_forward_use < c[y].last_forward_use;
+    return c[x].tensor_id < c[y].tensor_id;
+  });
+  std::vector<int64_t> f_nested(n);
+  int64_t run = -1;
+  for (int64_t k = 0; k < n; ++k) f_nested[k] = run = std::max(run, c[pi[k]].last_forward_use);
+  const auto n_ops = static_cast<int64_t>(a.live_bytes.size());
+  std::vector<int64_t> freed(n_ops, 0);
+  int64_t violated = 0;
+  for (int64_t i = 0; i < n_ops; ++i) violated += a.live_bytes[i] > budget;
+  BruteForce best;
+  int64_t bytes = 0, tie = 0;
+  auto consider = [&] {
+    if (violated != 0) return;
+    if (!best.feasible || bytes < best.bytes || (bytes == best.bytes && tie < best.tie)) best = {true, bytes, tie};
+  };
+  consider();
+  std::vector<bool> in(n, false);
+  for (uint64_t step = 1; step < (uint64_t{1} << n); ++step) {
+    const int k = __builtin_ctzll(step);  // Gray code: flip position k of pi
+    in[k] = !in[k];
+    const auto& t = c[pi[k]];
+    const int64_t delta = (in[k] ? 1 : -1) * (t.bytes / g) * g;
+    bytes += (in[k] ? 1 : -1) * t.bytes;
+    tie += (in[k] ? 1 : -1) * k;
+    for (int64_t i = f_nested[k] + 1; i < t.first_backward_use; ++i) {
+      const bool was = a.live_bytes[i] - freed[i] > budget;
+      freed[i] += delta;
+      const bool now = a.live_bytes[i] - freed[i] > budget;
+      violated += static_cast<int64_t>(now) - static_cast<int64_t>(was);
+    }
+    consider();
+  }
+  return best;
+}
+
+DeviceModel test_device() {
+  DeviceModel d;
+  d.d2h_bw_gbps = 2.0;
+  d.h2d_bw_gbps = 2.0;
+  d.d2h_latency_us = 5;
+  d.h2d_latency_us = 5;
+  return d;
+}
+
+TEST(DpPlanner, EqualsBruteForceOnItsModel) {
+  int cases = 0, infeasible = 0, coarse = 0;
+  for (uint64_t seed = 1; seed <= 120; ++seed) {
+    std::mt19937_64 rng(seed * 7919);
+    SyntheticTraceOptions o;
+    o.seed = seed;
+    o.ops_per_layer = 1 + static_cast<int64_t>(rng() % 2);
+    o.num_layers = 1 + static_cast<int64_t>(rng() % (15 / o.ops_per_layer));  // <= 16 offloadable
+    o.skip_probability = (rng() % 2) ? 0.5 : 0.0;
+    const bool big = seed % 2 == 0;  // big sizes push the granularity above 1 byte
+    o.min_bytes = big ? 3'000'000 : 1;
+    o.max_bytes = big ? 90'000'000 : 200;
+    const Trace t = make_synthetic_trace(o);
+    const OffloadAnalysis a = analyze_offload(t);
+    ASSERT_LE(a.candidates.size(), 16u);
+    const int64_t least = least_budget_bytes(a), peak = t.peak_bytes();
+    for (double frac : {-0.05, 0.0, 0.2, 0.5, 0.8, 1.0}) {
+      const int64_t budget = least + static_cast<int64_t>(frac * static_cast<double>(peak - least));
+      const DpModel m = build_dp_model(a, budget);
+      const BruteForce bf = brute_force(a, budget, m.granularity_bytes);
+      SCOPED_TRACE("seed " + std::to_string(seed) + " budget " + std::to_string(budget));
+      ++cases;
+      coarse += m.granularity_bytes > 1;
+      ASSERT_EQ(m.feasible, bf.feasible);
+      ASSERT_EQ(m.feasible, budget >= m.least_budget_bytes);
+      if (!bf.feasible) {
+        ++infeasible;
+        EXPECT_THROW(DpPlanner().make_plan(t, test_device(), budget), Error);
+        continue;
+      }
+      const DpSolution s = solve_dp(m, a.candidates.size());
+      ASSERT_TRUE(s.feasible);
+      EXPECT_EQ(s.offloaded_bytes, bf.bytes);
+      EXPECT_EQ(s.tie_break, bf.tie);
+      // The returned set really has that cost and fits the true modelled memory.
+      std::vector<TensorDecision> d;
+      int64_t bytes = 0;
+      for (size_t k = 0; k < a.candidates.size(); ++k) {
+        const auto& c = a.candidates[k];
+        d.push_back(s.offload[k] ? TensorDecision{c.tensor_id, true, c.earliest_offload_op, c.first_backward_use}
+                                 : TensorDecision{c.tensor_id, false, -1, -1});
+        bytes += s.offload[k] ? c.bytes : 0;
+      }
+      EXPECT_EQ(bytes, bf.bytes);
+      for (int64_t mem : modelled_memory(a, d)) EXPECT_LE(mem, budget);
+      const Plan p = DpPlanner().make_plan(t, test_device(), budget);
+      EXPECT_EQ(p.objective, static_cast<double>(bf.bytes));
+      const SimResult r = simulate(t, p, test_device());
+      r.check_invariants(t, p);
+      EXPECT_LE(r.peak_bytes, budget);
+      EXPECT_FALSE(r.over_budget);
+    }
+  }
+  // The sweep covered both exact and coarse granularity and both outcomes.
+  EXPECT_GT(coarse, 50);
+  EXPECT_GT(infeasible, 10);
+  EXPECT_GT(cases - infeasible, 300);
+}
+
+TEST(DpPlanner, ChainNetworkModelIsExact) {
+  // Without skip connections forward order mirrors backward order, so the
+  // nested model's least budget is the least budget any plan can reach.
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    SyntheticTraceOptions o;
+    o.seed = seed;
+    o.num_layers = 6;
+    o.skip_probability = 0.0;
+    o.min_bytes = 1;
+    o.max_bytes = 1000;
+    const OffloadAnalysis a = analyze_offload(make_synthetic_trace(o));
+    EXPECT_EQ(build_dp_model(a, 0).least_budget_bytes, least_budget_bytes(a));
+  }
+}
+
+TEST(DpPlanner, GranularityIsStatedAndBounded) {
+  SyntheticTraceOptions o;
+  o.num_layers = 500;
+  o.min_bytes = 1 << 20;
+  o.max_bytes = 64 << 20;
+  const Trace t = make_synthetic_trace(o);
+  const OffloadAnalysis a = analyze_offload(t);
+  const DpModel m = build_dp_model(a, least_budget_bytes(a) * 2);
+  int64_t total = 0;
+  for (const auto& c : a.candidates) total += c.bytes;
+  const int64_t g = m.granularity_bytes;
+  EXPECT_EQ(g & (g - 1), 0);  // a power of two
+  const int64_t states = (total + g - 1) / g;
+  const int64_t n = static_cast<int64_t>(a.candidates.size());
+  EXPECT_LE(states, std::max<int64_t>(4096, (int64_t{1} << 27) / n));
+  EXPECT_GT((total + g / 2 - 1) / (g / 2), std::max<int64_t>(4096, (int64_t{1} << 27) / n));  // the smallest such
+}
+
+}  // namespace
+}  // namespace memsched
