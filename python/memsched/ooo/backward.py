@@ -1,0 +1,587 @@
+"""Out-of-order backward: eligible layers compute the input gradient at once and
+queue their weight-gradient work; a DwScheduler (csrc/core/dw_scheduler.h)
+orders it; finished gradients are handed to a fused optimizer update or to DDP
+bucket communication.
+
+Entry point: ``OutOfOrderBackward(model, optimizer=None, fuse_optimizer=False,
+...)``, used as a context manager (or install()/remove()); ``step()`` once per
+backward pass (micro-step); ``report()``.
+
+Note [One iteration of out-of-order backward]
+  Forward: every call of an eligible layer (nn.Linear, nn.Conv1d/2d/3d with
+  zero padding) with grad enabled goes through DeferredLinear/DeferredConv and
+  counts one expected contribution per parameter; every call of a module that
+  owns parameters directly and is not patched counts one *autograd*
+  contribution per parameter per iteration (autograd sums all such uses in one
+  AccumulateGrad call). Backward: the Function computes dX, wraps (x, dY) into
+  a DeferredWork and defers it; the executor asks the scheduler which items
+  must run now (byte limit, next DDP bucket) and runs them. Contributions of
+  one parameter are summed into a pending buffer in arrival order and added to
+  ``param.grad`` once, when the parameter is final -- the same additions
+  autograd's InputBuffer + AccumulateGrad perform, hence bitwise equal
+  gradients (for up to two contributions of one parameter: float addition is
+  commutative, not associative). Autograd contributions (non-eligible uses)
+  are seen through a tensor hook (is the gradient defined?) and a
+  post-accumulate-grad hook. At the end of the backward pass (an engine
+  callback, so ``loss.backward()`` returns with everything done) the queue is
+  flushed, DDP buckets are waited for, and the iteration ends.
+  Fused update: a final parameter, on the last micro-step, is stepped at once
+  with torch's optimizer (See Note [Per-parameter step through a one-parameter
+  group view] in fused.py) and its gradient freed. A parameter is final only
+  after its last contribution, whose dX -- the last reader of the old weight --
+  was computed before the contribution was queued.
+
+Note [Executors]
+  "inline" (default on CPU): urgent items run inside the backward Function
+  that queued them, the rest at the end-of-backward flush, on the autograd
+  thread. "stream" (CUDA): each item runs as soon as it is queued, on a side
+  stream that first waits for the compute stream, so the dX chain never waits
+  for dW; held tensors are record_stream'ed on the side stream; the
+  end-of-backward callback makes the compute stream wait for the side stream.
+  "thread" (CPU): a worker thread runs items while autograd continues. It is
+  correct (tests compare it bitwise) but on CPU both sides compete for the
+  same cores and intra-op thread pool: measure before using it (bench_ooo.py).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import types
+import weakref
+from typing import Dict, List, Optional, Sequence, Set
+
+import torch
+import torch.nn as nn
+
+from memsched._C import DwScheduler, MemschedError
+from memsched.ooo.fused import ParamStepper
+from memsched.ooo.functions import DeferredConv, DeferredLinear, DeferredWork
+from memsched.units import parse_bytes
+
+DEFAULT_MAX_DEFERRED_BYTES = 256 * 1024 * 1024
+
+_CONV_TYPES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+
+
+def _eligible(module: nn.Module) -> bool:
+    """Linear and Conv1d/2d/3d whose forward is the stock one (subclasses that
+    override forward stay plain), with zero padding given as numbers."""
+    t = type(module)
+    if isinstance(module, nn.Linear):
+        return t.forward is nn.Linear.forward
+    for base in _CONV_TYPES:
+        if isinstance(module, base):
+            return (t.forward is base.forward and module.padding_mode == "zeros"
+                    and not isinstance(module.padding, str) and not module.transposed)
+    return False
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class OutOfOrderBackward:
+    """Defers weight gradients of eligible layers; optionally fuses the optimizer update.
+
+    Args:
+      model: the nn.Module, or a DistributedDataParallel wrapping it.
+      optimizer: torch.optim.SGD / Adam / AdamW; needed for fuse_optimizer.
+      fuse_optimizer: step each parameter as soon as its gradient is final (last
+        micro-step only) and free the gradient. Then do not call optimizer.step().
+      max_deferred_bytes: bound on the bytes (layer inputs + output gradients)
+        that queued work keeps alive; int or "256MiB"; 0 runs every item at once.
+      grad_accumulation_steps: backward passes per optimizer step.
+      max_grad_norm: global gradient-norm clipping. Not possible with a fused
+        update (raises); without fusion, step() clips before returning True.
+      executor: "auto" (stream on CUDA, inline on CPU), "inline", "thread", "stream".
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 fuse_optimizer: bool = False, max_deferred_bytes=None, grad_accumulation_steps: int = 1,
+                 max_grad_norm: Optional[float] = None, executor: str = "auto"):
+        if fuse_optimizer and optimizer is None:
+            raise MemschedError("fuse_optimizer=True needs optimizer=...: the torch.optim optimizer whose "
+                                "update runs per parameter during backward")
+        if fuse_optimizer and max_grad_norm is not None:
+            raise MemschedError(
+                "max_grad_norm: global gradient-norm clipping cannot be fused with the optimizer update -- "
+                "the norm needs every gradient before the first parameter is updated, and the fused update "
+                "frees each gradient as soon as it is used. Use fuse_optimizer=False (ooo=True alone) with "
+                "torch.nn.utils.clip_grad_norm_ before optimizer.step() (or max_grad_norm here, which clips "
+                "in step()), or clip per parameter (torch.nn.utils.clip_grad_value_ in a "
+                "register_post_accumulate_grad_hook).")
+        if int(grad_accumulation_steps) < 1:
+            raise MemschedError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
+        if executor not in ("auto", "inline", "thread", "stream"):
+            raise MemschedError(f"executor must be 'auto', 'inline', 'thread' or 'stream', got {executor!r}")
+        if max_deferred_bytes is None:
+            max_deferred_bytes = DEFAULT_MAX_DEFERRED_BYTES
+        elif isinstance(max_deferred_bytes, str):
+            max_deferred_bytes = parse_bytes(max_deferred_bytes)
+        if int(max_deferred_bytes) < 0:
+            raise MemschedError(f"max_deferred_bytes must be >= 0 (0 = run every item at once), "
+                                f"got {max_deferred_bytes}")
+        self.model = model
+        self.optimizer = optimizer
+        self.fuse_optimizer = bool(fuse_optimizer)
+        self.max_deferred_bytes = int(max_deferred_bytes)
+        self.grad_accumulation_steps = int(grad_accumulation_steps)
+        self.max_grad_norm = max_grad_norm
+        self.executor_name = executor
+        self._installed = False
+        self._reset_state()
+
+    # ------------------------------------------------------------------ install
+    def _reset_state(self) -> None:
+        self._patched: List[tuple] = []  # (module, had_instance_forward, old)
+        self._handles: List = []
+        self._params: List[nn.Parameter] = []
+        self._index: Dict[int, int] = {}
+        self._deferred_only: Set[int] = set()
+        self._pending: Dict[int, torch.Tensor] = {}
+        self._items: Dict[int, DeferredWork] = {}
+        self._autograd_expected: Set[int] = set()
+        self._autograd_defined: Dict[int, bool] = {}
+        self._phase = "idle"
+        self._callback_queued = False
+        self._micro_step = 0
+        self._iterations = 0
+        self._fused_steps = 0
+        self._grad_bytes = 0
+        self._peak_grad_bytes = 0
+        self._last_peak_grad_bytes = 0
+        self._reducer = None
+        self._ddp_saved_sync = None
+        self._stepper: Optional[ParamStepper] = None
+        self._timeline: List[tuple] = []
+        self._last_timeline: List[tuple] = []
+        self._side_streams: Dict = {}
+        self._lock = threading.RLock()
+        self._worker = None
+
+    def install(self) -> "OutOfOrderBackward":
+        if self._installed:
+            raise MemschedError("OutOfOrderBackward is already installed; call remove() first")
+        try:
+            self._install()
+        except BaseException:
+            self.remove()
+            raise
+        self._installed = True
+        return self
+
+    def _install(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = self.model
+        ddp = model if isinstance(model, DistributedDataParallel) else None
+        root = model.module if ddp is not None else model
+        seen: Set[int] = set()
+        for p in root.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self._index[id(p)] = len(self._params)
+                self._params.append(p)
+        # Which modules own each parameter directly (tied weights have several).
+        owners: Dict[int, List[nn.Module]] = {}
+        modules = list(dict.fromkeys(root.modules()))
+        for m in modules:
+            for p in m.parameters(recurse=False):
+                if id(p) in self._index:
+                    owners.setdefault(id(p), []).append(m)
+        for pid, ms in owners.items():
+            if all(_eligible(m) for m in ms):
+                self._deferred_only.add(self._index[pid])
+
+        if ddp is not None:
+            from memsched.ooo.ddp import BucketReducer
+
+            if self.executor_name == "thread":
+                raise MemschedError("executor='thread' is not supported under DistributedDataParallel: "
+                                    "collectives must be issued in one order on every rank; use 'inline'")
+            self._reducer = BucketReducer(ddp, self._params)
+            self._ddp_saved_sync = ddp.require_backward_grad_sync
+            ddp.require_backward_grad_sync = False
+        self._sched = DwScheduler(self.max_deferred_bytes)
+        for i, p in enumerate(self._params):
+            bucket = self._reducer.bucket_of[i] if self._reducer is not None else -1
+            self._sched.add_param(_nbytes(p), bucket)
+        if self.optimizer is not None and self.fuse_optimizer:
+            self._stepper = ParamStepper(self.optimizer)
+
+        executor = self.executor_name
+        if executor == "auto":
+            executor = "stream" if any(p.is_cuda for p in self._params) else "inline"
+        if executor == "stream" and not any(p.is_cuda for p in self._params):
+            raise MemschedError("executor='stream' needs the model on a CUDA device; use 'inline' or 'thread'")
+        self._executor = executor
+        if executor == "thread":
+            self._start_worker()
+
+        me = weakref.proxy(self)
+        for m in modules:
+            if _eligible(m):
+                self._patch(m, me)
+            elif any(id(p) in self._index for p in m.parameters(recurse=False)):
+                ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
+                self._handles.append(m.register_forward_pre_hook(
+                    lambda mod, args, ids=ids: me._note_autograd_use(ids)))
+        for i, p in enumerate(self._params):
+            self._handles.append(p.register_hook(lambda g, i=i: me._on_autograd_grad(i, g)))
+            self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: me._on_autograd_accumulated(i)))
+
+    def _patch(self, m: nn.Module, me) -> None:
+        had = "forward" in m.__dict__
+        old = m.__dict__.get("forward")
+        w_idx = self._index.get(id(m.weight)) if m.weight is not None else None
+        b_idx = self._index.get(id(m.bias)) if m.bias is not None else None
+        if isinstance(m, nn.Linear):
+            def forward(mod, x):
+                if not torch.is_grad_enabled() or (w_idx is None and b_idx is None):
+                    return nn.Linear.forward(mod, x)
+                if torch.is_autocast_enabled(x.device.type):
+                    me._note_autograd_use([i for i in (w_idx, b_idx) if i is not None])
+                    return nn.Linear.forward(mod, x)
+                me._note_deferred_use(w_idx, b_idx)
+                return DeferredLinear.apply(x, mod.weight, mod.bias, me, w_idx, b_idx)
+        else:
+            base = next(b for b in _CONV_TYPES if isinstance(m, b))
+            nd = _CONV_TYPES[base]
+
+            def forward(mod, x):
+                if not torch.is_grad_enabled() or (w_idx is None and b_idx is None):
+                    return base.forward(mod, x)
+                if torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2:
+                    me._note_autograd_use([i for i in (w_idx, b_idx) if i is not None])
+                    return base.forward(mod, x)
+                me._note_deferred_use(w_idx, b_idx)
+                return DeferredConv.apply(x, mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
+                                          mod.groups, me, w_idx, b_idx)
+        m.forward = types.MethodType(forward, m)
+        self._patched.append((m, had, old))
+
+    def remove(self) -> None:
+        """Restores every patched forward and removes every hook (safe to call twice)."""
+        for m, had, old in reversed(self._patched):
+            if had:
+                m.__dict__["forward"] = old
+            else:
+                m.__dict__.pop("forward", None)
+        self._patched = []
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._stop_worker()
+        if self._reducer is not None and self._ddp_saved_sync is not None:
+            self.model.require_backward_grad_sync = self._ddp_saved_sync
+            self._ddp_saved_sync = None
+        self._installed = False
+
+    def __enter__(self) -> "OutOfOrderBackward":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # ------------------------------------------------------------------ forward
+    def _begin_if_idle(self) -> None:
+        if self._phase == "idle":
+            if self._pending or self._items:
+                raise MemschedError("internal: deferred work left over from the previous backward pass")
+            self._sched.begin_iteration()
+            self._autograd_expected.clear()
+            self._autograd_defined.clear()
+            if self._reducer is not None:
+                self._reducer.begin_iteration()
+            self._grad_bytes = sum(_nbytes(p.grad) for p in self._params)
+            self._peak_grad_bytes = self._grad_bytes
+            self._timeline = []
+            self._phase = "forward"
+
+    def _note_deferred_use(self, w_idx: Optional[int], b_idx: Optional[int]) -> None:
+        self._begin_if_idle()
+        if self._phase != "forward":
+            raise MemschedError("a forward pass started while a backward pass is running; finish backward first")
+        for i in (w_idx, b_idx):
+            if i is not None:
+                self._sched.expect_contribution(i)
+
+    def _note_autograd_use(self, ids: Sequence[int]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self._begin_if_idle()
+        for i in ids:
+            if i not in self._autograd_expected:
+                self._autograd_expected.add(i)
+                self._sched.expect_contribution(i)
+
+    # ------------------------------------------------------------------ backward
+    def _backward_started(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self._phase = "backward"
+            self._timeline.append(("backward_start", time.perf_counter()))
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _track(self, delta: int, transient: int = 0) -> None:
+        self._grad_bytes += delta
+        self._peak_grad_bytes = max(self._peak_grad_bytes, self._grad_bytes + transient)
+
+    def defer(self, work: DeferredWork) -> None:
+        """Called by DeferredLinear/DeferredConv backward with one dW item."""
+        self._backward_started()
+        with self._lock:
+            wid = self._sched.enqueue(work.param_indices, work.held_bytes)
+            self._items[wid] = work
+        if self._executor == "thread":
+            self._wake.set()
+            return
+        if self._executor == "stream":
+            self._run_all(self._sched.pop)
+        else:
+            self._run_all(self._sched.next_urgent)
+        self._poll_reducer()
+
+    def _run_all(self, source) -> None:
+        while True:
+            with self._lock:
+                wid = source()
+                if wid < 0:
+                    return
+                work = self._items.pop(wid)
+            self._execute(wid, work)
+
+    def _execute(self, wid: int, work: DeferredWork) -> None:
+        if work.device.type == "cuda":
+            side = self._side_stream(work.device)
+            side.wait_stream(torch.cuda.current_stream(work.device))
+            for t in work.tensors():
+                t.record_stream(side)
+            with torch.cuda.stream(side):
+                self._compute_and_complete(wid, work)
+        else:
+            self._compute_and_complete(wid, work)
+
+    def _compute_and_complete(self, wid: int, work: DeferredWork) -> None:
+        grads = work.compute()
+        with self._lock:
+            for i, g in zip(work.param_indices, grads):
+                pend = self._pending.get(i)
+                if pend is None:
+                    self._pending[i] = g
+                    self._track(_nbytes(g))
+                else:
+                    self._track(0, transient=_nbytes(g))
+                    pend.add_(g)
+            done = self._sched.complete(wid)
+            self._on_completion(done)
+
+    def _on_autograd_grad(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        # Tensor hook: runs before AccumulateGrad with the summed gradient of all
+        # autograd uses; None when every use was deferred (our Functions return None).
+        p = self._params[i]
+        self._autograd_defined[i] = (grad is not None, p.grad is None)
+        if grad is not None:
+            self._backward_started()
+
+    def _on_autograd_accumulated(self, i: int) -> None:
+        defined, had_none = self._autograd_defined.pop(i, (False, False))
+        if not defined:
+            return
+        p = self._params[i]
+        with self._lock:
+            if i not in self._autograd_expected:
+                if self._phase == "idle" or self._sched.expected(i) > 0 or i in self._deferred_only:
+                    raise MemschedError(
+                        f"parameter {self._name(i)} received a gradient through autograd that memsched did not "
+                        f"count during forward (it is used outside the layer that owns it, e.g. in a "
+                        f"functional call or a loss term). Its deferred gradient may already be final; "
+                        f"memsched refuses to compute a wrong update. Use it only through its module, or "
+                        f"leave that model out of ooo.")
+                self._autograd_expected.add(i)
+                self._sched.expect_contribution(i)
+            if had_none:
+                self._track(_nbytes(p.grad))
+            if p.is_cuda and self._executor == "stream" and p.device in self._side_streams:
+                torch.cuda.current_stream(p.device).wait_stream(self._side_streams[p.device])
+            done = self._sched.contribute(i)
+            self._on_completion(done)
+
+    def _finalize(self, i: int) -> None:
+        """All contributions of parameter i are in: pending -> param.grad."""
+        p = self._params[i]
+        pend = self._pending.pop(i, None)
+        if pend is None:
+            return
+        if pend.is_cuda:
+            # WARNING: pend was allocated on the side stream and may be read on
+            # the current one (autograd-path finalization): keep its block from
+            # being reused before that read is done.
+            pend.record_stream(torch.cuda.current_stream(pend.device))
+        if p.grad is None:
+            p.grad = pend
+        else:
+            p.grad.add_(pend)
+            self._track(-_nbytes(pend))
+
+    def _last_micro_step(self) -> bool:
+        return self._micro_step % self.grad_accumulation_steps == self.grad_accumulation_steps - 1
+
+    def _fused_update(self, i: int) -> None:
+        p = self._params[i]
+        if self._stepper is None or p.grad is None or not self._stepper.owns(p):
+            return
+        nbytes = _nbytes(p.grad)
+        self._stepper.step(p)  # frees p.grad
+        self._track(-nbytes)
+        self._fused_steps += 1
+
+    def _on_completion(self, done) -> None:
+        for i in done.final_params:
+            self._finalize(i)
+        last = self._last_micro_step()
+        if self._reducer is not None:
+            if last:
+                for b in done.ready_buckets:
+                    self._reducer.ready(b)
+        elif self._stepper is not None and last:
+            for i in done.final_params:
+                self._fused_update(i)
+
+    def _poll_reducer(self) -> None:
+        if self._reducer is None or not self._last_micro_step():
+            return
+        for i in self._reducer.poll():
+            self._fused_update(i)
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        try:
+            if self._executor == "thread":
+                self._drain_worker()
+            self._run_all(self._sched.pop)
+            with self._lock:
+                for i in self._sched.end_iteration(True):
+                    # uses whose output never reached the loss: finish with what arrived
+                    self._finalize(i)
+                    if self._reducer is None and self._stepper is not None and self._last_micro_step():
+                        self._fused_update(i)
+            if self._reducer is not None and self._last_micro_step():
+                for i in self._reducer.poll() + self._reducer.wait_all():
+                    self._fused_update(i)
+            for dev, side in self._side_streams.items():
+                main = torch.cuda.current_stream(dev)
+                main.wait_stream(side)
+                for p in self._params:
+                    if p.grad is not None and p.grad.device == dev:
+                        p.grad.record_stream(main)  # made on the side stream, used and freed on main
+        finally:
+            self._phase = "idle"
+        self._timeline.append(("backward_end", time.perf_counter()))
+        self._last_timeline = list(self._timeline) + (list(self._reducer.trace) if self._reducer else [])
+        self._last_peak_grad_bytes = self._peak_grad_bytes
+        self._micro_step += 1
+        self._iterations += 1
+
+    # ------------------------------------------------------------------ executors
+    def _side_stream(self, device):
+        s = self._side_streams.get(device)
+        if s is None:
+            s = torch.cuda.Stream(device=device)
+            self._side_streams[device] = s
+        return s
+
+    def _start_worker(self) -> None:
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._stop = False
+        self._worker_error: Optional[BaseException] = None
+        me = weakref.proxy(self)
+
+        def loop():
+            while True:
+                me._wake.wait()
+                if me._stop:
+                    return
+                me._idle.clear()
+                try:
+                    me._run_all(me._sched.pop)
+                except BaseException as e:  # surfaced at the flush
+                    me._worker_error = e
+                with me._lock:
+                    if me._sched.queued == 0:
+                        me._wake.clear()
+                        me._idle.set()
+
+        self._idle.set()
+        self._worker = threading.Thread(target=loop, name="memsched-ooo-dw", daemon=True)
+        self._worker.start()
+
+    def _drain_worker(self) -> None:
+        while True:
+            with self._lock:
+                empty = self._sched.queued == 0
+            if empty and self._idle.is_set():
+                break
+            self._idle.wait(0.05)
+        if self._worker_error is not None:
+            e, self._worker_error = self._worker_error, None
+            raise e
+
+    def _stop_worker(self) -> None:
+        if self._worker is not None:
+            self._stop = True
+            self._wake.set()
+            self._worker.join(timeout=5)
+            self._worker = None
+
+    # ------------------------------------------------------------------ user API
+    def step(self) -> bool:
+        """Marks the end of one micro-step. Returns True when the caller should
+        now run ``optimizer.step()`` (no fusion, last micro-step); with
+        max_grad_norm set that clipping has been applied. With fuse_optimizer the
+        updates already happened during backward and this returns False."""
+        if self._phase == "backward":
+            raise MemschedError("step() called while a backward pass is running")
+        completed = self._micro_step % self.grad_accumulation_steps == 0 and self._micro_step > 0
+        if self.fuse_optimizer or not completed:
+            return False
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        return True
+
+    def _name(self, i: int) -> str:
+        root = self.model
+        for n, p in root.named_parameters():
+            if p is self._params[i]:
+                return n
+        return f"#{i}"
+
+    def report(self) -> dict:
+        """Counters of the last iteration and in total. Units in the names."""
+        st = self._sched.stats() if hasattr(self, "_sched") else {}
+        tl = self._last_timeline
+        t0 = next((t for e, *rest in tl for t in [rest[-1]] if e == "backward_start"), None)
+        t_end = next((rest[-1] for e, *rest in tl if e == "backward_end"), None)
+        ar = [rest[-1] for e, *rest in tl if e == "allreduce_start"]
+        out = {
+            "executor": getattr(self, "_executor", None),
+            "iterations": self._iterations,
+            "eligible_layers": len(self._patched),
+            "params": len(self._params),
+            "deferred_only_params": len(self._deferred_only),
+            "deferred_items": st.get("enqueued", 0),
+            "urgent_items": st.get("urgent", 0),
+            "limit_flushes": st.get("limit_flushes", 0),
+            "peak_deferred_bytes": st.get("peak_held_bytes", 0),
+            "peak_queued_items": st.get("peak_queued", 0),
+            "max_deferred_bytes": self.max_deferred_bytes,
+            "fused_updates": self._fused_steps,
+            "param_bytes": sum(_nbytes(p) for p in self._params),
+            "peak_grad_bytes": self._last_peak_grad_bytes,
+            "buckets": len(self._reducer.buckets) if self._reducer is not None else 0,
+        }
+        if t0 is not None and t_end is not None:
+            out["backward_ms"] = (t_end - t0) * 1e3
+            out["first_allreduce_start_ms"] = (min(ar) - t0) * 1e3 if ar else None
+        return out

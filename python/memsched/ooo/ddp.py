@@ -1,0 +1,138 @@
+"""Bucketed gradient all-reduce for out-of-order backward under
+DistributedDataParallel.
+
+Entry point: ``BucketReducer(ddp_model, params)``; ``bucket_of`` feeds the
+DwScheduler, ``ready(b)`` launches, ``poll()`` / ``wait_all()`` finish.
+
+Note [DDP and deferred weight gradients]
+  Rationale: DDP's Reducer learns that a gradient is ready from a post-hook
+  on the parameter's AccumulateGrad node (Reducer::autograd_hook). A deferred
+  dW returns None through autograd, so that hook fires with an undefined
+  gradient -- the Reducer would reduce zeros -- and the real gradient arrives
+  later, outside autograd, where the Reducer never looks.
+  Approach: while installed, the DDP module runs as under ``no_sync()``
+  (``require_backward_grad_sync = False``: no prepare_for_backward, the
+  Reducer's hooks return at once) and memsched does the reduction itself: the
+  parameters are cut into buckets like DDP's (reverse registration order,
+  first bucket ``dist._DEFAULT_FIRST_BUCKET_BYTES``, then
+  ``ddp.bucket_bytes_cap``); the DwScheduler orders deferred work so the next
+  bucket completes first (See Note [dW priority] in csrc/core/dw_scheduler.h);
+  a ready bucket is flattened, divided by the world size and all-reduced
+  asynchronously on DDP's process group, strictly in bucket order on every
+  rank (collectives must match across ranks); results are copied back into
+  ``param.grad``. Gradient accumulation: only the last micro-step reduces,
+  as DDP does under ``no_sync()`` for the others.
+  Limitations: module buffers are broadcast only at DDP's first forward (as
+  under no_sync); a parameter unused in an iteration is reduced as zeros and
+  its ``.grad`` stays None on ranks that had none; sparse gradients and comm
+  hooks registered on the DDP module are not used.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class BucketReducer:
+    def __init__(self, ddp_model, params: Sequence[torch.nn.Parameter]):
+        self.ddp = ddp_model
+        self.group = ddp_model.process_group
+        self.world_size = dist.get_world_size(self.group)
+        self.params = list(params)
+        first_cap = int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024))
+        cap = int(getattr(ddp_model, "bucket_bytes_cap", 25 * 1024 * 1024))
+        self.buckets: List[List[int]] = []
+        current: List[int] = []
+        current_bytes = 0
+        for i in reversed(range(len(self.params))):
+            p = self.params[i]
+            nbytes = p.numel() * p.element_size()
+            limit = first_cap if not self.buckets else cap
+            if current and current_bytes + nbytes > limit:
+                self.buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(i)
+            current_bytes += nbytes
+        if current:
+            self.buckets.append(current)
+        self.bucket_of: Dict[int, int] = {i: b for b, ids in enumerate(self.buckets) for i in ids}
+        self.trace: List[tuple] = []  # (event, bucket, perf_counter seconds)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ready = set()
+        self._launched = 0  # buckets 0.._launched-1 are launched
+        self._works: Dict[int, tuple] = {}  # bucket -> (work, flat)
+        self._finished = 0  # buckets 0.._finished-1 are copied back
+
+    def begin_iteration(self) -> None:
+        self._reset()
+        self.trace = []
+
+    def ready(self, bucket: int) -> None:
+        """Bucket ``bucket`` has every gradient final: launch it (and any ready
+        buckets after it), in bucket order."""
+        self._ready.add(bucket)
+        while self._launched in self._ready:
+            self._launch(self._launched)
+            self._launched += 1
+
+    def _launch(self, b: int) -> None:
+        ids = self.buckets[b]
+        parts = []
+        for i in ids:
+            p = self.params[i]
+            parts.append(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype,
+                                                                                      device=p.device))
+        flat = torch.cat(parts)
+        flat.div_(self.world_size)
+        self.trace.append(("allreduce_start", b, time.perf_counter()))
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._works[b] = (work, flat)
+
+    def _finish(self, b: int) -> List[int]:
+        work, flat = self._works.pop(b)
+        work.wait()
+        self.trace.append(("allreduce_done", b, time.perf_counter()))
+        offset = 0
+        ids = self.buckets[b]
+        for i in ids:
+            p = self.params[i]
+            n = p.numel()
+            if p.grad is not None:
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+        return ids
+
+    def poll(self) -> List[int]:
+        """Copies back the leading buckets whose all-reduce has finished;
+        returns their parameter indices (in bucket order)."""
+        done: List[int] = []
+        while self._finished < self._launched:
+            work, _ = self._works[self._finished]
+            if not work.is_completed():
+                break
+            done += self._finish(self._finished)
+            self._finished += 1
+        return done
+
+    def wait_all(self) -> List[int]:
+        """Launches every bucket not launched yet (in order), waits for all and
+        copies back; returns the parameter indices finished here."""
+        for b in range(len(self.buckets)):
+            self._ready.add(b)
+        while self._launched < len(self.buckets):
+            self._launch(self._launched)
+            self._launched += 1
+        done: List[int] = []
+        while self._finished < self._launched:
+            done += self._finish(self._finished)
+            self._finished += 1
+        return done
+
+    def first_allreduce_start(self) -> Optional[float]:
+        starts = [t for (e, _, t) in self.trace if e == "allreduce_start"]
+        return min(starts) if starts else None
