@@ -91,7 +91,11 @@ class StandInProfiler:
 def record_trace(model, step_fn):
     """Run step_fn() once under StandInProfiler; return its Trace."""
     session = StandInProfiler(model)
-    h = model.register_forward_pre_hook(lambda m, a: session.start() if not hasattr(session, "pushed") else None)
+    def start(module, args):
+        if not hasattr(session, "pushed"):
+            session.start()
+
+    h = model.register_forward_pre_hook(start)
     try:
         step_fn()
         h.remove()
