@@ -129,10 +129,19 @@ int64_t DwScheduler::missing_after(const DwWorkItem& item) const {
   return missing;
 }
 
+int64_t DwScheduler::partial_grad_bytes_finished(const DwWorkItem& item) const {
+  int64_t bytes = 0;
+  for (int32_t p : item.params) {
+    if (received_[p] > 0 && received_[p] + 1 == expected_[p]) bytes += grad_bytes_[p];
+  }
+  return bytes;
+}
+
 size_t DwScheduler::best_index() const {
   size_t best = 0;
   auto key = [this](const DwWorkItem& it) {
-    return std::make_tuple(bucket_rank(it), missing_after(it), -it.held_bytes, it.seq);
+    return std::make_tuple(bucket_rank(it), missing_after(it), -partial_grad_bytes_finished(it), -it.held_bytes,
+                           it.seq);
   };
   auto best_key = key(queue_[0]);
   for (size_t i = 1; i < queue_.size(); ++i) {

@@ -21,11 +21,14 @@
 //   contributions are in. So work that finishes something should run first.
 //   Approach: pop() picks, by linear scan over the (small, byte-bounded) queue,
 //   the item with the smallest key
-//     (bucket rank, contributions its parameters still miss after it, -held_bytes, seq)
+//     (bucket rank, contributions its parameters still miss after it,
+//      -gradient bytes already held for parameters it makes final, -held_bytes, seq)
 //   bucket rank = position of the item's earliest bucket among buckets not yet
 //   ready (0 when no buckets were given), so the bucket that DDP would reduce
-//   next is completed first; then items that make a parameter final; then the
-//   items that free the most memory; then FIFO. The linear scan keeps the keys
+//   next is completed first; then items that make a parameter final; among
+//   those, first the ones that finish a parameter whose earlier contributions
+//   already hold gradient memory (a tied weight), so that memory goes to the
+//   fused update soonest; then the items that free the most held bytes; then FIFO. The linear scan keeps the keys
 //   exact although they change as other items complete (a heap would go stale).
 //   next_urgent() returns an item only when one must run now: the queue holds
 //   more than max_deferred_bytes, or (buckets given) running every queued item
@@ -131,6 +134,7 @@ class DwScheduler {
   int32_t next_bucket() const;
   bool bucket_completable(int32_t bucket) const;
   int64_t missing_after(const DwWorkItem& item) const;
+  int64_t partial_grad_bytes_finished(const DwWorkItem& item) const;
   size_t best_index() const;
   int64_t take(size_t index);
 

@@ -90,6 +90,21 @@ TEST(DwScheduler, ItemThatFinishesAParameterRunsBeforeOneThatDoesNot) {
   s.end_iteration();
 }
 
+TEST(DwScheduler, FinishingAPartlyReceivedParameterGoesFirst) {
+  DwScheduler s;
+  const int32_t tied = s.add_param(1000);
+  const int32_t other = s.add_param(10);
+  s.begin_iteration();
+  s.expect_contribution(tied);
+  s.expect_contribution(tied);
+  s.expect_contribution(other);
+  const int64_t big = s.enqueue({other}, 5000);   // frees more held bytes
+  const int64_t head = s.enqueue({tied}, 10);
+  s.contribute(tied);                              // the embedding's gradient is in: 1000 B held
+  EXPECT_EQ(drain(s), (std::vector<int64_t>{head, big}));
+  s.end_iteration();
+}
+
 TEST(DwScheduler, ByteLimitMakesTheBestItemUrgent) {
   DwScheduler s(/*max_deferred_bytes=*/250);
   std::vector<int32_t> p;
