@@ -134,6 +134,7 @@ class OutOfOrderBackward:
     # ------------------------------------------------------------------ install
     def _reset_state(self) -> None:
         self._patched: List[tuple] = []  # (module, had_instance_forward, old)
+        self._eligible_layers = 0
         self._handles: List = []
         self._params: List[nn.Parameter] = []
         self._index: Dict[int, int] = {}
@@ -141,7 +142,8 @@ class OutOfOrderBackward:
         self._pending: Dict[int, torch.Tensor] = {}
         self._items: Dict[int, DeferredWork] = {}
         self._autograd_expected: Set[int] = set()
-        self._autograd_defined: Dict[int, bool] = {}
+        self._autograd_defined: Dict[int, tuple] = {}
+        self._stash: Dict[int, Optional[torch.Tensor]] = {}
         self._phase = "idle"
         self._callback_queued = False
         self._micro_step = 0
@@ -259,6 +261,7 @@ class OutOfOrderBackward:
                                           mod.groups, me, w_idx, b_idx)
         m.forward = types.MethodType(forward, m)
         self._patched.append((m, had, old))
+        self._eligible_layers = len(self._patched)
 
     def remove(self) -> None:
         """Restores every patched forward and removes every hook (safe to call twice)."""
@@ -379,13 +382,22 @@ class OutOfOrderBackward:
     def _on_autograd_grad(self, i: int, grad: Optional[torch.Tensor]) -> None:
         # Tensor hook: runs before AccumulateGrad with the summed gradient of all
         # autograd uses; None when every use was deferred (our Functions return None).
+        # Mixed parameters (a deferred use and autograd uses, e.g. a tied
+        # embedding): park an accumulated .grad so AccumulateGrad stores this
+        # gradient alone; _on_autograd_accumulated moves it into the pending sum
+        # and restores .grad. The sum is then G + (h + e), autograd's order
+        # (See Note [One iteration of out-of-order backward]).
         p = self._params[i]
-        self._autograd_defined[i] = (grad is not None, p.grad is None)
+        mixed = grad is not None and i in self._autograd_expected and self._sched.expected(i) > 1
+        self._autograd_defined[i] = (grad is not None, p.grad is None, mixed)
+        if mixed:
+            self._stash[i] = p.grad
+            p.grad = None
         if grad is not None:
             self._backward_started()
 
     def _on_autograd_accumulated(self, i: int) -> None:
-        defined, had_none = self._autograd_defined.pop(i, (False, False))
+        defined, had_none, mixed = self._autograd_defined.pop(i, (False, False, False))
         if not defined:
             return
         p = self._params[i]
@@ -400,7 +412,16 @@ class OutOfOrderBackward:
                         f"leave that model out of ooo.")
                 self._autograd_expected.add(i)
                 self._sched.expect_contribution(i)
-            if had_none:
+            if mixed:
+                e, p.grad = p.grad, self._stash.pop(i)
+                pend = self._pending.get(i)
+                if pend is None:
+                    self._pending[i] = e
+                    self._track(_nbytes(e))
+                else:
+                    self._track(0, transient=_nbytes(e))
+                    pend.add_(e)
+            elif had_none:
                 self._track(_nbytes(p.grad))
             if p.is_cuda and self._executor == "stream" and p.device in self._side_streams:
                 torch.cuda.current_stream(p.device).wait_stream(self._side_streams[p.device])
@@ -567,7 +588,7 @@ class OutOfOrderBackward:
         out = {
             "executor": getattr(self, "_executor", None),
             "iterations": self._iterations,
-            "eligible_layers": len(self._patched),
+            "eligible_layers": self._eligible_layers,
             "params": len(self._params),
             "deferred_only_params": len(self._deferred_only),
             "deferred_items": st.get("enqueued", 0),

@@ -1,0 +1,73 @@
+"""Shared helpers for the out-of-order backward tests: a plain PyTorch loop
+and the same loop under memsched.ooo, on memsched.models' example models."""
+import copy
+
+import torch
+
+from memsched import models
+from memsched.ooo import OutOfOrderBackward
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1),
+}
+
+
+def batches(name, n, batch=4, size="small"):
+    return [models.example_batch(name, batch, size, seed=s) for s in range(n)]
+
+
+def plain_loop(model, opt, name, data, accumulation=1, scheduler=None):
+    for k, (x, y) in enumerate(data):
+        loss = models.loss_fn(name, model(x), y)
+        loss.backward()
+        if (k + 1) % accumulation == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+
+
+def ooo_loop(model, opt, name, data, fuse=True, accumulation=1, scheduler=None, **kw):
+    with OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=fuse, grad_accumulation_steps=accumulation,
+                            **kw) as ooo:
+        for k, (x, y) in enumerate(data):
+            loss = models.loss_fn(name, model(x), y)
+            loss.backward()
+            if ooo.step():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if scheduler is not None and (k + 1) % accumulation == 0:
+                scheduler.step()
+    return ooo
+
+
+def twin(name, opt_name, size="small", seed=0):
+    a = models.build_model(name, size, seed=seed)
+    b = copy.deepcopy(a)
+    if name == "transformer":  # deepcopy keeps the tie; check it
+        assert b.unembed.weight is b.tok.weight
+    return a, OPTIMIZERS[opt_name](a.parameters()), b, OPTIMIZERS[opt_name](b.parameters())
+
+
+def assert_same_state(model_a, opt_a, model_b, opt_b, exact=True):
+    for (na, pa), (nb, pb) in zip(model_a.named_parameters(), model_b.named_parameters()):
+        assert na == nb
+        if exact:
+            assert torch.equal(pa, pb), f"{na}: max |diff| {(pa - pb).abs().max().item():.3g}"
+        else:
+            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6, msg=na)
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            if torch.is_tensor(sa[k]):
+                if exact:
+                    assert torch.equal(sa[k], sb[k]), k
+                else:
+                    torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-6)
+            else:
+                assert sa[k] == sb[k], k
+    for ba, bb in zip(model_a.buffers(), model_b.buffers()):
+        assert torch.equal(ba, bb)
