@@ -27,19 +27,11 @@ Note [What profile() records]
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Optional
 
 import torch
 
-from memsched.profiler.recorder import Recorder, RecordingMode
-
-
-def _device_of(model: Optional[torch.nn.Module]) -> str:
-    if model is not None:
-        for p in model.parameters():
-            return str(p.device)
-    return "cpu"
+from memsched.profiler.session import ProfilerSession, _register_optimizer_state  # noqa: F401 (re-export)
 
 
 def profile(step_fn: Callable[[], Any], model: Optional[torch.nn.Module] = None,
@@ -52,73 +44,12 @@ def profile(step_fn: Callable[[], Any], model: Optional[torch.nn.Module] = None,
     """
     if not callable(step_fn):
         raise TypeError(f"memsched.profile: step_fn must be callable, got {type(step_fn).__name__}")
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"memsched.profile: model must be a torch.nn.Module, got {type(model).__name__}")
-    rec = Recorder(model, device or _device_of(model))
-    steps = {"n": 0}
-    with contextlib.ExitStack() as cleanup:
-        cleanup.callback(rec.close)
-        # Pre-existing state, registered before any op.
-        if model is not None:
-            for p in model.parameters():
-                rec.register_existing(p, "parameter")
-                if p.grad is not None:
-                    rec.register_existing(p.grad, "gradient")
-            for buf in model.buffers():
-                rec.register_existing(buf, "parameter")
-        if optimizer is not None:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    rec.register_existing(p, "parameter")
-                    if p.grad is not None:
-                        rec.register_existing(p.grad, "gradient")
-            _register_optimizer_state(rec, optimizer, upgrade_only=False)
-
-            def pre(opt, args, kwargs):
-                rec.in_optimizer = True
-
-            def post(opt, args, kwargs):
-                rec.in_optimizer = False
-                steps["n"] += 1
-
-            cleanup.callback(optimizer.register_step_pre_hook(pre).remove)
-            cleanup.callback(optimizer.register_step_post_hook(post).remove)
-        if rec.stack is not None:
-            rec.stack.install()
-            cleanup.callback(rec.stack.remove)
-        cleanup.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack))
-        with RecordingMode(rec):
-            step_fn()
-            if optimizer is not None and steps["n"] == 0:
-                optimizer.step()
-        rec.in_optimizer = False
-        # Kinds known only after the step.
-        if model is not None:
-            for p in model.parameters():
-                if p.grad is not None:
-                    rec.register_existing(p.grad, "gradient")
-        if optimizer is not None:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        rec.register_existing(p.grad, "gradient")
-            _register_optimizer_state(rec, optimizer, upgrade_only=True)
-        rec.timer.resolve(rec.builder)
-        rec.close()
-        return rec.builder.finish()
-
-
-def _register_optimizer_state(rec: Recorder, optimizer, upgrade_only: bool) -> None:
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                if upgrade_only and not _is_live(rec, v):
-                    continue
-                rec.register_existing(v, "optimizer_state")
-
-
-def _is_live(rec: Recorder, t: torch.Tensor) -> bool:
+    session = ProfilerSession(model, optimizer, device).start()
     try:
-        return rec.builder.is_live(t.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
+        step_fn()
+        if optimizer is not None and session.optimizer_steps == 0:
+            optimizer.step()
+    except BaseException:
+        session.abort()
+        raise
+    return session.stop()

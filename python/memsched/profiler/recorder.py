@@ -29,14 +29,18 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from memsched import _C
 from memsched.profiler.backward_modules import BackwardModuleMap
+from memsched.profiler.flops import flop_fn
 from memsched.profiler.op_timer import OpTimer
 from memsched.saved_tensors import ActivationNumbering, ModuleStack, dtype_name
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+_graph_task_id = torch._C._current_graph_task_id  # != -1 inside the autograd engine
+_grad_enabled = torch.is_grad_enabled
+_DTYPE_NAMES = {d: dtype_name(d) for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                           torch.int64, torch.int32, torch.bool, torch.uint8, torch.int8)}
 
 
 def _tensors(args, kwargs) -> List[torch.Tensor]:
@@ -64,6 +68,20 @@ def _outputs(out) -> List[torch.Tensor]:
     return []
 
 
+# Note [Profiler overhead]
+#   Rationale: a Python dispatch mode sees every aten op; on a small CPU model
+#   ops take a few microseconds, so every microsecond of recording shows.
+#   Approach: per-op facts (name, mutability, FLOP formula, is_view) are cached
+#   per OpOverload; view ops (func.is_view: view, t, transpose, expand,
+#   detach, ...) are not recorded as Ops -- they allocate, read and compute
+#   nothing, and their outputs share a storage we already track -- only their
+#   outputs are noted for Note [Backward module path]; liveness is a dict
+#   lookup in Python (the keys in `_watch` are exactly the live storages);
+#   FLOPs of the matmul family skip flop_counter's tree-mapping wrapper.
+#   Limitations: the dispatch mode itself (arguments converted to Python and
+#   back) costs a few microseconds per op that no recording change removes.
+
+
 def _storage(t: torch.Tensor):
     try:
         return t.untyped_storage()
@@ -84,6 +102,8 @@ class Recorder:
         self.closed = False
         self._watch: Dict[int, weakref.ref] = {}  # storage key -> weakref with free callback
         self._on_free: Callable = self._make_free_callback()
+        self._op_cache: Dict[int, tuple] = {}  # id(OpOverload) -> (name, is_mutable, flop fn, is_view)
+        self._stack_list = self.stack._stack if self.stack is not None else []
 
     # ---- storages ---------------------------------------------------------
     def _make_free_callback(self):
@@ -131,64 +151,70 @@ class Recorder:
         return t
 
     # ---- ops ----------------------------------------------------------------
-    def phase(self) -> str:
-        if self.in_optimizer:
-            return OPTIMIZER
-        if torch._C._current_graph_task_id() != -1:
-            return BACKWARD
-        return FORWARD
+    def _op_info(self, func):
+        info = self._op_cache.get(id(func))
+        if info is None:
+            info = (func._schema.name, func._schema.is_mutable, flop_fn(func), func.is_view)
+            self._op_cache[id(func)] = info  # OpOverloads live for the process; id avoids their Python __hash__
+        return info
 
     def on_op(self, func, args, kwargs):
+        # Hot path (every aten op of the step): See Note [Profiler overhead].
+        info = self._op_cache.get(id(func)) or self._op_info(func)
+        if info[3]:  # a view: allocates, reads and computes nothing -- not an Op record
+            out = func(*args, **kwargs)
+            if not self.in_optimizer and _graph_task_id() == -1 and _grad_enabled():
+                stack = self._stack_list
+                self.backward_map.tag_pending()
+                self.backward_map.note_outputs(_outputs(out), stack[-1] if stack else "")
+            return out
+        name, mutable, flops_of, _ = info
         b = self.builder
-        phase = self.phase()
-        self.backward_map.tag_pending()
-        if phase == FORWARD:
-            path = self.stack.current if self.stack is not None else ""
-        elif phase == BACKWARD:
+        watch = self._watch
+        if self.in_optimizer:
+            phase, path = OPTIMIZER, ""
+        elif _graph_task_id() != -1:
+            phase = BACKWARD
+            self.backward_map.tag_pending()
             path = self.backward_map.module_of_current_node()
         else:
-            path = ""
-        op_id = b.begin_op(func._schema.name, path, phase)
-        inputs = _tensors(args, kwargs)
+            phase = FORWARD
+            self.backward_map.tag_pending()
+            stack = self._stack_list
+            path = stack[-1] if stack else ""
+        op_id = b.begin_op(name, path, phase)
         bytes_read = 0
         is_cuda = False
-        for t in inputs:
+        for t in _tensors(args, kwargs):
             st = _storage(t)
             if st is None:
                 continue
             key = st._cdata
-            if not b.is_live(key):
+            if key not in watch:
                 self.register_existing(t, "temporary")
             b.tensor_used(key)
-            bytes_read += t.numel() * t.element_size()
+            bytes_read += t.nbytes
             is_cuda = is_cuda or t.is_cuda
         token = self.timer.start(is_cuda)
         out = func(*args, **kwargs)
         outputs = _outputs(out)
-        if not is_cuda:
-            is_cuda = any(t.is_cuda for t in outputs)
+        if not is_cuda and outputs:
+            is_cuda = outputs[0].is_cuda
         duration_us = self.timer.stop(op_id, token, is_cuda)
-        mutable = func._schema.is_mutable
         bytes_written = 0
         for t in outputs:
             st = _storage(t)
             if st is None:
                 continue
             key = st._cdata
-            if b.tensor_allocated(key, st.nbytes(), dtype_name(t.dtype), "temporary"):
-                self._watch[key] = weakref.ref(st, self._on_free(key))
-                bytes_written += t.numel() * t.element_size()
+            if b.tensor_allocated(key, st.nbytes(), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype), "temporary"):
+                watch[key] = weakref.ref(st, self._on_free(key))
+                bytes_written += t.nbytes
             elif mutable:
-                bytes_written += t.numel() * t.element_size()
-        flops = 0
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            try:
-                flops = formula(*args, **kwargs, out_val=out)
-            except Exception:  # a formula that does not cover this overload: unknown FLOPs
-                flops = 0
+                bytes_written += t.nbytes
+        flops = flops_of(args, kwargs, out) if flops_of is not None else 0
         b.end_op(duration_us or 0.0, float(flops), bytes_read, bytes_written)
-        if phase == FORWARD and torch.is_grad_enabled():
+        if phase == FORWARD and outputs and _grad_enabled():
             self.backward_map.note_outputs(outputs, path)
         return out
 
@@ -201,13 +227,24 @@ class Recorder:
 
 
 class RecordingMode(TorchDispatchMode):
-    """Forwards every aten op to Recorder.on_op."""
+    """Forwards every aten op to Recorder.on_op.
+
+    WARNING: __torch_dispatch__ is assigned after the class body on purpose:
+    TorchDispatchMode.__init_subclass__ would wrap it in torch._disable_dynamo,
+    which costs more per op than a small CPU op itself (Note [Profiler
+    overhead]). The profiler never runs under torch.compile tracing, so the
+    wrapper buys nothing here.
+    """
 
     def __init__(self, recorder: Recorder):
         super().__init__()
         self.recorder = recorder
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "profiler":  # record_function markers: no compute, no memory
-            return func(*args, **(kwargs or {}))
-        return self.recorder.on_op(func, args, kwargs or {})
+
+def _recording_dispatch(self, func, types, args=(), kwargs=None):
+    if func.namespace == "profiler":  # record_function markers: no compute, no memory
+        return func(*args, **(kwargs or {}))
+    return self.recorder.on_op(func, args, kwargs or {})
+
+
+RecordingMode.__torch_dispatch__ = _recording_dispatch

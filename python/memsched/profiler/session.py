@@ -1,0 +1,144 @@
+"""session.py -- the profiler's instrumentation as start() / stop(), for callers
+that drive the step themselves (memsched.optimize profiles the user's own
+first step). memsched.profile(step_fn, ...) is start(); step_fn(); stop().
+
+Entry point: ProfilerSession(model, optimizer=None, device=None).start() ...
+.stop() -> Trace (or .abort() when the step failed). See Note [What profile()
+records] in profile.py.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from memsched.profiler.recorder import Recorder, RecordingMode
+
+
+def _device_of(model: Optional[torch.nn.Module]) -> str:
+    if model is not None:
+        for p in model.parameters():
+            return str(p.device)
+    return "cpu"
+
+
+def _register_optimizer_state(rec: Recorder, optimizer, upgrade_only: bool) -> None:
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                if upgrade_only and not _is_live(rec, v):
+                    continue
+                rec.register_existing(v, "optimizer_state")
+
+
+def _is_live(rec: Recorder, t: torch.Tensor) -> bool:
+    try:
+        return rec.builder.is_live(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+class ProfilerSession:
+    """One step of instrumentation, opened and closed by the caller.
+
+    start() registers the pre-existing state (parameters, buffers, gradients,
+    optimizer state), then installs the ModuleStack, the saved-tensor hooks,
+    the optimizer's step pre/post hooks (ops inside optimizer.step() get phase
+    optimizer) and the dispatch mode. stop() removes them in reverse order,
+    marks gradients and optimizer state, and returns the validated Trace;
+    abort() removes them and drops the recording. Both are safe after a failed
+    step and leave nothing installed.
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer=None, device: Optional[str] = None):
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"memsched.profile: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.device = str(device) if device is not None else _device_of(model)
+        self.optimizer_steps = 0   # optimizer.step() calls seen while recording
+        self._rec: Optional[Recorder] = None
+        self._mode: Optional[RecordingMode] = None
+        self._exits: Optional[contextlib.ExitStack] = None
+
+    @property
+    def recording(self) -> bool:
+        return self._exits is not None
+
+    def _params_and_grads(self):
+        seen = set()
+        groups = []
+        if self.model is not None:
+            groups.append(self.model.parameters())
+        if self.optimizer is not None:
+            groups.extend(g["params"] for g in self.optimizer.param_groups)
+        for params in groups:
+            for p in params:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def start(self) -> "ProfilerSession":
+        if self._exits is not None:
+            raise RuntimeError("ProfilerSession.start(): already recording; call stop() or abort() first")
+        rec = Recorder(self.model, self.device)
+        exits = contextlib.ExitStack()
+        try:
+            exits.callback(rec.close)
+            for p in self._params_and_grads():
+                rec.register_existing(p, "parameter")
+                if p.grad is not None:
+                    rec.register_existing(p.grad, "gradient")
+            if self.model is not None:
+                for buf in self.model.buffers():
+                    rec.register_existing(buf, "parameter")
+            if self.optimizer is not None:
+                _register_optimizer_state(rec, self.optimizer, upgrade_only=False)
+
+                def pre(opt, args, kwargs):
+                    rec.in_optimizer = True
+
+                def post(opt, args, kwargs):
+                    rec.in_optimizer = False
+                    self.optimizer_steps += 1
+
+                exits.callback(self.optimizer.register_step_pre_hook(pre).remove)
+                exits.callback(self.optimizer.register_step_post_hook(post).remove)
+            if rec.stack is not None:
+                rec.stack.install()
+                exits.callback(rec.stack.remove)
+            exits.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack))
+            mode = RecordingMode(rec)
+            mode.__enter__()
+            exits.callback(mode.__exit__, None, None, None)
+        except BaseException:
+            exits.close()
+            raise
+        self._rec, self._mode, self._exits = rec, mode, exits
+        return self
+
+    def abort(self) -> None:
+        """Stop recording and drop what was recorded. Safe to call twice."""
+        exits, self._exits = self._exits, None
+        self._rec = self._mode = None
+        if exits is not None:
+            exits.close()
+
+    def stop(self):
+        """Stop recording; return the validated memsched.Trace of what ran since start()."""
+        if self._exits is None:
+            raise RuntimeError("ProfilerSession.stop(): not recording; call start() first")
+        rec, exits = self._rec, self._exits
+        self._exits = self._rec = self._mode = None
+        # Uninstall everything first (the dispatch mode leaves first), so the
+        # bookkeeping below records no ops; frees after this point are past the step.
+        exits.close()
+        rec.in_optimizer = False
+        for p in self._params_and_grads():
+            if p.grad is not None:
+                rec.register_existing(p.grad, "gradient")
+        if self.optimizer is not None:
+            _register_optimizer_state(rec, self.optimizer, upgrade_only=True)
+        rec.timer.resolve(rec.builder)
+        return rec.builder.finish()
