@@ -1,6 +1,7 @@
 // dp_planner.cpp -- the S1 dynamic program (See Note [DP planner model] in dp_planner.h).
 #include "core/dp_planner.h"
 
+#include <cmath>
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -13,8 +14,9 @@ namespace memsched {
 
 namespace {
 
-constexpr int64_t kDpCells = int64_t{1} << 27;     // n * C the DP may use
+constexpr int64_t kDpCells = int64_t{1} << 26;     // n * C the DP may use
 constexpr int64_t kMinStates = 4096;
+constexpr int64_t kMaxItems = 2048;                 // candidates are grouped beyond this
 constexpr int64_t kMaxStates = int64_t{1} << 22;
 
 int64_t ceil_div(int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }
@@ -28,7 +30,35 @@ struct Cost {
 
 }  // namespace
 
-DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes) {
+const char* to_string(DpCost cost) {
+  switch (cost) {
+    case DpCost::kBytes: return "offloaded_bytes";
+    case DpCost::kCopyTime: return "copy_time_ps";
+    case DpCost::kExposedTime: return "exposed_time_ps";
+  }
+  return "?";
+}
+
+std::vector<int64_t> dp_costs(const Trace& trace, const DeviceModel& device, const OffloadAnalysis& analysis,
+                              DpCost cost) {
+  std::vector<int64_t> out;
+  out.reserve(analysis.candidates.size());
+  const std::vector<double> start = stall_free_start_us(trace, device);
+  for (const auto& c : analysis.candidates) {
+    const double copy_us = d2h_time_us(device, c.bytes) + h2d_time_us(device, c.bytes);
+    const double idle_us = start[c.first_backward_use] - start[c.last_forward_use + 1];
+    switch (cost) {
+      case DpCost::kBytes: out.push_back(c.bytes); break;
+      case DpCost::kCopyTime: out.push_back(std::llround(copy_us * 1e6)); break;
+      case DpCost::kExposedTime:
+        out.push_back(std::llround((copy_us + 4.0 * std::max(0.0, copy_us - idle_us)) * 1e6));
+        break;
+    }
+  }
+  return out;
+}
+
+DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes, const std::vector<int64_t>& cost) {
   DpModel m;
   m.budget_bytes = budget_bytes;
   const auto& cands = analysis.candidates;
@@ -42,42 +72,54 @@ DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes) {
     if (a.last_forward_use != b.last_forward_use) return a.last_forward_use < b.last_forward_use;
     return a.tensor_id < b.tensor_id;
   });
+  MEMSCHED_CHECK(cost.empty() || static_cast<int64_t>(cost.size()) == n, "build_dp_model: ", cost.size(),
+                 " costs for ", n, " candidates");
+  // Items: runs of `group` consecutive candidates of pi (See Note [DP planner model], ITEMS).
+  const int64_t group = std::max<int64_t>(1, ceil_div(n, kMaxItems));
+  const int64_t items = ceil_div(n, group);
+  m.item_begin.resize(items + 1);
+  for (int64_t j = 0; j <= items; ++j) m.item_begin[j] = std::min(n, j * group);
   int64_t total = 0;
   for (const auto& c : cands) total += c.bytes;
-  const int64_t max_states = std::clamp(kDpCells / std::max<int64_t>(n, 1), kMinStates, kMaxStates);
+  const int64_t max_states = std::clamp(kDpCells / std::max<int64_t>(items, 1), kMinStates, kMaxStates);
   m.granularity_bytes = 1;
   while (ceil_div(total, m.granularity_bytes) > max_states) m.granularity_bytes *= 2;
   const int64_t g = m.granularity_bytes;
 
-  m.nested_last_forward_use.resize(n);
-  m.cover_units.resize(n);
-  m.bytes.resize(n);
+  m.nested_last_forward_use.assign(items, -1);
+  m.first_backward_use.assign(items, 0);
+  m.cover_units.assign(items, 0);
+  m.bytes.assign(items, 0);
+  m.cost.assign(items, 0);
   int64_t run_f = -1;
-  for (int64_t k = 0; k < n; ++k) {
-    const auto& c = cands[m.order[k]];
-    run_f = std::max(run_f, c.last_forward_use);
-    m.nested_last_forward_use[k] = run_f;
-    m.cover_units[k] = c.bytes / g;
-    m.bytes[k] = c.bytes;
+  for (int64_t j = 0; j < items; ++j) {
+    for (int64_t k = m.item_begin[j]; k < m.item_begin[j + 1]; ++k) {
+      const auto& c = cands[m.order[k]];
+      run_f = std::max(run_f, c.last_forward_use);
+      m.bytes[j] += c.bytes;
+      const int64_t ck = cost.empty() ? c.bytes : cost[m.order[k]];
+      MEMSCHED_CHECK(ck >= 0, "build_dp_model: negative cost for tensor ", c.tensor_id);
+      m.cost[j] += ck;
+      m.first_backward_use[j] = c.first_backward_use;  // the last member's is the least
+    }
+    m.nested_last_forward_use[j] = run_f;
+    m.cover_units[j] = m.bytes[j] / g;
   }
-  // prefix_cover[k] = g * sum_{l<k} cov_l : what offloading all of the first k frees.
-  std::vector<int64_t> prefix_cover(n + 1, 0);
-  for (int64_t k = 0; k < n; ++k) prefix_cover[k + 1] = prefix_cover[k] + m.cover_units[k] * g;
+  // prefix_cover[j] = g * sum_{l<j} cov_l : what offloading all of the first j items frees.
+  std::vector<int64_t> prefix_cover(items + 1, 0);
+  for (int64_t j = 0; j < items; ++j) prefix_cover[j + 1] = prefix_cover[j] + m.cover_units[j] * g;
 
-  m.need_units.assign(n + 1, 0);
+  m.need_units.assign(items + 1, 0);
   m.least_budget_bytes = 0;
   const auto n_ops = static_cast<int64_t>(analysis.live_bytes.size());
   for (int64_t i = 0; i < n_ops; ++i) {
-    // m_i = #{k : f'_k < i} capped by #{k : first_backward_use_k > i} (both prefixes of pi).
+    // m_i = #{j : f'_j < i} capped by #{j : first_backward_use_j > i} (both prefixes of pi).
     const int64_t by_f = std::lower_bound(m.nested_last_forward_use.begin(), m.nested_last_forward_use.end(), i) -
                          m.nested_last_forward_use.begin();
-    int64_t lo = 0, hi = n;  // first k with first_backward_use <= i (non-increasing along pi)
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (cands[m.order[mid]].first_backward_use > i) lo = mid + 1;
-      else hi = mid;
-    }
-    const int64_t mi = std::min(by_f, lo);
+    const int64_t by_b = std::partition_point(m.first_backward_use.begin(), m.first_backward_use.end(),
+                                              [i](int64_t b) { return b > i; }) -
+                         m.first_backward_use.begin();
+    const int64_t mi = std::min(by_f, by_b);
     const int64_t need = analysis.live_bytes[i] - budget_bytes;
     if (need > 0) m.need_units[mi] = std::max(m.need_units[mi], ceil_div(need, g));
     m.least_budget_bytes = std::max(m.least_budget_bytes, analysis.live_bytes[i] - prefix_cover[mi]);
@@ -91,7 +133,7 @@ DpSolution solve_dp(const DpModel& model, size_t num_candidates) {
   DpSolution sol;
   sol.offload.assign(num_candidates, false);
   if (!model.feasible) return sol;
-  const auto n = static_cast<int64_t>(model.order.size());
+  const auto n = static_cast<int64_t>(model.cost.size());  // items
   const int64_t C = model.capacity_units;
   if (C == 0) {  // nothing to free
     sol.feasible = true;
@@ -114,7 +156,7 @@ DpSolution solve_dp(const DpModel& model, size_t num_candidates) {
       for (int64_t c = C - 1; c >= 0; --c) {
         if (!cur[c].finite()) continue;
         const int64_t c2 = std::min(c + w, C);
-        const Cost cand{cur[c].bytes + model.bytes[k], cur[c].tie + k};
+        const Cost cand{cur[c].bytes + model.cost[k], cur[c].tie + k};
         if (cand < cur[c2]) {
           cur[c2] = cand;
           took[base + c2] = true;
@@ -129,12 +171,13 @@ DpSolution solve_dp(const DpModel& model, size_t num_candidates) {
     if (cur[c].finite() && (best < 0 || cur[c] < cur[best])) best = c;
   if (best < 0) return sol;  // cannot happen when model.feasible
   sol.feasible = true;
-  sol.offloaded_bytes = cur[best].bytes;
+  sol.cost = cur[best].bytes;
   sol.tie_break = cur[best].tie;
   int64_t c = best;
   for (int64_t k = n - 1; k >= 0; --k) {
     if (!took[static_cast<size_t>(k) * width + c]) continue;
-    sol.offload[model.order[k]] = true;
+    for (int64_t q = model.item_begin[k]; q < model.item_begin[k + 1]; ++q) sol.offload[model.order[q]] = true;
+    sol.offloaded_bytes += model.bytes[k];
     c = (c == C) ? cap_pred[k] : c - model.cover_units[k];
   }
   MEMSCHED_CHECK(c == 0, "solve_dp: reconstruction ended at state ", c, "; internal error");
@@ -148,36 +191,42 @@ std::string DpPlanner::description() const {
 
 Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t budget_bytes) const {
   const OffloadAnalysis analysis = analyze_offload(trace);
-  const DpModel model = build_dp_model(analysis, budget_bytes);
-  if (!model.feasible) {
-    throw_budget_unreachable(name(), budget_bytes, model.least_budget_bytes, least_budget_bytes(analysis),
-                             "its nested model keeps a tensor on the device until every tensor needed later "
-                             "in backward has finished its forward use");
-  }
-  const DpSolution sol = solve_dp(model, analysis.candidates.size());
-  MEMSCHED_CHECK(sol.feasible, "dp: the model is feasible but the DP found no solution; internal error");
-
   Plan best;
   double best_time = std::numeric_limits<double>::infinity();
-  const std::vector<TensorDecision> base = offload_set_decisions(analysis, sol.offload);
-  for (double slack : {1.0, 2.0, 4.0}) {
-    DeviceModel slow = device;  // the latest-hiding rule with `slack` times the copy time
-    slow.h2d_bw_gbps /= slack;
-    slow.h2d_latency_us *= slack;
-    std::vector<TensorDecision> d = base;
-    place_prefetch_latest_hiding(trace, slow, analysis, d);
-    const bool fits = fit_prefetches_to_budget(analysis, d, budget_bytes);
-    MEMSCHED_CHECK(fits, "dp: a model-feasible plan does not fit the modelled memory; internal error");
-    Plan p = keep_all_plan(analysis, budget_bytes);
-    p.planner = name();
-    p.decisions = std::move(d);
-    p.objective = static_cast<double>(sol.offloaded_bytes);
-    p.objective_name = "offloaded_bytes";
-    if (sol.offloaded_bytes == 0) return p;
-    const double t = simulate(trace, p, device).step_time_us;
-    if (t < best_time) {
-      best_time = t;
-      best = std::move(p);
+  int64_t best_bytes = 0;
+  std::vector<std::vector<bool>> tried;
+  for (DpCost kind : {DpCost::kBytes, DpCost::kCopyTime, DpCost::kExposedTime}) {
+    const DpModel model = build_dp_model(analysis, budget_bytes, dp_costs(trace, device, analysis, kind));
+    if (!model.feasible) {
+      throw_budget_unreachable(name(), budget_bytes, model.least_budget_bytes, least_budget_bytes(analysis),
+                               "its nested model keeps a tensor on the device until every tensor needed later "
+                               "in backward has finished its forward use");
+    }
+    const DpSolution sol = solve_dp(model, analysis.candidates.size());
+    MEMSCHED_CHECK(sol.feasible, "dp: the model is feasible but the DP found no solution; internal error");
+    if (std::find(tried.begin(), tried.end(), sol.offload) != tried.end()) continue;
+    tried.push_back(sol.offload);
+    const std::vector<TensorDecision> base = offload_set_decisions(analysis, sol.offload);
+    for (double slack : {1.0, 2.0, 4.0}) {
+      DeviceModel slow = device;  // the latest-hiding rule with `slack` times the copy time
+      slow.h2d_bw_gbps /= slack;
+      slow.h2d_latency_us *= slack;
+      std::vector<TensorDecision> d = base;
+      place_prefetch_latest_hiding(trace, slow, analysis, d);
+      const bool fits = fit_prefetches_to_budget(analysis, d, budget_bytes);
+      MEMSCHED_CHECK(fits, "dp: a model-feasible plan does not fit the modelled memory; internal error");
+      Plan p = keep_all_plan(analysis, budget_bytes);
+      p.planner = name();
+      p.decisions = std::move(d);
+      p.objective = static_cast<double>(sol.cost);
+      p.objective_name = to_string(kind);
+      if (sol.offloaded_bytes == 0) return p;
+      const double t = simulate(trace, p, device).step_time_us;
+      if (t < best_time || (t == best_time && sol.offloaded_bytes < best_bytes)) {
+        best_time = t;
+        best_bytes = sol.offloaded_bytes;
+        best = std::move(p);
+      }
     }
   }
   return best;

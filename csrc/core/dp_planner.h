@@ -5,11 +5,20 @@
 // Entry points: DpModel / build_dp_model(), solve_dp(), DpPlanner.
 //
 // Note [DP planner model]
-//   WHAT IT MINIMISES: the bytes offloaded, sum over offloaded tensors of
-//   bytes (each of them moves out once and back once), lexicographically
-//   followed by the sum of the offloaded tensors' positions in the order pi
-//   below (a tie-break: among plans moving equally many bytes, offload the
-//   tensors used last in backward -- the longest windows to hide copies in).
+//   WHAT IT MINIMISES: sum over offloaded tensors of an integer cost per
+//   tensor, lexicographically followed by the sum of the offloaded tensors'
+//   positions in the order pi below (a tie-break: among equal-cost plans,
+//   offload the tensors used last in backward -- the longest windows to hide
+//   copies in). Three costs (DpCost), each solved exactly:
+//     kBytes          bytes_t: the bytes offloaded (source S1's "least data
+//                     moved"; each offloaded tensor moves out once, back once)
+//     kCopyTime       round(1e6 * (d2h_time_us + h2d_time_us)): copy time in
+//                     picoseconds, latency included (fewer, larger copies)
+//     kExposedTime    round(1e6 * (copy_us + 4 * max(0, copy_us - idle_us))),
+//                     copy_us = d2h + h2d time, idle_us = stall-free compute
+//                     time between the tensor's last forward use and its first
+//                     backward use: copy time, heavily penalised where even
+//                     alone it cannot hide behind compute.
 //   CONSTRAINTS (the model): every offloaded tensor's D2H copy follows its
 //   producer and it is fetched on demand; the memory constraint is checked at
 //   EVERY op i:  live_bytes[i] - sum_{offloaded t off the device during i}
@@ -33,18 +42,27 @@
 //   the rounding. With skip connections it may keep a tensor on the device
 //   for longer than needed (until every tensor needed later in backward has
 //   finished its forward use).
-//   THE DP: dp_k[c] = least (bytes, tie) cost over subsets of the first k
+//   THE DP: dp_k[c] = least (cost, tie) over subsets of the first k
 //   candidates of pi whose capped coverage min(C, sum cov) equals c, states
 //   violating U_k removed; C = max_m U_m. O(n * C) time, n * C bits memory.
 //   GRANULARITY: g is the smallest power of two with
-//   ceil(total candidate bytes / g) <= max(4096, 2^27 / n) (capped at 2^22
-//   states), so C <= that bound; g == 1 (exact bytes) on small traces.
-//   AFTER THE DP: offloaded tensors are copied out right after their producer;
-//   prefetch points are placed by Capuchin's latest-hiding rule with slack
-//   factors 1, 2 and 4 on the copy time, each pulled later where the budget
-//   requires (prefetch_placement.h); the candidate with the least simulated
-//   step time is returned (ties: the first). The plan's objective is the DP
-//   objective (bytes offloaded).
+//   ceil(total candidate bytes / g) <= max(4096, 2^26 / items) (capped at
+//   2^22 states), so C <= that bound; g == 1 (exact bytes) on small traces.
+//   ITEMS: with n > 2048 candidates, runs of ceil(n / 2048) consecutive
+//   candidates of pi become one item, offloaded together (its f' is the
+//   run's largest, its first backward use the run's least: still nested and
+//   sound). Below that every candidate is its own item and the DP is exact
+//   for the model above; beyond, it is exact for the grouped model. Without
+//   grouping, g would exceed typical tensor sizes on 100k-tensor traces and
+//   floor(bytes / g) would free nothing.
+//   THE PLANNER: solves the DP for each cost; offloaded tensors are copied
+//   out right after their producer; prefetch points are placed by Capuchin's
+//   latest-hiding rule with slack factors 1, 2 and 4 on the copy time, each
+//   pulled later where the budget requires (prefetch_placement.h); of these
+//   (up to 9) candidates the simulator picks the one with the least step time
+//   (ties: fewer bytes, then the order above). Plan::objective is the chosen
+//   candidate's DP objective, objective_name its cost ("offloaded_bytes",
+//   "copy_time_ps", "exposed_time_ps").
 #pragma once
 
 #include <cstdint>
@@ -55,14 +73,25 @@
 
 namespace memsched {
 
+enum class DpCost { kBytes, kCopyTime, kExposedTime };
+const char* to_string(DpCost cost);  // "offloaded_bytes", "copy_time_ps", "exposed_time_ps"
+
+// Per-candidate cost (OffloadAnalysis order) of Note [DP planner model].
+std::vector<int64_t> dp_costs(const Trace& trace, const DeviceModel& device, const OffloadAnalysis& analysis,
+                              DpCost cost);
+
 struct DpModel {
   int64_t budget_bytes = 0;            // the budget the constraints use
   int64_t granularity_bytes = 1;       // g: the DP's capacity unit (a power of two)
   std::vector<int64_t> order;          // pi: candidate indices (into OffloadAnalysis::candidates)
-  std::vector<int64_t> nested_last_forward_use;  // f'_k along pi
-  std::vector<int64_t> cover_units;    // cov_k = floor(bytes / g) along pi
-  std::vector<int64_t> bytes;          // bytes along pi (the cost)
-  std::vector<int64_t> need_units;     // U_m for m = 0..n (prefix length); <= 0: no constraint
+  std::vector<int64_t> item_begin;     // item j = order[item_begin[j] .. item_begin[j+1]) (size items+1)
+  // Per item j (a single candidate unless there are more than 2048):
+  std::vector<int64_t> nested_last_forward_use;  // f'_j: max last_forward_use over items 0..j
+  std::vector<int64_t> first_backward_use;       // least first_backward_use of its members
+  std::vector<int64_t> cover_units;    // cov_j = floor(bytes_j / g)
+  std::vector<int64_t> bytes;          // bytes of its members
+  std::vector<int64_t> cost;           // cost of its members (>= 0)
+  std::vector<int64_t> need_units;     // U_m for m = 0..items (prefix length); 0: no constraint
   int64_t capacity_units = 0;          // C = max(0, max_m U_m)
   int64_t least_budget_bytes = 0;      // least budget for which the model is feasible
   bool feasible = false;               // offloading every candidate meets every constraint
@@ -70,16 +99,18 @@ struct DpModel {
 
 struct DpSolution {
   bool feasible = false;
-  int64_t offloaded_bytes = 0;         // primary objective
+  int64_t cost = 0;                    // primary objective: sum of costs of offloaded candidates
   int64_t tie_break = 0;               // secondary objective: sum of positions in pi
+  int64_t offloaded_bytes = 0;         // sum of bytes of offloaded candidates
   std::vector<bool> offload;           // per candidate index (OffloadAnalysis order)
 };
 
-// Builds Note [DP planner model] for `budget_bytes`.
-DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes);
+// Builds Note [DP planner model] for `budget_bytes` with per-candidate
+// `cost` (OffloadAnalysis order; empty: cost = bytes).
+DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes,
+                       const std::vector<int64_t>& cost = {});
 
-// The dynamic program; exact (lexicographic min of (offloaded_bytes,
-// tie_break)) for the model.
+// The dynamic program; exact (lexicographic min of (cost, tie_break)) for the model.
 DpSolution solve_dp(const DpModel& model, size_t num_candidates);
 
 class DpPlanner final : public Planner {
