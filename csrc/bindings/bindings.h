@@ -14,6 +14,7 @@ namespace memsched::bindings {
 
 void bind_errors(pybind11::module_& m);
 void bind_trace(pybind11::module_& m);
+void bind_plan(pybind11::module_& m);
 void bind_trace_builder(pybind11::module_& m);
 void bind_torch(pybind11::module_& m);
 void bind_sched(pybind11::module_& m);

@@ -6,6 +6,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "memsched native core: trace, simulator, planners, allocator, scheduler";
   memsched::bindings::bind_errors(m);
   memsched::bindings::bind_trace(m);
+  memsched::bindings::bind_plan(m);
   memsched::bindings::bind_trace_builder(m);
   memsched::bindings::bind_torch(m);
   memsched::bindings::bind_sched(m);

@@ -10,6 +10,8 @@ from memsched._C import MemschedError, Op, TensorRecord, Trace
 from memsched.units import format_bytes, parse_bytes
 from memsched.profiler import profile
 from memsched import models
+from memsched.device import DeviceModel, load_device, measure_device
+from memsched.planning import Plan, SimResult, plan, simulate
 
 __version__ = "0.1.0"
 
@@ -22,4 +24,11 @@ __all__ = [
     "parse_bytes",
     "profile",
     "models",
+    "DeviceModel",
+    "Plan",
+    "SimResult",
+    "load_device",
+    "measure_device",
+    "plan",
+    "simulate",
 ]

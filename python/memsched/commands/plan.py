@@ -1,0 +1,58 @@
+"""python -m memsched plan TRACE.json --budget 4GiB --planner all|dp|...: plan and simulate a saved
+trace with each planner, print one table, write the best plan's simulated timeline as a PNG."""
+import sys
+
+HELP = "plan a saved trace under a memory budget and compare planners in the simulator"
+
+
+def add_arguments(p):
+    p.add_argument("trace", help="trace JSON (from `python -m memsched profile` or Trace.to_json)")
+    p.add_argument("--budget", required=True,
+                   help="device memory budget: bytes, a size like 4GiB, or a percentage of keep_all's peak like 50%%")
+    p.add_argument("--planner", default="all", help="a planner name or 'all' (default: all)")
+    p.add_argument("--device", default=None,
+                   help="device preset (h100-pcie [default], h100-sxm, cpu; aliases h100, h100-pcie5) or a JSON path")
+    p.add_argument("--durations", default="auto", choices=["auto", "measured", "roofline"],
+                   help="op times: the trace's measured durations or the roofline (auto: measured only when the "
+                        "trace was recorded on the same kind of device as the preset)")
+    p.add_argument("--out", default="timeline.png", help="PNG for the best plan's simulated timeline")
+
+
+def run(args):
+    import memsched
+    from memsched import planning
+
+    try:
+        trace = memsched.Trace.from_json(args.trace)
+    except memsched.MemschedError as e:
+        print(f"memsched plan: cannot read {args.trace}: {e}", file=sys.stderr)
+        return 2
+    names = "all" if args.planner == "all" else [args.planner]
+    if names != "all" and args.planner not in planning.planner_names():
+        print(f"memsched plan: unknown planner '{args.planner}'; known: all, {', '.join(planning.planner_names())}",
+              file=sys.stderr)
+        return 2
+    try:
+        rows = planning.compare(trace, args.budget, names, device=args.device, durations=args.durations)
+    except (ValueError, memsched.MemschedError) as e:
+        print(f"memsched plan: {e}", file=sys.stderr)
+        return 2
+    budget = rows[0]["budget_bytes"]
+    device = planning.resolve_device(args.device, trace, args.durations)
+    print(f"trace {args.trace}: {len(trace.ops)} ops, {len(trace.tensors)} tensors, keep_all peak "
+          f"{memsched.format_bytes(trace.peak_bytes())}, least reachable "
+          f"{memsched.format_bytes(memsched._C.least_budget_bytes(trace))}")
+    print(f"budget {memsched.format_bytes(budget)} on device '{device.name}' "
+          f"({'measured' if device.use_measured_durations else 'roofline'} op times)")
+    print(planning.format_table(rows))
+    for r in rows:
+        if not r["ok"]:
+            print(f"  {r['planner']}: {r['error']}")
+    best = planning.best_row(rows)
+    if best is None:
+        print("no planner meets this budget", file=sys.stderr)
+        return 1
+    planning.save_timeline(best["result"], args.out,
+                           title=f"{best['planner']} at {memsched.format_bytes(budget)} ({device.name})")
+    print(f"best: {best['planner']}; timeline written to {args.out}")
+    return 0
