@@ -14,8 +14,7 @@ Note [DDP and deferred weight gradients]
   (``require_backward_grad_sync = False``: no prepare_for_backward, the
   Reducer's hooks return at once) and memsched does the reduction itself: the
   parameters are cut into buckets like DDP's (reverse registration order,
-  first bucket ``dist._DEFAULT_FIRST_BUCKET_BYTES``, then
-  ``ddp.bucket_bytes_cap``); the DwScheduler orders deferred work so the next
+  DDP's first-bucket cap, then ``ddp.bucket_bytes_cap``); the DwScheduler orders deferred work so the next
   bucket completes first (See Note [dW priority] in csrc/core/dw_scheduler.h);
   a ready bucket is flattened, divided by the world size and all-reduced
   asynchronously on DDP's process group, strictly in bucket order on every
@@ -42,8 +41,14 @@ class BucketReducer:
         self.group = ddp_model.process_group
         self.world_size = dist.get_world_size(self.group)
         self.params = list(params)
-        first_cap = int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024))
         cap = int(getattr(ddp_model, "bucket_bytes_cap", 25 * 1024 * 1024))
+        config = getattr(ddp_model, "_bucket_config", None)  # torch >= 2.12
+        if config is not None:
+            first_cap = int(config.first_bucket_bytes_cap)
+        elif getattr(ddp_model, "bucket_bytes_cap_default", False):
+            first_cap = int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024))
+        else:
+            first_cap = cap
         self.buckets: List[List[int]] = []
         current: List[int] = []
         current_bytes = 0
