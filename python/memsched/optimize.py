@@ -30,8 +30,12 @@ Note [Budgets]
   the profiled peak fits the device (always on CPU), else `planner` at 90% of
   the device's total memory. An int or a string ("6GiB"): a device-memory
   budget in bytes for the whole step (parameters, gradients and optimizer
-  state included). A float f in (0, 1]: the profiled peak minus (1 - f) times
-  the step's saved-activation bytes, i.e. "keep f of the activations' memory".
+  state included). A string "50%": that share of the profiled step's peak (as
+  memsched.plan reads it). A float f in (0, 1]: the profiled peak minus (1 - f)
+  times the activation peak (the most saved-activation bytes live at one op,
+  keeping everything), i.e. "f of plain's activation memory" -- the budgets of
+  the benchmark. A budget below what any plan can reach raises the planner's
+  MemschedError (naming the least budget) from the first run.step().
 """
 import time
 import warnings
@@ -72,13 +76,6 @@ def simulate(trace, plan, device):
     return fn(trace, plan, device=device) if fn is not None else None
 
 
-def _attr(obj, *names, default=None):
-    for n in names:
-        if obj is not None and hasattr(obj, n):
-            return getattr(obj, n)
-    return default
-
-
 class Run:
     """A memsched.optimize() session; see the module docstring."""
 
@@ -95,10 +92,14 @@ class Run:
         self.planner = planner
         self.device = torch.device(device) if device is not None else self._model_device(model)
         self.budget_spec = budget
-        if budget is not None and not isinstance(budget, float):
+        if isinstance(budget, str) and budget.strip().endswith("%"):
+            pass  # a percentage of the profiled keep-all peak, resolved by memsched.plan
+        elif budget is not None and not isinstance(budget, float):
             self.budget_spec = parse_bytes(budget, name="budget")
         elif isinstance(budget, float) and not 0.0 < budget <= 1.0:
             raise ValueError(f"budget: a float is a fraction of the activation memory in (0, 1], got {budget}")
+        # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
+        # unless the caller passes a measured one (memsched.measure_device()).
         self.device_model = device_model if device_model is not None else ("cpu" if self.device.type == "cpu"
                                                                             else None)
         if min_offload_bytes is None:
@@ -190,10 +191,8 @@ class Run:
         self._optimizer_step()
 
     def _optimizer_step(self):
-        if self.ooo_ is not None:
-            self.ooo_.step()
-            if self.fuse_optimizer:
-                return
+        if self.ooo_ is not None and not self.ooo_.step():
+            return  # fused: updated during backward (or a micro-step of gradient accumulation)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -270,8 +269,11 @@ class Run:
                 return None, None
             return int(_DEVICE_MEMORY_FRACTION * total), self.planner
         if isinstance(spec, float):
-            act = trace.activation_bytes()
-            return int(trace.peak_bytes() - (1.0 - spec) * act), self.planner
+            act_peak = max(planned_activation_curve(trace, None), default=0)
+            return int(trace.peak_bytes() - (1.0 - spec) * act_peak), self.planner
+        if isinstance(spec, str):
+            from memsched.planning import resolve_budget
+            return resolve_budget(spec, trace), self.planner
         return spec, self.planner
 
     def _on_mismatch(self, why):
@@ -314,11 +316,10 @@ class Run:
             out["bytes_moved"] = 2 * sched.offloaded_bytes
         sim = self.simulation
         if sim is not None:
-            step_us = _attr(sim, "step_time_us")
-            stall_us = _attr(sim, "stall_time_us", "stall_us", "total_stall_us")
-            out["peak_bytes"] = _attr(sim, "peak_bytes")
-            out["step_time_s"] = None if step_us is None else step_us / 1e6
-            out["stall_s"] = None if stall_us is None else stall_us / 1e6
+            out["peak_bytes"] = sim.peak_bytes
+            out["step_time_s"] = sim.step_time_us / 1e6
+            out["stall_s"] = sim.stall_us / 1e6
+            out["bytes_moved"] = sim.bytes_to_host + sim.bytes_to_device
         elif self.plan is None:
             out["peak_bytes"] = self.trace.peak_bytes()
             out["bytes_moved"] = 0
@@ -354,20 +355,19 @@ class Run:
     def _planned_timeline(self):
         """[(t_s, bytes)] of the plan (simulator timeline when given, else the op-level model) + copies."""
         sim = self.simulation
-        timeline = _attr(sim, "memory_timeline", "timeline")
-        if timeline:
-            try:
-                pts = [(float(_attr(p, "time_us", default=p[0])) / 1e6, int(_attr(p, "bytes", default=p[1])))
-                       for p in timeline]
-                copies = []
-                for c in _attr(sim, "copies", default=[]) or []:
-                    copies.append((_attr(c, "kind", default="d2h"), _attr(c, "start_us") / 1e6,
-                                   _attr(c, "end_us") / 1e6, _attr(c, "bytes", default=0)))
-                return pts, copies
-            except (TypeError, IndexError, AttributeError):
-                pass
-        ops = self.trace.ops
+        copies = []
+        if sim is not None:
+            streams = sim.timeline
+            copies = [(kind, e["start_us"] / 1e6, e["end_us"] / 1e6, e["bytes"])
+                      for kind in ("d2h", "h2d") for e in streams.get(kind, [])]
+            if self.device.type == "cuda":  # measured: memory_allocated, i.e. everything -- as simulated
+                return [(t_us / 1e6, b) for t_us, b in sim.memory], copies
+        # CPU measures saved activations only: plot the plan's activation curve, on the simulator's
+        # op start times when there is a simulation, else on the measured op durations.
         curve = planned_activation_curve(self.trace, self.plan)
+        if sim is not None:
+            return [(t_us / 1e6, b) for t_us, b in zip(sim.op_start_us, curve)], copies
+        ops = self.trace.ops
         # Place ops on a time axis by their measured durations.
         t, pts = 0.0, []
         for op, b in zip(ops, curve):

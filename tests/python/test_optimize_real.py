@@ -48,15 +48,51 @@ def test_session_records_what_profile_records():
     assert got.activation_bytes() == ref.activation_bytes() > 0
 
 
-@pytest.mark.parametrize("kind", ["mlp", "transformer", "ckpt_reentrant"])
-def test_real_profiler_then_offload_is_bitwise(kind, planner_if_missing):
+def _train_lean(kind, model, run, steps):
+    """_train without the gradient clones (which would be part of the profiled step's memory)."""
+    for step in range(steps):
+        x, y = _data(kind, step)
+        _loss(kind, model(x), y).backward()
+        run.step()
+
+
+def _halfway_budget(kind, model):
+    """(bytes halfway between the least budget any plan reaches and keep_all's peak, least, peak)."""
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    with optimize(twin, opt, budget=1.0, planner="keep_all") as run:
+        _train_lean(kind, twin, run, 1)
+    least, peak = memsched._C.least_budget_bytes(run.trace), run.trace.peak_bytes()
+    return (least + peak) // 2, least, peak
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_real_profiler_and_offload_all_prefetch_is_bitwise(kind, planner_if_missing):
     model, opt, ref, ref_opt = _pair(kind)
-    planner = "offload_all_prefetch" if HAVE_PLANNER else "dp"
-    with optimize(model, opt, budget=1.0 if not HAVE_PLANNER else None, planner=planner) as run:
+    with optimize(model, opt, budget=1.0, planner="offload_all_prefetch") as run:
         grads = _train(kind, model, opt, 3, run=run)
     _assert_bitwise(grads, _train(kind, ref, ref_opt, 3), model, ref)
     assert [s.mode for s in run.step_stats] == ["planned", "planned"]
-    assert run.trace.activation_bytes() > 0
+    assert all(s.offloaded > 0 and s.d2h_bytes > 0 and s.on_demand + s.prefetched == s.offloaded
+               for s in run.step_stats)
+    if HAVE_PLANNER:
+        assert len(run.schedule.offload) == run.plan.num_offloaded() - run.schedule.skipped_small > 0
+
+
+@pytest.mark.skipif(not HAVE_PLANNER, reason="memsched.plan (planner issue) not in this build")
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_real_dp_plan_between_least_and_peak_is_bitwise(kind):
+    model, opt, ref, ref_opt = _pair(kind)
+    budget, least, peak = _halfway_budget(kind, model)
+    with optimize(model, opt, budget=budget, planner="dp") as run:
+        _train_lean(kind, model, run, 3)
+    _train(kind, ref, ref_opt, 3)
+    _assert_bitwise([], [], model, ref)
+    assert [s.mode for s in run.step_stats] == ["planned", "planned"]
+    assert max(memsched._C.modelled_memory(run.trace, run.plan)) <= run.budget_bytes == budget
+    if least < peak:
+        assert run.plan.num_offloaded() > 0
+        assert all(s.offloaded > 0 for s in run.step_stats)
 
 
 def test_no_budget_on_cpu_keeps_everything():

@@ -30,5 +30,7 @@ class HostBuffers:
         """An uninitialised flat uint8 host tensor of `nbytes` bytes."""
         self.bytes_handed_out += nbytes
         if self.pool is not None:
-            return self.pool.empty([nbytes], dtype=torch.uint8)
+            # WARNING: the block returns to the pool when the tensor dies; CopyEngine keeps every host
+            # buffer referenced until the copy touching it has finished (Note [Offload copy ordering]).
+            return self.pool.empty(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
