@@ -376,3 +376,23 @@ def test_bad_arguments_are_named():
         optimize(model, budget=1.5)
     with pytest.raises(RuntimeError, match="run.step"):
         optimize(model).step()
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_out_of_order_backward_composes_with_offload(fuse, standins):
+    """ooo=True defers weight gradients (memsched.ooo); the offload executor runs underneath."""
+    pytest.importorskip("memsched.ooo")
+    model, _, ref, _ = _pair("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    with optimize(model, opt, budget=1, ooo=True, fuse_optimizer=fuse) as run:
+        for step in range(3):
+            x, y = _data("mlp", step)
+            _loss("mlp", model(x), y).backward()
+            run.step()
+    _train("mlp", ref, ref_opt, 3)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), f"parameter {name} differs"
+    assert [s.mode for s in run.step_stats] == ["planned", "planned"]
+    assert all(s.offloaded > 0 for s in run.step_stats)
+    assert all(not m._forward_pre_hooks and "forward" not in m.__dict__ for m in model.modules())
