@@ -51,6 +51,9 @@ class CMakeBuild(build_ext):
         shutil.copy2(built, dest)
         for shim in build_dir.glob("libmemsched_alloc*.so"):
             shutil.copy2(shim, dest.parent / shim.name)
+            # An editable install copies only _C into the source tree; the
+            # allocator library (loaded by path, memsched/allocator.py) goes there too.
+            shutil.copy2(shim, ROOT / "python" / "memsched" / shim.name)
 
 
 setup(

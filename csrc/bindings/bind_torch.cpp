@@ -4,6 +4,11 @@
 
 #include "bindings/bindings.h"
 #include "torch/tensor_adapter.h"
+#include "torch/host_tensor.h"
+#include "torch/pluggable_hooks.h"
+#include "core/alloc/pool_json.h"
+
+#include <torch/csrc/Dtype.h>
 
 namespace memsched::bindings {
 
@@ -17,6 +22,45 @@ void bind_torch(pybind11::module_& m) {
       pybind11::arg("tensor"),
       "(key, nbytes) of the tensor's storage: views of one storage share the key. "
       "See Note [Storage identity].");
+
+  // --- allocator (issue 4): pooled host tensors and the pluggable-allocator hooks.
+  namespace py = pybind11;
+  py::class_<HostTensorPool, std::shared_ptr<HostTensorPool>>(
+      m, "HostTensorPool",
+      "CPU tensors carved from a memsched block pool: pinned=True uses cudaHostAlloc segments "
+      "(GPU machines; the offload executor's staging buffers), pinned=False aligned malloc. "
+      "Tensors return their block when freed, from any thread. See Note [Host tensor deleter].")
+      .def(py::init<bool>(), py::arg("pinned") = false)
+      .def("empty", [](HostTensorPool& p, int64_t nbytes, uintptr_t stream) { return p.empty_bytes(nbytes, stream); },
+           py::arg("nbytes"), py::arg("stream") = 0, "A uint8 tensor of nbytes bytes.")
+      .def("empty",
+           [](HostTensorPool& p, std::vector<int64_t> shape, py::object dtype, uintptr_t stream) {
+             MEMSCHED_CHECK(THPDtype_Check(dtype.ptr()), "HostTensorPool.empty: dtype must be a torch.dtype");
+             return p.empty(shape, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, stream);
+           },
+           py::arg("shape"), py::arg("dtype"), py::arg("stream") = 0)
+      .def("record_stream", [](HostTensorPool& p, const at::Tensor& t, uintptr_t stream) { p.record_stream(t, stream); },
+           py::arg("tensor"), py::arg("stream"), "stream: a raw handle, e.g. torch.cuda.Stream.cuda_stream")
+      .def("stats", [](HostTensorPool& p) {
+             py::dict d;
+             for (const auto& [key, value] : flatten_stats(p.pool().stats())) d[py::str(key)] = value;
+             return d;
+           })
+      .def("state_json", [](HostTensorPool& p, bool include_history) { return pool_state_json(p.pool(), 0, include_history); },
+           py::arg("include_history") = true)
+      .def("record_history", [](HostTensorPool& p, bool enabled, size_t n) { p.pool().record_history(enabled, n); },
+           py::arg("enabled") = true, py::arg("max_entries") = 100000)
+      .def("empty_cache", [](HostTensorPool& p) { p.pool().empty_cache(); }, py::call_guard<py::gil_scoped_release>())
+      .def("reset_peak_stats", [](HostTensorPool& p) { p.pool().reset_peak_stats(); })
+      .def("check_invariants", [](HostTensorPool& p) { p.pool().check_invariants(); })
+      .def_property_readonly("pinned", &HostTensorPool::pinned)
+      .def_property_readonly("backend", [](HostTensorPool& p) { return std::string(p.pool().backend_name()); });
+
+  m.def("_pluggable_hooks_supported", &pluggable_hooks_supported);
+  m.def("_install_pluggable_hooks", &install_pluggable_hooks, py::arg("record_stream_fn"),
+        py::arg("empty_cache_fn"),
+        "Point torch's CUDAPluggableAllocator record_stream/reset hooks at C function addresses. "
+        "See Note [Wiring record_stream].");
 }
 
 }  // namespace memsched::bindings

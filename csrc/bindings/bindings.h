@@ -18,5 +18,6 @@ void bind_plan(pybind11::module_& m);
 void bind_trace_builder(pybind11::module_& m);
 void bind_torch(pybind11::module_& m);
 void bind_sched(pybind11::module_& m);
+void bind_alloc(pybind11::module_& m);
 
 }  // namespace memsched::bindings

@@ -10,6 +10,7 @@ PYBIND11_MODULE(_C, m) {
   memsched::bindings::bind_trace_builder(m);
   memsched::bindings::bind_torch(m);
   memsched::bindings::bind_sched(m);
+  memsched::bindings::bind_alloc(m);
 #ifdef MEMSCHED_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else

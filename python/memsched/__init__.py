@@ -12,6 +12,8 @@ from memsched.profiler import profile
 from memsched import models
 from memsched.device import DeviceModel, load_device, measure_device
 from memsched.planning import Plan, SimResult, plan, simulate
+from memsched import allocator
+from memsched.allocator import dump_snapshot, memory_snapshot, memory_stats
 
 __version__ = "0.1.0"
 
@@ -31,4 +33,8 @@ __all__ = [
     "measure_device",
     "plan",
     "simulate",
+    "allocator",
+    "dump_snapshot",
+    "memory_snapshot",
+    "memory_stats",
 ]

@@ -362,6 +362,12 @@ void BlockPool::empty_cache() {
   release_cached_segments();
 }
 
+bool BlockPool::owns(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = active_.find(reinterpret_cast<uintptr_t>(ptr));
+  return it != active_.end() && it->second->allocated;
+}
+
 size_t BlockPool::block_size(const void* ptr) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = active_.find(reinterpret_cast<uintptr_t>(ptr));

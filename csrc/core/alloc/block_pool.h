@@ -114,6 +114,8 @@ class BlockPool {
   // Retire pending frees whose events have completed (malloc does this too).
   void process_events();
 
+  // True if `ptr` is a live (allocated) block of this pool.
+  bool owns(const void* ptr) const;
   // Size of the block holding the allocation at `ptr` (>= the rounded request).
   size_t block_size(const void* ptr) const;
   AllocatorStats stats() const;

@@ -1,0 +1,198 @@
+// memsched_alloc_shim.cpp -- libmemsched_alloc.so: memsched's device block
+// pools behind the plain C entry points that
+// torch.cuda.memory.CUDAPluggableAllocator loads with ctypes. No torch here.
+//
+//   void* memsched_malloc(ssize_t size, int device, cudaStream_t stream)
+//   void  memsched_free(void* ptr, size_t size, int device, cudaStream_t stream)
+//   void  memsched_record_stream(void* ptr, cudaStream_t stream)   (Tensor.record_stream)
+//   void  memsched_empty_cache(void)                               (torch.cuda.empty_cache)
+//   ...   statistics / snapshot as JSON text, history, peak reset, last error.
+//
+// Note [One pool per device, process-wide]
+//   Rationale: torch installs one allocator for the whole process; its C
+//   callbacks carry no context pointer. Approach: a fixed array of lazily
+//   created BlockPools, one per device ordinal, each over CUDA device memory
+//   and CUDA events for that device. This library links its own copy of
+//   memsched_core/memsched_backend: _C talks to these pools only through the
+//   C functions below (JSON for statistics), never by sharing C++ objects.
+//
+// Note [Errors across the C ABI]
+//   Rationale: exceptions must not cross into torch's C++ through a C
+//   function pointer. Approach: every entry point catches; the message goes to
+//   a thread-local buffer (memsched_last_error) and, for a failed malloc, to
+//   stderr, because CUDAPluggableAllocator does not check for nullptr and
+//   the Python caller would otherwise never learn why.
+//   Limitations: an out-of-memory therefore surfaces as a nullptr storage
+//   (and a CUDA error at first use), not as torch.OutOfMemoryError.
+#include <sys/types.h>
+
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "backend/cuda_backend.h"
+#include "core/alloc/block_pool.h"
+#include "core/alloc/pool_json.h"
+
+namespace {
+
+using memsched::BlockPool;
+using memsched::StreamHandle;
+
+constexpr int kMaxDevices = 64;
+
+struct DevicePools {
+  std::array<std::once_flag, kMaxDevices> once;
+  std::array<std::unique_ptr<BlockPool>, kMaxDevices> pools;
+  std::mutex history_mutex;
+  bool history_enabled = false;   // applied to pools created later too
+  size_t history_max_entries = 0;
+};
+
+DevicePools& device_pools() {
+  static DevicePools* pools = new DevicePools();  // never destroyed: torch frees after exit handlers
+  return *pools;
+}
+
+thread_local std::string last_error;
+
+BlockPool* pool_for(int device) {
+  MEMSCHED_CHECK(device >= 0 && device < kMaxDevices, "memsched_malloc: device ", device,
+                 " is out of range [0, ", kMaxDevices, ")");
+  DevicePools& d = device_pools();
+  std::call_once(d.once[device], [&] {
+    auto raw = memsched::make_cuda_device_memory(device);  // first: names a missing device
+    auto pool = std::make_unique<BlockPool>(raw, memsched::make_cuda_stream_events(device));
+    std::lock_guard<std::mutex> lock(d.history_mutex);
+    if (d.history_enabled) pool->record_history(true, d.history_max_entries);
+    d.pools[device] = std::move(pool);
+  });
+  return d.pools[device].get();
+}
+
+BlockPool* existing_pool(int device) {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  return device_pools().pools[device].get();
+}
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) void* memsched_malloc(ssize_t size, int device, void* stream) {
+  try {
+    if (size <= 0) return nullptr;
+    return pool_for(device)->malloc(static_cast<size_t>(size), reinterpret_cast<StreamHandle>(stream));
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    std::fprintf(stderr, "%s\n", e.what());
+    return nullptr;
+  }
+}
+
+__attribute__((visibility("default"))) void memsched_free(void* ptr, size_t /*size*/, int device,
+                                                          void* /*stream*/) {
+  try {
+    if (ptr == nullptr) return;
+    BlockPool* pool = existing_pool(device);
+    MEMSCHED_CHECK(pool != nullptr, "memsched_free: no memsched pool for device ", device);
+    pool->free(ptr);
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    std::fprintf(stderr, "memsched_free: %s\n", e.what());
+  }
+}
+
+// Tensor.record_stream(s) reaches here through CUDAPluggableAllocator's
+// record_stream hook (See Note [Wiring record_stream] in bind_torch.cpp).
+__attribute__((visibility("default"))) void memsched_record_stream(void* ptr, void* stream) {
+  try {
+    for (int d = 0; d < kMaxDevices; ++d) {
+      BlockPool* pool = existing_pool(d);
+      if (pool != nullptr && pool->owns(ptr)) {
+        pool->record_stream(ptr, reinterpret_cast<StreamHandle>(stream));
+        return;
+      }
+    }
+    MEMSCHED_CHECK(false, "memsched_record_stream: ", ptr, " is not a live memsched allocation");
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    std::fprintf(stderr, "%s\n", e.what());
+  }
+}
+
+__attribute__((visibility("default"))) void memsched_empty_cache() {
+  try {
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (BlockPool* pool = existing_pool(d)) pool->empty_cache();
+    }
+  } catch (const std::exception& e) {
+    last_error = e.what();
+  }
+}
+
+// Number of device pools created so far (the highest device ordinal used + 1).
+__attribute__((visibility("default"))) int memsched_num_devices_used() {
+  int n = 0;
+  for (int d = 0; d < kMaxDevices; ++d) {
+    if (existing_pool(d) != nullptr) n = d + 1;
+  }
+  return n;
+}
+
+// Writes the device pool's state (pool_json.h) into buf when it fits (with its
+// NUL) and returns the length needed including the NUL; 0 if the device has
+// no pool yet.
+__attribute__((visibility("default"))) size_t memsched_state_json(int device, int include_history,
+                                                                   char* buf, size_t capacity) {
+  try {
+    BlockPool* pool = existing_pool(device);
+    if (pool == nullptr) return 0;
+    const std::string text = memsched::pool_state_json(*pool, device, include_history != 0);
+    if (buf != nullptr && capacity > text.size()) std::memcpy(buf, text.c_str(), text.size() + 1);
+    return text.size() + 1;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 0;
+  }
+}
+
+__attribute__((visibility("default"))) void memsched_record_history(int enabled, size_t max_entries) {
+  DevicePools& d = device_pools();
+  std::lock_guard<std::mutex> lock(d.history_mutex);
+  d.history_enabled = enabled != 0;
+  d.history_max_entries = max_entries;
+  for (int i = 0; i < kMaxDevices; ++i) {
+    if (BlockPool* pool = existing_pool(i)) pool->record_history(enabled != 0, max_entries);
+  }
+}
+
+__attribute__((visibility("default"))) void memsched_reset_peak_stats(int device) {
+  if (BlockPool* pool = existing_pool(device)) pool->reset_peak_stats();
+}
+
+__attribute__((visibility("default"))) int memsched_check_invariants(int device) {
+  try {
+    if (BlockPool* pool = existing_pool(device)) pool->check_invariants();
+    return 1;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 0;
+  }
+}
+
+// The last error on the calling thread ("" if none).
+__attribute__((visibility("default"))) const char* memsched_last_error() { return last_error.c_str(); }
+
+__attribute__((visibility("default"))) int memsched_built_with_cuda() {
+#ifdef MEMSCHED_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+}  // extern "C"

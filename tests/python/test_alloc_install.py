@@ -1,0 +1,163 @@
+"""memsched.allocator.install(): each case runs in a fresh subprocess, because
+installing a process-wide CUDA allocator cannot be undone.
+
+On a CPU-only machine: the shim library loads and exports its entry points,
+install() refuses with a clear error, and the "too late" message names the fix.
+With a GPU (requires_cuda): CUDA tensors come from memsched, statistics track
+them, record_stream delays reuse, empty_cache reaches memsched, snapshots load.
+"""
+import ctypes
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import memsched
+from memsched import allocator
+
+
+def run_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_shim_loads_and_exports_its_entry_points():
+    lib = ctypes.CDLL(allocator.shim_path())
+    for name in ("memsched_malloc", "memsched_free", "memsched_record_stream", "memsched_empty_cache",
+                 "memsched_state_json", "memsched_record_history", "memsched_reset_peak_stats",
+                 "memsched_num_devices_used", "memsched_last_error", "memsched_check_invariants"):
+        assert ctypes.cast(getattr(lib, name), ctypes.c_void_p).value, name
+    lib.memsched_built_with_cuda.restype = ctypes.c_int
+    assert lib.memsched_built_with_cuda() == int(memsched._C.built_with_cuda)
+
+
+def test_shim_malloc_without_gpu_returns_null_and_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = run_python("""
+        import ctypes
+        from memsched import allocator
+        lib = allocator._load_shim()
+        assert lib.memsched_malloc(4096, 0, None) is None
+        print(lib.memsched_last_error().decode())
+        assert lib.memsched_state_json(0, 0, None, 0) == 0   # no pool was created
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "device 0 does not exist (0 CUDA devices visible)" in r.stdout, r.stdout
+
+
+def test_install_without_cuda_raises_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = run_python("""
+        import memsched
+        try:
+            memsched.allocator.install()
+        except memsched.MemschedError as e:
+            print("ERR", e)
+        else:
+            print("installed")
+        import torch
+        assert not memsched.allocator.is_installed()
+        assert not torch.cuda.is_initialized()
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "ERR" in r.stdout and "no CUDA device is available" in r.stdout, r.stdout
+    assert "HostTensorPool" in r.stdout
+
+
+def test_install_after_cuda_init_says_too_late_and_how_to_fix():
+    # Without a GPU, CUDA cannot really be initialised: pretend it was, to check
+    # the message a user gets (the real case runs in test_install_too_late_on_gpu).
+    r = run_python("""
+        import torch, memsched
+        torch.cuda.is_initialized = lambda: True
+        try:
+            memsched.allocator.install()
+        except memsched.MemschedError as e:
+            print("ERR", e)
+    """)
+    assert r.returncode == 0, r.stderr
+    if "built without CUDA" in r.stdout:
+        pytest.skip("memsched built without CUDA")
+    assert "after CUDA was initialised" in r.stdout, r.stdout
+    assert "fresh process" in r.stdout and "first thing" in r.stdout
+
+
+@pytest.mark.requires_cuda
+def test_install_too_late_on_gpu():
+    r = run_python("""
+        import torch, memsched
+        torch.zeros(1, device="cuda")
+        try:
+            memsched.allocator.install()
+        except memsched.MemschedError as e:
+            print("ERR", e)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "after CUDA was initialised" in r.stdout, r.stdout
+
+
+@pytest.mark.requires_cuda
+def test_install_routes_cuda_tensors_through_memsched(tmp_path):
+    path = tmp_path / "snap.pickle"
+    r = run_python(f"""
+        import pickle, torch, memsched
+        memsched.allocator.install(record_history=True)
+        assert memsched.allocator.is_installed()
+        assert memsched.allocator.record_stream_is_honoured()
+        x = torch.empty(1000, device="cuda", dtype=torch.float32)      # 4000 B -> 4096
+        y = torch.empty(3 << 20, device="cuda", dtype=torch.uint8)     # 3 MiB
+        s = memsched.memory_stats()
+        assert s["allocation.all.current"] == 2, s["allocation.all.current"]
+        assert s["requested_bytes.all.current"] == 4000 + (3 << 20)
+        assert s["allocated_bytes.all.current"] == 4096 + (3 << 20)
+        ptr = y.data_ptr()
+        # record_stream: y is read on a side stream, so its block must not be reused yet.
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)   # keep the side stream busy
+            z = y.float().sum()
+        y.record_stream(side)
+        del y
+        w = torch.empty(3 << 20, device="cuda", dtype=torch.uint8)
+        assert w.data_ptr() != ptr, "block reused while the side stream may read it"
+        side.synchronize()
+        del w
+        v = torch.empty(3 << 20, device="cuda", dtype=torch.uint8)
+        assert memsched.memory_stats()["active.all.current"] >= 2
+        memsched.allocator.check_invariants()
+        del v, x
+        torch.cuda.empty_cache()      # reaches memsched through the reset hook
+        memsched.dump_snapshot("{path}")
+        snap = pickle.load(open("{path}", "rb"))
+        from torch.cuda import _memory_viz as viz
+        viz.segsum(snap)
+        print("OK", memsched.memory_stats()["reserved_bytes.all.current"])
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK" in r.stdout
+
+
+@pytest.mark.requires_cuda
+def test_training_step_matches_native_allocator():
+    code = """
+        import sys, torch, memsched
+        from memsched import models
+        if sys.argv[1] == "memsched":
+            memsched.allocator.install()
+        torch.manual_seed(0)
+        model = models.build_model("transformer", "small", device="cuda")
+        step = models.make_step_fn(model, "transformer", batch=4, device="cuda")
+        loss = step()
+        print(repr(float(loss)), float(sum(p.grad.double().sum() for p in model.parameters())))
+    """
+    out = []
+    for mode in ("native", "memsched"):
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(code), mode], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        out.append(r.stdout.strip())
+    assert out[0] == out[1]
