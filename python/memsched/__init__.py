@@ -12,6 +12,7 @@ from memsched.profiler import profile
 from memsched import models
 from memsched.device import DeviceModel, load_device, measure_device
 from memsched.planning import Plan, SimResult, plan, simulate
+from memsched.optimize import Run, optimize
 from memsched import allocator
 from memsched.allocator import dump_snapshot, memory_snapshot, memory_stats
 
@@ -33,6 +34,8 @@ __all__ = [
     "measure_device",
     "plan",
     "simulate",
+    "optimize",
+    "Run",
     "allocator",
     "dump_snapshot",
     "memory_snapshot",

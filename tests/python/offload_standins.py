@@ -6,6 +6,7 @@ memsched.saved_tensors) and writes a Trace with one forward op per activation
 (its producer) and one backward op per unpack, so that the executor can be
 tested independently of the profiler and the planners.
 """
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -109,7 +110,7 @@ def install_standins(monkeypatch, lookahead=1, only_missing=False):
 
     only_missing=True: substitute only the pieces this build does not have yet.
     """
-    import memsched.optimize as opt
+    opt = importlib.import_module("memsched.optimize")  # memsched.optimize is also the function
     have_profiler = _importable("memsched.profiler")
     if not (only_missing and have_profiler):
         monkeypatch.setattr(opt, "start_profile", lambda model, optimizer, device: StandInProfiler(model).start())
