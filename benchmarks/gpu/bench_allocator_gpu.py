@@ -1,0 +1,163 @@
+"""bench_allocator_gpu.py -- memsched's caching allocator against PyTorch's native one, on a GPU.
+
+    python benchmarks/gpu/bench_allocator_gpu.py [--families transformer,cnn,mlp] [--steps 20]
+           [--warmup 5] [--out bench_out/allocator_gpu.json]
+
+Two parts; each (mode, part, family) runs in a fresh subprocess, because memsched.allocator.install()
+replaces the CUDA allocator for the whole process and cannot be undone:
+
+  replay  The family's training step is profiled (memsched.profile, on the GPU) into a Trace; its
+          allocations are replayed with torch.empty(bytes, dtype=uint8, device="cuda") in execution
+          order (See Note [Replaying a step] in csrc/core/alloc/trace_replay.h), two steps. Reported:
+          peak reserved and peak allocated bytes -- torch.cuda.max_memory_reserved /
+          max_memory_allocated for native, memsched.memory_stats()'s reserved_bytes.all.peak /
+          allocated_bytes.all.peak for memsched -- against the trace's peak live bytes, and the
+          replay's wall time per allocation.
+  step    Training step time of the example model (forward + loss + backward + AdamW step) with
+          native vs memsched installed: torch.cuda.synchronize() before each clock read, median and
+          min/max over --steps after --warmup; peak reserved bytes. Goal: memsched no slower.
+
+Prints a table with the GPU model, torch and CUDA versions and writes JSON with --out. Without a
+CUDA device it prints that and exits 0 (nothing here is a CPU number).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+FAMILIES = {"transformer": 16, "cnn": 128, "mlp": 4096}  # batch per family (bench_planners.py's)
+
+
+def _worker(mode: str, part: str, family: str, steps: int, warmup: int) -> dict:
+    import torch
+
+    import memsched
+    from memsched import models
+
+    if mode == "memsched":
+        memsched.allocator.install()
+    batch = FAMILIES[family]
+    model = models.build_model(family, "realistic", device="cuda")
+    step = models.make_step_fn(model, family, batch=batch, size="realistic", device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def peaks():
+        if mode == "memsched":
+            s = memsched.memory_stats()
+            return s["reserved_bytes.all.peak"], s["allocated_bytes.all.peak"]
+        return torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+
+    if part == "replay":
+        trace = memsched.profile(step, model=model)
+        del model, step, opt
+        live = trace.peak_bytes()
+        n_ops = len(trace.ops)
+        born = [[] for _ in range(n_ops)]
+        dies = [[] for _ in range(n_ops)]
+        persistent, outlive = [], []
+        for t in trace.tensors:
+            if t.bytes <= 0:
+                continue
+            if t.producer_op == -1 and t.freed_after_op == -1:
+                persistent.append(t)
+                continue
+            born[max(t.producer_op, 0)].append(t)
+            (outlive if t.freed_after_op == -1 else dies[t.freed_after_op]).append(t)
+        torch.cuda.synchronize()
+        base_reserved, base_allocated = peaks()
+        held = {t.id: torch.empty(t.bytes, dtype=torch.uint8, device="cuda") for t in persistent}
+        n = 0
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(2):
+            for op in range(n_ops):
+                for t in born[op]:
+                    held[t.id] = torch.empty(t.bytes, dtype=torch.uint8, device="cuda")
+                    n += 1
+                for t in dies[op]:
+                    del held[t.id]
+            for t in outlive:
+                del held[t.id]
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        reserved, allocated = peaks()
+        return {"live": live, "reserved": reserved, "allocated": allocated,
+                "baseline_reserved": base_reserved, "baseline_allocated": base_allocated,
+                "us_per_alloc": 1e6 * elapsed / max(n, 1), "allocations": n}
+
+    times = []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        opt.step()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    reserved, allocated = peaks()
+    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+            "max_ms": 1e3 * max(times), "reserved": reserved, "allocated": allocated}
+
+
+def _run(mode, part, family, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, part, family,
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"{mode} {part} {family} failed:\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", nargs=3, metavar=("MODE", "PART", "FAMILY"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(*args.worker, steps=args.steps, warmup=args.warmup)))
+        return
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_allocator_gpu: needs a CUDA device; none is visible, nothing measured.")
+        return
+    env = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "steps": args.steps, "warmup": args.warmup}
+    results = {"env": env, "replay": {}, "step": {}}
+    mib = 1 << 20
+    print(f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}")
+    print("\nreplay (2 steps): peak reserved / peak allocated vs the trace's peak live")
+    print(f"{'family':12} {'mode':9} {'live MiB':>9} {'reserved MiB':>13} {'res/live':>9} "
+          f"{'alloc MiB':>10} {'us/alloc':>9}")
+    for family in args.families.split(","):
+        for mode in ("native", "memsched"):
+            r = _run(mode, "replay", family, args)
+            results["replay"][f"{family}/{mode}"] = r
+            print(f"{family:12} {mode:9} {r['live'] / mib:9.1f} {r['reserved'] / mib:13.1f} "
+                  f"{r['reserved'] / r['live']:9.3f} {r['allocated'] / mib:10.1f} {r['us_per_alloc']:9.2f}")
+    print("\ntraining step (forward + backward + AdamW), median [min, max] over steps")
+    print(f"{'family':12} {'mode':9} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'vs native':>10} "
+          f"{'reserved MiB':>13}")
+    for family in args.families.split(","):
+        native = None
+        for mode in ("native", "memsched"):
+            r = _run(mode, "step", family, args)
+            results["step"][f"{family}/{mode}"] = r
+            native = native or r
+            print(f"{family:12} {mode:9} {r['median_ms']:10.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} "
+                  f"{r['median_ms'] / native['median_ms']:10.3f} {r['reserved'] / mib:13.1f}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
