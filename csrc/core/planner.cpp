@@ -57,7 +57,7 @@ Plan make_plan(const Trace& trace, const DeviceModel& device, int64_t budget_byt
 void throw_budget_unreachable(const std::string& planner, int64_t budget_bytes, int64_t planner_least_bytes,
                               int64_t global_least_bytes, const std::string& why) {
   std::ostringstream os;
-  if (planner_least_bytes <= global_least_bytes) {
+  if (budget_bytes < global_least_bytes || planner_least_bytes <= global_least_bytes) {
     os << "budget " << budget_bytes << " bytes is below the least budget any plan can reach on this trace: "
        << global_least_bytes << " bytes (every activation offloaded right after its last forward use and "
        << "fetched on demand); raise the budget to at least " << global_least_bytes << " bytes";

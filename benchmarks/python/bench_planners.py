@@ -1,0 +1,96 @@
+"""Planner comparison on real traces: three example model families (transformer, CNN, MLP) profiled
+on this machine's CPU at realistic sizes, budgets at 30/50/70% of keep_all's peak, every planner
+simulated with the H100 PCIe preset (roofline op times: a CPU trace's durations are not GPU times).
+
+Prints and saves (bench_out/planners_table.md) one table of simulated step time and bytes moved per
+(model, budget, planner), and asserts that dp is no slower than any other planner in any cell where
+it has a plan. pytest-benchmark times the dp planner on each trace.
+
+Run: python -m pytest -q benchmarks/python/bench_planners.py -s [--benchmark-json=...]
+"""
+import os
+
+import pytest
+
+import memsched
+from memsched import models, planning
+
+# (family, batch): realistic example models; batches chosen so activations, not weights, dominate
+# the peak where the family allows it (the MLP's weights and gradients still set a high floor).
+FAMILIES = [("transformer", 16), ("cnn", 128), ("mlp", 4096)]
+BUDGETS = ["30%", "50%", "70%"]
+DEVICE = "h100-pcie"
+OUT_DIR = os.environ.get("MEMSCHED_BENCH_OUT", "bench_out")
+_TRACES = {}
+_ROWS = {}
+
+
+def _trace(family, batch):
+    key = (family, batch)
+    if key not in _TRACES:
+        model = models.build_model(family, "realistic")
+        step = models.make_step_fn(model, family, batch=batch, size="realistic")
+        _TRACES[key] = memsched.profile(step, model=model)
+    return _TRACES[key]
+
+
+@pytest.mark.parametrize("family,batch", FAMILIES)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_planner_table(benchmark, family, batch, budget):
+    trace = _trace(family, batch)
+    rows = planning.compare(trace, budget, device=DEVICE)
+    _ROWS[(family, budget)] = (trace, rows)
+    by_name = {r["planner"]: r for r in rows}
+    dp = by_name["dp"]
+    least = memsched._C.least_budget_bytes(trace)
+    budget_bytes = rows[0]["budget_bytes"]
+    if budget_bytes < least:
+        assert not any(r["ok"] for r in rows), "a planner accepted a budget below the least reachable"
+    others = [r for r in rows if r["ok"] and r["planner"] != "dp"]
+    if dp["ok"]:
+        for r in others:
+            assert dp["step_time_us"] <= r["step_time_us"] * (1 + 1e-9), (
+                f"{family} {budget}: dp {dp['step_time_us']:.1f} us slower than {r['planner']} "
+                f"{r['step_time_us']:.1f} us")
+        benchmark.pedantic(lambda: memsched.plan(trace, budget, "dp", device=DEVICE), rounds=3, iterations=1)
+    else:
+        assert not others or budget_bytes < least or "needs at least" in dp["error"]
+        benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+def _cell(r):
+    if not r["ok"]:
+        return "infeasible"
+    return f"{r['step_time_us'] / 1e3:.3f} ms / {memsched.format_bytes(r['bytes_moved'])}"
+
+
+def test_write_table():
+    """Runs last (file order): print and save the whole table."""
+    if not _ROWS:
+        pytest.skip("no planner cells ran")
+    names = planning.planner_names()
+    lines = [f"Simulated step time / bytes moved (both ways), device preset {DEVICE}, roofline op times, "
+             f"torch {__import__('torch').__version__}; traces profiled on CPU.", "",
+             "| model (batch) | budget | least reachable | " + " | ".join(names) + " | dp vs best heuristic |",
+             "|" + "---|" * (len(names) + 4)]
+    for family, batch in FAMILIES:
+        for budget in BUDGETS:
+            if (family, budget) not in _ROWS:
+                continue
+            trace, rows = _ROWS[(family, budget)]
+            by = {r["planner"]: r for r in rows}
+            least = memsched._C.least_budget_bytes(trace)
+            heur = [r for r in rows if r["ok"] and r["planner"] not in ("dp", "keep_all")]
+            if by["dp"]["ok"] and heur:
+                best = min(heur, key=lambda r: r["step_time_us"])
+                win = f"{(1 - by['dp']['step_time_us'] / best['step_time_us']) * 100:.1f}% faster than {best['planner']}"
+            else:
+                win = "-"
+            lines.append(f"| {family} ({batch}) | {budget} = {memsched.format_bytes(rows[0]['budget_bytes'])} | "
+                         f"{memsched.format_bytes(least)} ({least / trace.peak_bytes():.0%}) | "
+                         + " | ".join(_cell(by[n]) for n in names) + f" | {win} |")
+    text = "\n".join(lines)
+    print("\n" + text)
+    os.makedirs(OUT_DIR, exist_ok=True)
+    with open(os.path.join(OUT_DIR, "planners_table.md"), "w") as f:
+        f.write(text + "\n")
