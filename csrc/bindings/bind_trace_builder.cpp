@@ -37,6 +37,19 @@ void bind_trace_builder(py::module_& m) {
            py::arg("name"), py::arg("module_path"), py::arg("phase"))
       .def("end_op", &TraceBuilder::end_op, py::arg("duration_us"), py::arg("flops"), py::arg("bytes_read"),
            py::arg("bytes_written"))
+      .def("record_op",
+           [](TraceBuilder& b, const std::string& name, const std::string& module_path, const std::string& phase,
+              const std::vector<uint64_t>& used, const std::vector<std::tuple<uint64_t, int64_t, std::string>>& outputs,
+              double duration_us, double flops, int64_t bytes_read, int64_t bytes_written) {
+             std::vector<TraceBuilder::OutputInfo> outs;
+             outs.reserve(outputs.size());
+             for (const auto& [key, bytes, dtype] : outputs) outs.push_back({key, bytes, dtype});
+             return b.record_op(name, module_path, to_phase(phase), used, outs, duration_us, flops, bytes_read,
+                                bytes_written);
+           },
+           py::arg("name"), py::arg("module_path"), py::arg("phase"), py::arg("used"), py::arg("outputs"),
+           py::arg("duration_us"), py::arg("flops"), py::arg("bytes_read"), py::arg("bytes_written"),
+           "begin_op + tensor_used(used) + tensor_allocated(outputs: (key, bytes, dtype)) + end_op in one call.")
       .def("set_duration_us", &TraceBuilder::set_duration_us, py::arg("op_id"), py::arg("duration_us"))
       .def("tensor_existing",
            [](TraceBuilder& b, uint64_t key, int64_t bytes, const std::string& dtype, const std::string& kind,

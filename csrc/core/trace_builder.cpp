@@ -51,6 +51,21 @@ void TraceBuilder::end_op(double duration_us, double flops, int64_t bytes_read, 
   in_op_ = false;
 }
 
+int64_t TraceBuilder::record_op(const std::string& name, const std::string& module_path, Phase phase,
+                                const std::vector<uint64_t>& used, const std::vector<OutputInfo>& outputs,
+                                double duration_us, double flops, int64_t bytes_read, int64_t bytes_written) {
+  const int64_t id = begin_op(name, module_path, phase);
+  try {
+    for (uint64_t key : used) tensor_used(key);
+    for (const OutputInfo& out : outputs) tensor_allocated(out.key, out.bytes, out.dtype, TensorKind::kTemporary);
+    end_op(duration_us, flops, bytes_read, bytes_written);
+  } catch (...) {
+    in_op_ = false;  // leave the builder usable: the op stays, half-filled, and the error propagates
+    throw;
+  }
+  return id;
+}
+
 void TraceBuilder::set_duration_us(int64_t op_id, double duration_us) {
   MEMSCHED_CHECK(op_id >= 0 && op_id < num_ops(), "TraceBuilder::set_duration_us: op ", op_id,
                  " is out of range (", num_ops(), " ops)");

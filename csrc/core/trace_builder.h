@@ -46,6 +46,17 @@ class TraceBuilder {
   int64_t begin_op(const std::string& name, const std::string& module_path, Phase phase);
   // Closes the open op with its measurements. Throws if none is open.
   void end_op(double duration_us, double flops, int64_t bytes_read, int64_t bytes_written);
+  // The profiler's hot path in one call: begin_op; tensor_used(k) for k in
+  // `used`; tensor_allocated(key, bytes, dtype, kTemporary) for each output
+  // (key, bytes, dtype); end_op. Same checks and results as the separate calls.
+  struct OutputInfo {
+    uint64_t key = 0;     // storage key
+    int64_t bytes = 0;    // storage bytes
+    std::string dtype;    // e.g. "float32"
+  };
+  int64_t record_op(const std::string& name, const std::string& module_path, Phase phase,
+                    const std::vector<uint64_t>& used, const std::vector<OutputInfo>& outputs,
+                    double duration_us, double flops, int64_t bytes_read, int64_t bytes_written);
   // Sets a duration measured later (CUDA events resolve after the step).
   void set_duration_us(int64_t op_id, double duration_us);
 

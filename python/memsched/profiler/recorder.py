@@ -100,28 +100,35 @@ class Recorder:
         self.timer = OpTimer()
         self.in_optimizer = False
         self.closed = False
-        self._watch: Dict[int, weakref.ref] = {}  # storage key -> weakref with free callback
+        self._watch: Dict[int, weakref.ref] = {}  # storage key -> weakref with free callback; == builder's live keys
+        self._ref_key: Dict[int, int] = {}        # id(weakref) -> storage key
         self._on_free: Callable = self._make_free_callback()
         self._op_cache: Dict[int, tuple] = {}  # id(OpOverload) -> (name, is_mutable, flop fn, is_view)
         self._stack_list = self.stack._stack if self.stack is not None else []
 
     # ---- storages ---------------------------------------------------------
     def _make_free_callback(self):
+        # One callback for every storage (no closure per storage); it must not
+        # keep the Recorder alive, hence the weak self.
         builder = self.builder
-        watch = self._watch
+        watch, ref_key = self._watch, self._ref_key
         this = weakref.ref(self)
 
-        def make(key):
-            def freed(_ref):
-                rec = this()
-                if rec is None or rec.closed:
-                    return
-                if watch.pop(key, None) is not None and builder.is_live(key):
-                    builder.tensor_freed(key)
+        def freed(ref):
+            key = ref_key.pop(id(ref), None)
+            rec = this()
+            if key is None or rec is None or rec.closed:
+                return
+            if watch.get(key) is ref:
+                del watch[key]
+                builder.tensor_freed(key)
 
-            return freed
+        return freed
 
-        return make
+    def _watch_storage(self, st, key: int) -> None:
+        ref = weakref.ref(st, self._on_free)
+        self._watch[key] = ref
+        self._ref_key[id(ref)] = key
 
     def register_existing(self, t: torch.Tensor, kind: str) -> Optional[int]:
         """A storage that exists before the step (or was never seen made): live from op 0."""
@@ -133,7 +140,7 @@ class Recorder:
             self.builder.upgrade_kind(key, kind)
         else:
             self.builder.tensor_existing(key, st.nbytes(), dtype_name(t.dtype), kind)
-            self._watch[key] = weakref.ref(st, self._on_free(key))
+            self._watch_storage(st, key)
         return key
 
     # ---- saved tensors ----------------------------------------------------
@@ -169,7 +176,6 @@ class Recorder:
                 self.backward_map.note_outputs(_outputs(out), stack[-1] if stack else "")
             return out
         name, mutable, flops_of, _ = info
-        b = self.builder
         watch = self._watch
         if self.in_optimizer:
             phase, path = OPTIMIZER, ""
@@ -182,38 +188,43 @@ class Recorder:
             self.backward_map.tag_pending()
             stack = self._stack_list
             path = stack[-1] if stack else ""
-        op_id = b.begin_op(name, path, phase)
+        used = []
         bytes_read = 0
         is_cuda = False
         for t in _tensors(args, kwargs):
-            st = _storage(t)
-            if st is None:
-                continue
-            key = st._cdata
+            try:
+                key = t.untyped_storage()._cdata
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue  # no storage: not counted
             if key not in watch:
                 self.register_existing(t, "temporary")
-            b.tensor_used(key)
+            used.append(key)
             bytes_read += t.nbytes
             is_cuda = is_cuda or t.is_cuda
+        op_id = self.builder.num_ops
         token = self.timer.start(is_cuda)
         out = func(*args, **kwargs)
         outputs = _outputs(out)
         if not is_cuda and outputs:
             is_cuda = outputs[0].is_cuda
         duration_us = self.timer.stop(op_id, token, is_cuda)
+        made = []
         bytes_written = 0
         for t in outputs:
-            st = _storage(t)
-            if st is None:
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
                 continue
             key = st._cdata
-            if b.tensor_allocated(key, st.nbytes(), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype), "temporary"):
-                watch[key] = weakref.ref(st, self._on_free(key))
+            made.append((key, st.nbytes(), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype)))
+            if key not in watch:
+                self._watch_storage(st, key)
                 bytes_written += t.nbytes
             elif mutable:
                 bytes_written += t.nbytes
         flops = flops_of(args, kwargs, out) if flops_of is not None else 0
-        b.end_op(duration_us or 0.0, float(flops), bytes_read, bytes_written)
+        self.builder.record_op(name, path, phase, used, made, duration_us or 0.0, float(flops), bytes_read,
+                               bytes_written)
         if phase == FORWARD and outputs and _grad_enabled():
             self.backward_map.note_outputs(outputs, path)
         return out
@@ -223,6 +234,7 @@ class Recorder:
         """Stop observing: later frees are ignored; drop every weakref."""
         self.closed = True
         self._watch.clear()
+        self._ref_key.clear()
         self.backward_map.clear()
 
 

@@ -86,6 +86,39 @@ TEST(TraceBuilder, SmallForwardStep) {
   EXPECT_EQ(b.num_records(), 0);
 }
 
+TEST(TraceBuilder, RecordOpEqualsSeparateCalls) {
+  TraceBuilder a, b;
+  for (TraceBuilder* t : {&a, &b}) {
+    t->tensor_existing(1, 400, "float32", TensorKind::kParameter);
+    t->tensor_existing(2, 80, "float32", TensorKind::kTemporary);
+  }
+  a.begin_op("aten::mm", "fc", Phase::kForward);
+  a.tensor_used(1);
+  a.tensor_used(2);
+  a.tensor_allocated(3, 120, "float32", TensorKind::kTemporary);
+  a.end_op(5.0, 960.0, 480, 120);
+  a.begin_op("aten::relu_", "act", Phase::kForward);
+  a.tensor_used(3);
+  a.tensor_allocated(3, 120, "float32", TensorKind::kTemporary);
+  a.end_op(1.0, 0, 120, 120);
+  EXPECT_EQ(b.record_op("aten::mm", "fc", Phase::kForward, {1, 2}, {{3, 120, "float32"}}, 5.0, 960.0, 480, 120), 0);
+  EXPECT_EQ(b.record_op("aten::relu_", "act", Phase::kForward, {3}, {{3, 120, "float32"}}, 1.0, 0, 120, 120), 1);
+  b.check_invariants();
+  Trace ta = a.finish(), tb = b.finish();
+  ASSERT_EQ(ta.tensors.size(), tb.tensors.size());
+  for (size_t i = 0; i < ta.tensors.size(); ++i) {
+    EXPECT_EQ(ta.tensors[i].uses, tb.tensors[i].uses);
+    EXPECT_EQ(ta.tensors[i].producer_op, tb.tensors[i].producer_op);
+    EXPECT_EQ(ta.tensors[i].bytes, tb.tensors[i].bytes);
+  }
+  EXPECT_EQ(ta.live_bytes(), tb.live_bytes());
+  EXPECT_DOUBLE_EQ(tb.ops[0].flops, 960.0);
+  // A bad key fails the call with the same message and leaves no op open.
+  TraceBuilder c;
+  EXPECT_THROW(c.record_op("x", "", Phase::kForward, {42}, {}, 0, 0, 0, 0), Error);
+  EXPECT_FALSE(c.in_op());
+}
+
 TEST(TraceBuilder, KeyReusedAfterFreeIsANewRecord) {
   TraceBuilder b;
   b.begin_op("a", "", Phase::kForward);
