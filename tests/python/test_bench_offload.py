@@ -1,0 +1,43 @@
+"""benchmarks/gpu/bench_offload.py runs end to end on CPU in its reduced size (--small)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu", "bench_offload.py")
+
+
+def test_bench_offload_small_runs_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, SCRIPT, "--small", "--device", "cpu", "--steps", "1", "--warmup", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "CPU (not a GPU number)" in proc.stdout
+    res = json.loads(out.read_text())
+    rows = res["models"]["gpt"]["rows"]
+    assert [r["method"] for r in rows] == ["plain", "save_on_cpu", "offload_all_prefetch", "checkpoint",
+                                           "memsched dp 30%", "memsched dp 50%", "memsched dp 70%",
+                                           "memsched greedy 50%"]
+    by = {r["method"]: r for r in rows}
+    for name in ("plain", "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched greedy 50%"):
+        assert "error" not in by[name], by[name]
+        assert by[name]["step_ms"] > 0
+    assert by["plain"]["bytes_moved"] == 0 and by["checkpoint"]["bytes_moved"] == 0
+    # save_on_cpu moves every saved tensor (weights included) out and back; offload-all moves the
+    # activations both ways.
+    assert by["save_on_cpu"]["bytes_moved"] > by["offload_all_prefetch"]["bytes_moved"] > 0
+    assert by["offload_all_prefetch"]["plain_steps"] == 0
+    # A dp row either ran or says which budget it needs (the planner's infeasible-budget error).
+    for name in ("memsched dp 30%", "memsched dp 50%", "memsched dp 70%"):
+        assert "step_ms" in by[name] or "needs at least" in by[name]["error"], by[name]
+    greedy = by["memsched greedy 50%"]
+    assert greedy["offloaded"] > 0 and greedy["bytes_moved"] > 0
+    assert greedy["sim_peak_bytes"] <= greedy["budget_bytes"]
+    # ResNet-50 is measured when torchvision is installed, otherwise skipped with a message.
+    try:
+        import torchvision  # noqa: F401
+        assert res["models"]["resnet"]["rows"]
+    except ImportError:
+        assert "skipped" in res["models"]["resnet"]
