@@ -319,17 +319,30 @@ def test_profile_without_model_counts_everything_as_seen():
 
 @pytest.mark.requires_cuda
 def test_cuda_peak_matches_allocator():
+    """Trace peak vs torch.cuda.max_memory_allocated on the same step, within 5%.
+
+    One plain step first, so one-time allocations that are no tensor of the
+    step (the cuBLAS workspace) exist before the baseline; the baseline is what
+    is allocated before the step minus what the trace itself counts as existing
+    before the step (parameters, the batch). The rest of the gap is the caching
+    allocator's 512-byte rounding.
+    """
     model = models.build_model("transformer", "realistic", device="cuda")
     step = models.make_step_fn(model, "transformer", 8, "realistic", device="cuda")
+    step()
+    for p in model.parameters():
+        p.grad = None
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     trace = memsched.profile(step, model=model)
     torch.cuda.synchronize()
-    measured = torch.cuda.max_memory_allocated()
-    assert trace.device.startswith("cuda")
-    assert abs(trace.peak_bytes() - measured) <= 0.05 * measured
+    existing = sum(t.bytes for t in trace.tensors if t.producer_op == -1)
+    measured = torch.cuda.max_memory_allocated() - (before - existing)
+    assert trace.device == "cuda:0"
+    assert abs(trace.peak_bytes() - measured) <= 0.05 * measured, (trace.peak_bytes(), measured)
     assert all(o.duration_us >= 0 for o in trace.ops)
-
+    assert sum(o.duration_us for o in trace.ops if o.name == "aten::mm") > 0
 
 def test_session_start_stop_equals_profile_and_abort_is_clean():
     from memsched.profiler import ProfilerSession
