@@ -9,7 +9,10 @@ Note [What profile() records]
     existing .grad tensors (gradient) and the optimizer's existing state
     (optimizer_state), live from op 0 and past the step unless freed.
   - During the step: one Op per aten op reaching the dispatcher, forward,
-    backward and optimizer, with module path, phase, duration (CUDA events for
+    backward and optimizer -- except view ops (func.is_view: view, t,
+    transpose, expand, detach, ...), which allocate, read and compute nothing
+    (Note [Profiler overhead]) -- with module path (Note [Backward module
+    path] for backward ops), phase, duration (CUDA events for
     ops on CUDA tensors, wall clock otherwise), FLOPs (torch.utils.flop_counter
     formulas; 0 where none exists) and bytes read/written (bytes of the tensor
     arguments / of newly allocated or mutated outputs). Every output storage
@@ -22,6 +25,10 @@ Note [What profile() records]
     optimizer.step() have phase optimizer and module path "".
   - Storages first seen as an op input (the input batch, tensors made outside
     the dispatcher) count as existing before the step.
+  - Limitations: saved tensors inside a region that installs its own
+    saved_tensors_hooks (torch.utils.checkpoint, save_on_cpu) are not seen as
+    activations (the innermost hooks win); the seed gradient of backward()
+    (ones_like) is a forward-phase op.
   Everything installed (module hooks, saved-tensor hooks, the dispatch mode,
   optimizer hooks) is removed before profile() returns or raises.
 """
