@@ -18,6 +18,7 @@
 #include "core/alloc/block_pool.h"
 #include "core/alloc/virtual_memory.h"
 #include "core/trace.h"
+#include "core/trace_json.h"
 
 namespace memsched {
 namespace {
@@ -107,8 +108,15 @@ Trace synthetic_step(int layers, int64_t hidden_bytes) {
   return t;
 }
 
+// MEMSCHED_BENCH_TRACE=path.json replays a saved Trace (e.g. a profiled model:
+// memsched.profile(...).to_json(path)) instead of the synthetic step.
+Trace bench_trace() {
+  if (const char* path = std::getenv("MEMSCHED_BENCH_TRACE")) return load_trace(path);
+  return synthetic_step(12, 256 << 10);
+}
+
 void BM_TraceReplayMix(benchmark::State& state) {
-  const Trace trace = synthetic_step(12, 256 << 10);
+  const Trace trace = bench_trace();
   // The step's malloc/free sequence (See Note [Replaying a step]), precomputed
   // so that only the pool is timed: +id+1 = malloc tensor id, -(id+1) = free it.
   std::vector<int64_t> script;

@@ -81,6 +81,8 @@ std::string detail_oom_message(size_t requested, size_t rounded, size_t segment_
   return os.str();
 }
 
+constexpr size_t kMaxRequestBytes = std::numeric_limits<size_t>::max() / 4;
+
 inline int pool_of(bool is_small) { return is_small ? kSmallPool : kLargePool; }
 inline void stat_add(StatArray& a, bool is_small, int64_t amount) {
   a[kAggregatePool].increase(amount);
@@ -207,6 +209,12 @@ BlockPool::Block* BlockPool::take_block(Block* block, size_t rounded, size_t req
 void* BlockPool::malloc(size_t bytes, StreamHandle stream) {
   if (bytes == 0) return nullptr;
   std::lock_guard<std::mutex> lock(mutex_);
+  if (bytes > kMaxRequestBytes) {  // rounding would overflow; no backend has this much
+    ++stats_.num_ooms;
+    throw OutOfMemoryError(detail_oom_message(bytes, bytes, bytes, stats_.reserved_bytes[kAggregatePool].current,
+                                              stats_.allocated_bytes[kAggregatePool].current,
+                                              largest_free_block_locked(), raw_->name()));
+  }
   if (pending_event_count_ > 0) retire_events_locked(/*wait=*/false);
   const size_t rounded = options_.round_size(bytes);
   const bool is_small = options_.is_small(rounded);

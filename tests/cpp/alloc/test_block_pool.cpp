@@ -3,6 +3,7 @@
 // empty_cache, statistics and snapshots -- every expected number by hand.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -280,6 +281,10 @@ TEST(BlockPool, BadFreesAreClearErrors) {
     EXPECT_NE(std::string(e.what()).find("not allocated by this pool"), std::string::npos);
   }
   f.pool->free(nullptr);
+  // A request so large that rounding it would overflow is an out-of-memory,
+  // not a tiny block.
+  EXPECT_THROW(f.pool->malloc(std::numeric_limits<size_t>::max() - 10), OutOfMemoryError);
+  EXPECT_EQ(f.pool->stats().num_ooms, 1);
   f.pool->check_invariants();
 }
 
