@@ -16,10 +16,13 @@ Note [Backward module path]
   torch._C._current_autograd_node() is the node being executed; its metadata
   gives the path. AccumulateGrad nodes get the path of the module owning the
   parameter they accumulate into.
-  Limitations: nodes created outside a dispatch op we saw (custom autograd
-  Functions whose outputs are returned unchanged, or nodes for tensors that died
-  before the next op) get "" -- a best effort, never wrong phase or bytes. The
-  seed gradient (ones_like before the engine starts) is a forward-phase op.
+  A node without the tag (view ops are not recorded, so their nodes are never
+  tagged; custom autograd Functions; tensors that died before the next op)
+  takes the path of the previous backward op: the engine runs a view's node
+  next to the nodes of the module that made it.
+  Limitations: that fallback is a best effort -- never a wrong phase or
+  wrong bytes, at worst a neighbouring module's path. The seed gradient
+  (ones_like, before the engine starts) is a forward-phase op.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ KEY = "memsched_module"
 class BackwardModuleMap:
     def __init__(self, model: torch.nn.Module | None):
         self._pending: List[Tuple[weakref.ref, str]] = []
+        self._last = ""  # path of the previous backward op (fallback for untagged nodes)
         self._param_owner: Dict[int, str] = {}
         if model is not None:
             for name, p in model.named_parameters():
@@ -62,14 +66,13 @@ class BackwardModuleMap:
     def module_of_current_node(self) -> str:
         node = torch._C._current_autograd_node()
         if node is None:
-            return ""
+            return self._last
         path = node.metadata.get(KEY)
-        if path is not None:
-            return path
-        var = getattr(node, "variable", None)  # AccumulateGrad
-        if var is not None:
-            return self._param_owner.get(id(var), "")
-        return ""
+        if path is None:
+            var = getattr(node, "variable", None)  # AccumulateGrad
+            path = self._param_owner.get(id(var), self._last) if var is not None else self._last
+        self._last = path
+        return path
 
     def clear(self) -> None:
         self._pending.clear()

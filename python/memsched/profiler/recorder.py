@@ -24,6 +24,7 @@ Note [Free detection]
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -39,6 +40,7 @@ from memsched.saved_tensors import ActivationNumbering, ModuleStack, dtype_name
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 _graph_task_id = torch._C._current_graph_task_id  # != -1 inside the autograd engine
 _grad_enabled = torch.is_grad_enabled
+_clock_ns = time.perf_counter_ns
 _DTYPE_NAMES = {d: dtype_name(d) for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                            torch.int64, torch.int32, torch.bool, torch.uint8, torch.int8)}
 
@@ -73,9 +75,10 @@ def _outputs(out) -> List[torch.Tensor]:
 #   ops take a few microseconds, so every microsecond of recording shows.
 #   Approach: per-op facts (name, mutability, FLOP formula, is_view) are cached
 #   per OpOverload; view ops (func.is_view: view, t, transpose, expand,
-#   detach, ...) are not recorded as Ops -- they allocate, read and compute
-#   nothing, and their outputs share a storage we already track -- only their
-#   outputs are noted for Note [Backward module path]; liveness is a dict
+#   detach, ...) pass straight through and are not Op records -- they
+#   allocate, read and compute nothing, and their outputs share a storage we
+#   already track (their backward nodes get a module path by the fallback of
+#   Note [Backward module path]); liveness is a dict
 #   lookup in Python (the keys in `_watch` are exactly the live storages);
 #   FLOPs of the matmul family skip flop_counter's tree-mapping wrapper.
 #   Limitations: the dispatch mode itself (arguments converted to Python and
@@ -161,20 +164,17 @@ class Recorder:
     def _op_info(self, func):
         info = self._op_cache.get(id(func))
         if info is None:
-            info = (func._schema.name, func._schema.is_mutable, flop_fn(func), func.is_view)
+            # (name, is_mutable, flop fn, pass through unrecorded: a view or a profiler marker)
+            passthrough = func.is_view or func.namespace == "profiler"
+            info = (func._schema.name, func._schema.is_mutable, flop_fn(func), passthrough)
             self._op_cache[id(func)] = info  # OpOverloads live for the process; id avoids their Python __hash__
         return info
 
     def on_op(self, func, args, kwargs):
         # Hot path (every aten op of the step): See Note [Profiler overhead].
         info = self._op_cache.get(id(func)) or self._op_info(func)
-        if info[3]:  # a view: allocates, reads and computes nothing -- not an Op record
-            out = func(*args, **kwargs)
-            if not self.in_optimizer and _graph_task_id() == -1 and _grad_enabled():
-                stack = self._stack_list
-                self.backward_map.tag_pending()
-                self.backward_map.note_outputs(_outputs(out), stack[-1] if stack else "")
-            return out
+        if info[3]:  # a view or a record_function marker: allocates, reads, computes nothing
+            return func(*args, **kwargs)
         name, mutable, flops_of, _ = info
         watch = self._watch
         if self.in_optimizer:
@@ -201,13 +201,19 @@ class Recorder:
             used.append(key)
             bytes_read += t.nbytes
             is_cuda = is_cuda or t.is_cuda
-        op_id = self.builder.num_ops
-        token = self.timer.start(is_cuda)
-        out = func(*args, **kwargs)
-        outputs = _outputs(out)
-        if not is_cuda and outputs:
-            is_cuda = outputs[0].is_cuda
-        duration_us = self.timer.stop(op_id, token, is_cuda)
+        if is_cuda:
+            op_id = self.builder.num_ops
+            token = self.timer.start(True)
+            out = func(*args, **kwargs)
+            duration_us = self.timer.stop(op_id, token, True)
+            outputs = _outputs(out)
+        else:
+            t0 = _clock_ns()
+            out = func(*args, **kwargs)
+            duration_us = (_clock_ns() - t0) / 1000.0
+            outputs = _outputs(out)
+            if outputs and outputs[0].is_cuda:  # a CPU-argument op that made CUDA tensors (factories)
+                duration_us = 0.0
         made = []
         bytes_written = 0
         for t in outputs:
@@ -254,8 +260,6 @@ class RecordingMode(TorchDispatchMode):
 
 
 def _recording_dispatch(self, func, types, args=(), kwargs=None):
-    if func.namespace == "profiler":  # record_function markers: no compute, no memory
-        return func(*args, **(kwargs or {}))
     return self.recorder.on_op(func, args, kwargs or {})
 
 
