@@ -224,8 +224,9 @@ def test_byte_limit_bounds_the_deferred_bytes_and_keeps_results():
     a, oa, b, ob = twin("transformer", "adam")
     data = batches("transformer", 3)
     plain_loop(a, oa, "transformer", data)
-    unlimited = ooo_loop(copy.deepcopy(a), OPTIMIZERS_ADAM(a), "transformer", data[:1])
-    biggest = unlimited.report()["peak_deferred_bytes"]
+    unlimited = ooo_loop(copy.deepcopy(a), OPTIMIZERS_ADAM(a), "transformer", data[:1], max_deferred_bytes="1GiB")
+    assert unlimited.report()["limit_flushes"] == 0 and unlimited.report()["urgent_items"] == 0
+    biggest = unlimited.report()["peak_deferred_bytes"]  # everything waited for the flush
     limit = biggest // 4
     ooo = ooo_loop(b, ob, "transformer", data, max_deferred_bytes=limit)
     assert_same_state(a, oa, b, ob)
@@ -236,6 +237,10 @@ def test_byte_limit_bounds_the_deferred_bytes_and_keeps_results():
     assert r["peak_deferred_bytes"] <= limit + largest_item
     zero = ooo_loop(copy.deepcopy(a), OPTIMIZERS_ADAM(a), "transformer", data[:1], max_deferred_bytes=0)
     assert zero.report()["urgent_items"] == zero.report()["deferred_items"]
+    assert zero.report()["peak_queued_items"] == 1
+    # the inline executor's default without DDP is 0 (See Note [Executors])
+    default = ooo_loop(copy.deepcopy(a), OPTIMIZERS_ADAM(a), "transformer", data[:1])
+    assert default.report()["max_deferred_bytes"] == 0
 
 
 def OPTIMIZERS_ADAM(model):
