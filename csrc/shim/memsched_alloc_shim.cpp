@@ -27,6 +27,7 @@
 #include <sys/types.h>
 
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -58,6 +59,10 @@ DevicePools& device_pools() {
 }
 
 thread_local std::string last_error;
+// Calls that reached the shim through torch's hooks (diagnostics: they show
+// that Tensor.record_stream / torch.cuda.empty_cache really arrive here).
+std::atomic<int64_t> record_stream_calls{0};
+std::atomic<int64_t> empty_cache_calls{0};
 
 BlockPool* pool_for(int device) {
   MEMSCHED_CHECK(device >= 0 && device < kMaxDevices, "memsched_malloc: device ", device,
@@ -109,6 +114,7 @@ __attribute__((visibility("default"))) void memsched_free(void* ptr, size_t /*si
 // Tensor.record_stream(s) reaches here through CUDAPluggableAllocator's
 // record_stream hook (See Note [Wiring record_stream] in bind_torch.cpp).
 __attribute__((visibility("default"))) void memsched_record_stream(void* ptr, void* stream) {
+  record_stream_calls.fetch_add(1, std::memory_order_relaxed);
   try {
     for (int d = 0; d < kMaxDevices; ++d) {
       BlockPool* pool = existing_pool(d);
@@ -125,6 +131,7 @@ __attribute__((visibility("default"))) void memsched_record_stream(void* ptr, vo
 }
 
 __attribute__((visibility("default"))) void memsched_empty_cache() {
+  empty_cache_calls.fetch_add(1, std::memory_order_relaxed);
   try {
     for (int d = 0; d < kMaxDevices; ++d) {
       if (BlockPool* pool = existing_pool(d)) pool->empty_cache();
@@ -182,6 +189,12 @@ __attribute__((visibility("default"))) int memsched_check_invariants(int device)
     last_error = e.what();
     return 0;
   }
+}
+
+// How many times memsched_record_stream (which == 0) or memsched_empty_cache
+// (which == 1) has been called in this process.
+__attribute__((visibility("default"))) int64_t memsched_hook_calls(int which) {
+  return which == 0 ? record_stream_calls.load() : empty_cache_calls.load();
 }
 
 // The last error on the calling thread ("" if none).

@@ -43,15 +43,19 @@ __all__ = [
     "HostTensorPool",
     "OutOfMemoryError",
     "Placement",
+    "check_invariants",
     "dump_snapshot",
     "empty_cache",
+    "hook_calls",
     "install",
     "is_installed",
     "memory_snapshot",
     "memory_stats",
     "plan_placement",
     "record_history",
+    "record_stream_is_honoured",
     "replay_trace",
+    "reset_peak_stats",
     "shim_path",
 ]
 
@@ -100,6 +104,8 @@ def _load_shim() -> ctypes.CDLL:
         lib.memsched_check_invariants.restype = ctypes.c_int
         lib.memsched_last_error.restype = ctypes.c_char_p
         lib.memsched_built_with_cuda.restype = ctypes.c_int
+        lib.memsched_hook_calls.restype = ctypes.c_int64
+        lib.memsched_hook_calls.argtypes = [ctypes.c_int]
         _shim = lib
     return _shim
 
@@ -168,6 +174,13 @@ def is_installed() -> bool:
 def record_stream_is_honoured() -> bool:
     """True when Tensor.record_stream reaches memsched's pools (after install())."""
     return _record_stream_hooked
+
+
+def hook_calls() -> dict:
+    """How often torch's hooks reached memsched in this process:
+    {"record_stream": n, "empty_cache": n} (Tensor.record_stream, torch.cuda.empty_cache)."""
+    shim = _load_shim()
+    return {"record_stream": shim.memsched_hook_calls(0), "empty_cache": shim.memsched_hook_calls(1)}
 
 
 def _device_index(device) -> int:

@@ -27,7 +27,8 @@ def test_shim_loads_and_exports_its_entry_points():
     lib = ctypes.CDLL(allocator.shim_path())
     for name in ("memsched_malloc", "memsched_free", "memsched_record_stream", "memsched_empty_cache",
                  "memsched_state_json", "memsched_record_history", "memsched_reset_peak_stats",
-                 "memsched_num_devices_used", "memsched_last_error", "memsched_check_invariants"):
+                 "memsched_num_devices_used", "memsched_last_error", "memsched_check_invariants",
+                 "memsched_hook_calls"):
         assert ctypes.cast(getattr(lib, name), ctypes.c_void_p).value, name
     lib.memsched_built_with_cuda.restype = ctypes.c_int
     assert lib.memsched_built_with_cuda() == int(memsched._C.built_with_cuda)
@@ -66,6 +67,34 @@ def test_install_without_cuda_raises_a_clear_error():
     assert r.returncode == 0, r.stderr
     assert "ERR" in r.stdout and "no CUDA device is available" in r.stdout, r.stdout
     assert "HostTensorPool" in r.stdout
+
+
+def test_hooks_are_wired_into_a_real_pluggable_allocator():
+    # What install() does after change_current_allocator, done by hand so it
+    # also runs without a GPU: torch's allocator object gets memsched's
+    # record_stream and empty_cache hooks, and torch's emptyCache reaches them.
+    if not memsched._C._pluggable_hooks_supported():
+        pytest.skip("built without torch's CUDA libraries")
+    r = run_python("""
+        import ctypes, torch, memsched
+        from memsched import allocator, _C
+        try:
+            _C._install_pluggable_hooks(1, 1)
+        except memsched.MemschedError as e:
+            print("BEFORE", e)
+        a = torch.cuda.memory.CUDAPluggableAllocator(allocator.shim_path(), "memsched_malloc", "memsched_free")
+        torch.cuda.memory.change_current_allocator(a)
+        shim = allocator._load_shim()
+        addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value
+        _C._install_pluggable_hooks(addr(shim.memsched_record_stream), addr(shim.memsched_empty_cache))
+        assert allocator.hook_calls() == {"record_stream": 0, "empty_cache": 0}
+        torch._C._cuda_emptyCache()
+        torch._C._cuda_emptyCache()
+        print("CALLS", allocator.hook_calls())
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "BEFORE" in r.stdout and "call torch.cuda.memory.change_current_allocator first" in r.stdout
+    assert "CALLS {'record_stream': 0, 'empty_cache': 2}" in r.stdout, r.stdout
 
 
 def test_install_after_cuda_init_says_too_late_and_how_to_fix():
@@ -121,6 +150,7 @@ def test_install_routes_cuda_tensors_through_memsched(tmp_path):
             torch.cuda._sleep(100_000_000)   # keep the side stream busy
             z = y.float().sum()
         y.record_stream(side)
+        assert memsched.allocator.hook_calls()["record_stream"] == 1
         del y
         w = torch.empty(3 << 20, device="cuda", dtype=torch.uint8)
         assert w.data_ptr() != ptr, "block reused while the side stream may read it"
