@@ -308,6 +308,7 @@ def environment(device):
     else:
         env["gpu"] = None
         env["cpu_threads"] = torch.get_num_threads()
+        env["cpu"] = platform.processor() or platform.machine()
     return env
 
 
@@ -324,8 +325,11 @@ def main(argv=None):
     p.add_argument("--fit-budget", default="16GiB", help="memory cap for the largest-batch column")
     p.add_argument("--no-fit", action="store_true", help="skip the largest-batch search")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads on --device cpu (default 1)")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)  # OpenMP's spinning threads make small CPU steps erratic
     steps = args.steps or (2 if args.small else 10)
     warmup = max(args.warmup, 2)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -336,7 +340,8 @@ def main(argv=None):
     if device.type == "cuda" and hasattr(memsched, "measure_device"):
         device_model = memsched.measure_device(str(device))
     env = environment(device)
-    print(f"# bench_offload on {env['gpu'] or 'CPU (not a GPU number)'}; torch {env['torch']}, CUDA {env['cuda']}")
+    print(f"# bench_offload on {env['gpu'] or 'CPU (not a GPU number)'}; torch {env['torch']}, CUDA {env['cuda']}"
+          + (f"; {env['cpu_threads']} CPU thread(s)" if device.type == "cpu" else ""))
     results = {"environment": env, "small": args.small, "steps": steps, "warmup": warmup, "models": {}}
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         try:

@@ -396,3 +396,19 @@ def test_out_of_order_backward_composes_with_offload(fuse, standins):
     assert [s.mode for s in run.step_stats] == ["planned", "planned"]
     assert all(s.offloaded > 0 for s in run.step_stats)
     assert all(not m._forward_pre_hooks and "forward" not in m.__dict__ for m in model.modules())
+
+
+def test_exception_in_the_profiled_forward_restarts_profiling(standins):
+    torch.manual_seed(0)
+    model = Exploding()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    with optimize(model, opt, budget=1) as run:
+        model.explode = True
+        with pytest.raises(Boom):
+            model(_data("mlp", 0)[0])
+        model.explode = False
+        grads = _train("mlp", model, opt, 3, run=run)
+    assert run.steps_profiled == 1 and [s.mode for s in run.step_stats] == ["planned", "planned"]
+    _assert_bitwise(grads, _train("mlp", ref, ref_opt, 3), model, ref)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

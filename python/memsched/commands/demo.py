@@ -13,6 +13,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default="demo_out", help="output folder (default demo_out)")
     parser.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--no-compare", dest="compare", action="store_false",
+                        help="skip the side-by-side training run (plain vs memsched at --budget)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps per run of the comparison (default 5)")
+    parser.add_argument("--budget", type=float, default=0.5,
+                        help="comparison budget, as a share of plain's activation memory (default 0.5)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="plain steps before the profiled one, to keep one-time setup out of op times (default 1)")
 
@@ -87,4 +92,9 @@ def run(args) -> int:
     trace.to_json(trace_path)
     plot_memory_curve(trace, png_path, f"small transformer, batch {args.batch}: live bytes per op")
     print(f"wrote {trace_path} and {png_path}")
+    if args.compare:  # issue 5: the same training plainly and under memsched.optimize (offload/compare.py)
+        from memsched.offload.compare import compare
+        print()
+        compare("transformer", "small", args.batch, args.steps, args.budget, args.device,
+                timeline_path=os.path.join(args.out_dir, "timeline.png"))
     return 0

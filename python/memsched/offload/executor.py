@@ -49,6 +49,7 @@ Note [Packing without reference cycles]
 """
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -165,7 +166,9 @@ class OffloadExecutor:
         self.stats = StepStats()
         self.offloaded_ = {}        # ordinal -> _Offloaded
         self.fetched_ = {}          # storage key of a fetched copy -> (StorageWeakRef, ordinal)
-        self.tracked_ = []          # [(StorageWeakRef, bytes)] device storages we watch (CPU samples)
+        self.generation_ = getattr(self, "generation_", 0) + 1  # invalidates last step's callbacks
+        self.watch_ = {}            # id -> weakref with a free callback, per watched device storage (CPU)
+        self.alive_bytes_ = 0       # bytes of watched storages alive now (CPU samples)
         self.fired_upto_ = -2       # last trigger op fired (-2: none, -1: backward start)
         self.diverged_ = False
         self.t0_ = time.perf_counter()
@@ -208,7 +211,7 @@ class OffloadExecutor:
                             for kind, nbytes, issued, finished, _, _ in log]
         self.offloaded_ = {}
         self.fetched_ = {}
-        self.tracked_ = []
+        self.watch_ = {}
         self.in_step_ = False
         self.stats = StepStats()
         return stats
@@ -363,20 +366,31 @@ class OffloadExecutor:
                           "it runs without offloading from there on", RuntimeWarning, stacklevel=3)
 
     def _track(self, t, nbytes):
-        """Watch a device storage for the CPU memory samples (CUDA reads the allocator instead)."""
-        if not self.engine.is_cuda:
-            self.tracked_.append((StorageWeakRef(t.untyped_storage()), nbytes))
+        """Watch a device storage for the CPU memory samples (CUDA reads the allocator instead).
+
+        A weakref callback on the storage's Python object fires when the StorageImpl dies (torch
+        keeps that object alive exactly as long; see Note [Free detection] in profiler/recorder.py),
+        so alive_bytes_ is exact and O(1) per event.
+        """
+        if self.engine.is_cuda:
+            return
+        storage = t.untyped_storage()
+        generation = self.generation_
+
+        def freed(ref, nbytes=nbytes):
+            if self.generation_ == generation and self.watch_.pop(id(ref), None) is not None:
+                self.alive_bytes_ -= nbytes
+
+        ref = weakref.ref(storage, freed)
+        self.watch_[id(ref)] = ref
+        self.alive_bytes_ += nbytes
 
     def _sample(self):
         now = time.perf_counter() - self.t0_
-        if self.engine.is_cuda:
-            value = torch.cuda.memory_allocated(self.device)
-        else:
-            alive = [(r, b) for r, b in self.tracked_ if not r.expired()]
-            self.tracked_ = alive
-            value = sum(b for _, b in alive)
+        value = torch.cuda.memory_allocated(self.device) if self.engine.is_cuda else self.alive_bytes_
         self.stats.samples.append((now, value))
-        self.stats.peak_bytes = max(self.stats.peak_bytes, value)
+        if value > self.stats.peak_bytes:
+            self.stats.peak_bytes = value
 
     def check_invariants(self):
         self.engine.check_invariants()

@@ -163,6 +163,10 @@ def save_timeline(path, title, planned_curve, measured, copies, planned_copies=N
             spans = [(s * 1e3, max((e - s) * 1e3, 1e-3)) for k, s, e, _ in planned_copies if k == kind]
             if spans:
                 lanes.broken_barh(spans, (y + 0.05, 0.3), color="tab:blue", alpha=0.7)
+    from matplotlib.patches import Patch
+    lanes.legend(handles=[Patch(color="tab:red", label="measured"), Patch(color="tab:blue", alpha=0.7,
+                                                                          label="planned (simulated)")],
+                 loc="upper right", fontsize=8)
     lanes.set_yticks([2, 1])
     lanes.set_yticklabels(["D2H stream", "H2D stream"])
     lanes.set_ylim(0.4, 2.6)
