@@ -53,6 +53,7 @@ def _runner(model, name, x, y, mode, executor="auto"):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+    step.optimizer = opt
     return step, ooo
 
 
@@ -100,7 +101,7 @@ def gradient_memory(name="transformer", size="realistic"):
 
         handles = [p.register_post_accumulate_grad_hook(hook) for p in model.parameters()] if ooo is None else []
         mt = MemTracker()
-        mt.track_external(model, ooo.optimizer if ooo is not None else None)
+        mt.track_external(model, step.optimizer)
         with mt:
             step()
         for h in handles:
