@@ -15,6 +15,7 @@ from memsched.planning import Plan, SimResult, plan, simulate
 from memsched.optimize import Run, optimize
 from memsched import allocator
 from memsched.allocator import dump_snapshot, memory_snapshot, memory_stats
+from memsched.ooo import OutOfOrderBackward
 
 __version__ = "0.1.0"
 
@@ -40,4 +41,5 @@ __all__ = [
     "dump_snapshot",
     "memory_snapshot",
     "memory_stats",
+    "OutOfOrderBackward",
 ]

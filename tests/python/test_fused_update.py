@@ -164,3 +164,21 @@ def test_fused_update_holds_one_layers_gradient_at_a_time():
     oa.step()
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("fuse", [False, True])
+def test_stream_executor_matches_plain_on_cuda(fuse):
+    """dW on a side stream (+ fused AdamW there): equal to plain up to cuBLAS
+    algorithm choice for a separate dW call (rounding, not bitwise)."""
+    dev = "cuda"
+    a = models.build_model("transformer", device=dev)
+    b = copy.deepcopy(a)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-3)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-3)
+    data = [(x.to(dev), y.to(dev)) for x, y in batches("transformer", 5)]
+    plain_loop(a, oa, "transformer", data)
+    ooo = ooo_loop(b, ob, "transformer", data, fuse=fuse)
+    assert ooo.report()["executor"] == "stream"
+    torch.cuda.synchronize()
+    assert_same_state(a, oa, b, ob, exact=False)
