@@ -82,20 +82,33 @@ def _compare(model_name, size, batch, steps, budget_fraction, device, planner, t
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             results[label] = dict(times=times, peak=peak, moved=0, stall=0.0, params=model)
             continue
-        try:
-            with memsched.optimize(model, opt, budget=budget, planner=planner) as run:
-                times = _train(model, opt, data, loss_fn, steps, device, run=run)
-        except memsched.MemschedError as e:
-            if budget is None or planner == "greedy" or "greedy" not in str(e):
-                raise
-            # dp's model cannot meet this budget but the least reachable budget is lower: say so and
-            # use the planner that reaches it.
-            notes.append(f"note: {planner} cannot meet the budget ({str(e).split(':')[1].strip()}); used greedy")
+        attempts = [(planner, budget)]
+        while True:
+            use_planner, use_budget = attempts[-1]
             model = copy.deepcopy(base)
             opt = make_opt(model)
-            label = label.replace(f"memsched {planner}", "memsched greedy")
-            with memsched.optimize(model, opt, budget=budget, planner="greedy") as run:
-                times = _train(model, opt, data, loss_fn, steps, device, run=run)
+            run = memsched.optimize(model, opt, budget=use_budget, planner=use_planner)
+            try:
+                with run:
+                    times = _train(model, opt, data, loss_fn, steps, device, run=run)
+                break
+            except memsched.MemschedError as e:
+                if use_budget is None or len(attempts) > 2 or run.trace is None:
+                    raise
+                # The planner cannot meet this budget on this (small) model. Say so and retry: first with
+                # greedy (which reaches the least budget any plan can), then at that least budget.
+                least = memsched._C.least_budget_bytes(run.trace)
+                if use_planner != "greedy" and run.budget_bytes is not None and run.budget_bytes >= least:
+                    notes.append(f"note: {use_planner} cannot meet {format_bytes(run.budget_bytes)}; "
+                                 "used greedy, which reaches the least budget")
+                    attempts.append(("greedy", use_budget))
+                else:
+                    notes.append(f"note: {format_bytes(run.budget_bytes)} is below the least budget any plan "
+                                 f"reaches on this model ({format_bytes(least)}); used that least budget")
+                    attempts.append(("greedy", least))
+        if len(attempts) > 1:
+            label = f"memsched {attempts[-1][0]} " + (f"{budget_fraction:.0%} of activations"
+                                                      if attempts[-1][1] == budget else "at the least budget")
         executed = [s for s in run.step_stats if s.mode == "planned"]
         runs[label] = run
         results[label] = dict(

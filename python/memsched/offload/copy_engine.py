@@ -129,14 +129,20 @@ class CopyEngine:
         self.log_.append((t.kind, t.nbytes, t.issued_s, t.finished_s, t.start_event, t.done))
 
     def wait(self, ticket):
-        """Make the compute stream wait for `ticket` (no host blocking). No-op on CPU."""
-        if ticket.done is not None:
-            torch.cuda.current_stream(self.device).wait_event(ticket.done)
+        """Make the compute stream wait for `ticket` (no host blocking). No-op on CPU.
 
-    def synchronize(self, ticket):
-        """Block the host until `ticket` finished (used to measure on-demand fetch stalls)."""
-        if ticket.done is not None:
-            ticket.done.synchronize()
+        Returns (before, after) timing events around the wait on the compute stream, whose
+        elapsed time after the step is the time the compute stream stood still for this copy
+        (None on CPU, where copies finish before fetch() returns).
+        """
+        if ticket.done is None:
+            return None
+        compute = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(ticket.done)
+        after.record(compute)
+        return before, after
 
     def poll(self):
         """Drop references held for copies that have completed."""

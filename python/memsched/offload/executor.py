@@ -73,7 +73,7 @@ class StepStats:
     prefetched: int = 0            # COUNT fetched ahead of use on the H2D stream
     on_demand: int = 0             # COUNT fetched synchronously at unpack (stalls)
     late_prefetches: int = 0       # COUNT prefetches still in flight when their tensor was needed
-    stall_s: float = 0.0           # host seconds blocked in on-demand fetches
+    stall_s: float = 0.0           # seconds the compute stream waited for H2D copies (CPU: on-demand copy time)
     peak_bytes: int = 0            # max sampled memory (see memory_source)
     memory_source: str = ""        # what the samples measure
     mismatch: str = ""             # first identity mismatch, "" if none
@@ -166,6 +166,7 @@ class OffloadExecutor:
         self.stats = StepStats()
         self.offloaded_ = {}        # ordinal -> _Offloaded
         self.fetched_ = {}          # storage key of a fetched copy -> (StorageWeakRef, ordinal)
+        self.stall_events_ = []     # CUDA: (before, after) events around each compute-stream wait
         self.generation_ = getattr(self, "generation_", 0) + 1  # invalidates last step's callbacks
         self.watch_ = {}            # id -> weakref with a free callback, per watched device storage (CPU)
         self.alive_bytes_ = 0       # bytes of watched storages alive now (CPU samples)
@@ -198,11 +199,13 @@ class OffloadExecutor:
             return None
         log, (d2h, h2d) = self.engine.finish()
         stats.d2h_bytes, stats.h2d_bytes = d2h, h2d
+        if self.engine.is_cuda:
+            torch.cuda.synchronize(self.device)  # before the clock: the step's kernels have finished
         stats.duration_s = time.perf_counter() - self.t0_
         self._sample()
         if self.engine.is_cuda:
-            torch.cuda.synchronize(self.device)
             stats.peak_bytes = max(stats.peak_bytes, torch.cuda.max_memory_allocated(self.device))
+            stats.stall_s = sum(a.elapsed_time(b) for a, b in self.stall_events_) / 1e3
             for kind, nbytes, _, _, start_event, done in log:
                 start = self.t0_event_.elapsed_time(start_event) / 1e3
                 stats.copies.append((kind, start, start + start_event.elapsed_time(done) / 1e3, nbytes))
@@ -211,6 +214,7 @@ class OffloadExecutor:
                             for kind, nbytes, issued, finished, _, _ in log]
         self.offloaded_ = {}
         self.fetched_ = {}
+        self.stall_events_ = []
         self.watch_ = {}
         self.in_step_ = False
         self.stats = StepStats()
@@ -340,20 +344,27 @@ class OffloadExecutor:
         self.fired_upto_ = op
 
     def _materialize(self, h):
+        """Make h's bytes available on the compute stream: wait for its prefetch, or fetch now.
+
+        Stall accounting: on CUDA the compute stream waits on the copy's event (the host never
+        blocks); events around that wait give the time the compute stream stood still, resolved
+        at end_step(). On CPU an on-demand fetch is a synchronous copy and its duration is the stall.
+        """
         if h.h2d is not None:
-            if not h.h2d.is_complete():
+            ticket, h.h2d = h.h2d, None
+            if not ticket.is_complete():
                 self.stats.late_prefetches += 1
-            self.engine.wait(h.h2d)
-            h.device_bytes = h.h2d.dst
-            h.h2d = None
-            return
-        start = time.perf_counter()
-        ticket = self.engine.fetch(h.d2h.dst, after=h.d2h)
-        self.engine.synchronize(ticket)
-        self.stats.stall_s += time.perf_counter() - start
-        self.stats.on_demand += 1
+        else:
+            start = time.perf_counter()
+            ticket = self.engine.fetch(h.d2h.dst, after=h.d2h)
+            self._track(ticket.dst, h.nbytes)
+            self.stats.on_demand += 1
+            if not self.engine.is_cuda:
+                self.stats.stall_s += time.perf_counter() - start
+        waited = self.engine.wait(ticket)
+        if waited is not None:
+            self.stall_events_.append(waited)
         h.device_bytes = ticket.dst
-        self._track(ticket.dst, h.nbytes)
 
     def _diverge(self, why):
         self.diverged_ = True
