@@ -88,3 +88,11 @@ def test_planned_activation_curve_by_hand():
 def test_plan_without_decisions_is_rejected():
     with pytest.raises(TypeError, match="plan: expected an object with .decisions"):
         OffloadSchedule.build(trace(), object())
+
+
+def test_labelled_storage_of_another_kind_is_matched_but_never_offloaded():
+    t = trace()
+    t.add_tensor(500, "float32", "gradient", producer_op=3, uses=[4], freed_after_op=4, label="act:4:d:[125]:float32")
+    s = OffloadSchedule.build(t, StandInPlan([Decision(5, True, 3, 4)]))
+    assert s.labels[4] == "act:4:d:[125]:float32"   # the executor's 5th saved storage matches the trace
+    assert 4 not in s.first_bwd_op and not s.offload

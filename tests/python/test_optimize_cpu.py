@@ -199,6 +199,7 @@ def test_bitwise_equal_to_plain_pytorch_and_storage_released(kind, standins):
     def check_released(step, x, out):
         # Every offloaded storage must be gone from "device" memory by the end of forward, except
         # the ones the caller still holds: the input batch and the output.
+        run.executor.check_invariants()
         handles = run.executor.offloaded_
         if step == 0:
             assert not handles, "the profiled first step offloads nothing"

@@ -68,13 +68,13 @@ class OffloadSchedule:
         tensors = trace.tensors
         ordinal_of_id = {}
         for rec in tensors:
-            if rec.kind != "activation":
-                continue
             k = ordinal_of_label(rec.label)
             if k is None:
                 continue
+            s.labels[k] = rec.label  # every saved storage, whatever kind it ended the step as
+            if rec.kind != "activation":
+                continue  # e.g. upgraded to gradient: matched by label, never offloaded
             ordinal_of_id[rec.id] = k
-            s.labels[k] = rec.label
             s.bytes[k] = rec.bytes
             bwd = [u for u in rec.uses if ops[u].phase == "backward"]
             if bwd:
