@@ -311,3 +311,56 @@ def test_memsched_optimize_with_ooo_and_fusion_matches_plain():
             run.step()
     assert_same_state(a, oa, b, ob)
     assert not any("forward" in m.__dict__ for m in b.modules())
+
+
+def test_backward_that_raises_part_way_is_reported_and_recovered():
+    a, oa, b, ob = twin("mlp", "adam")
+    data = batches("mlp", 3)
+    plain_loop(a, oa, "mlp", data[1:])  # the failed step is skipped
+
+    def boom(_):
+        raise ValueError("boom")
+
+    with OutOfOrderBackward(b, optimizer=ob) as ooo:
+        x, y = data[0]
+        h = b.layers(x)
+        h.register_hook(boom)
+        with pytest.raises(ValueError, match="boom"):
+            models.loss_fn("mlp", b.head(h), y).backward()
+        with pytest.raises(memsched.MemschedError, match="did not finish"):
+            ooo.step()
+        ob.zero_grad(set_to_none=True)
+        for x, y in data[1:]:
+            models.loss_fn("mlp", b(x), y).backward()
+            assert ooo.step()
+            ob.step()
+            ob.zero_grad(set_to_none=True)
+    assert_same_state(a, oa, b, ob)
+
+
+def test_activation_checkpointing_inside_ooo_matches_plain():
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+            self.out = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.out(checkpoint(self.inner, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    a = Ckpt()
+    b = copy.deepcopy(a)
+    oa, ob = torch.optim.AdamW(a.parameters()), torch.optim.AdamW(b.parameters())
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    for x in xs:
+        a(x).square().sum().backward()
+        oa.step()
+        oa.zero_grad()
+    with OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=True) as ooo:
+        for x in xs:
+            b(x).square().sum().backward()
+            ooo.step()
+    assert_same_state(a, oa, b, ob)

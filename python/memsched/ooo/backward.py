@@ -312,9 +312,10 @@ class OutOfOrderBackward:
             self._phase = "forward"
 
     def _note_deferred_use(self, w_idx: Optional[int], b_idx: Optional[int]) -> None:
+        # A use during backward is legal: activation checkpointing recomputes
+        # forward there. A recomputed use whose backward never runs is
+        # finished at the flush (end_iteration(allow_missing)).
         self._begin_if_idle()
-        if self._phase != "forward":
-            raise MemschedError("a forward pass started while a backward pass is running; finish backward first")
         for i in (w_idx, b_idx):
             if i is not None:
                 self._sched.expect_contribution(i)
@@ -485,6 +486,21 @@ class OutOfOrderBackward:
         for i in self._reducer.poll():
             self._fused_update(i)
 
+    def _abandon(self) -> None:
+        """Drops the running iteration after an error: queued work, pending
+        sums, the scheduler's counts (a fresh scheduler, same parameters)."""
+        self._items.clear()
+        self._pending.clear()
+        for i, g in self._stash.items():
+            self._params[i].grad = g
+        self._stash.clear()
+        sched = DwScheduler(self.max_deferred_bytes)
+        for i, p in enumerate(self._params):
+            sched.add_param(_nbytes(p), self._reducer.bucket_of[i] if self._reducer is not None else -1)
+        self._sched = sched
+        self._callback_queued = False
+        self._phase = "idle"
+
     def _on_backward_end(self) -> None:
         self._callback_queued = False
         try:
@@ -506,6 +522,9 @@ class OutOfOrderBackward:
                 for p in self._params:
                     if p.grad is not None and p.grad.device == dev:
                         p.grad.record_stream(main)  # made on the side stream, used and freed on main
+        except BaseException:
+            self._abandon()
+            raise
         finally:
             self._phase = "idle"
         self._timeline.append(("backward_end", time.perf_counter()))
@@ -573,7 +592,11 @@ class OutOfOrderBackward:
         max_grad_norm set that clipping has been applied. With fuse_optimizer the
         updates already happened during backward and this returns False."""
         if self._phase == "backward":
-            raise MemschedError("step() called while a backward pass is running")
+            # The end-of-backward callback never ran: backward raised part way.
+            self._abandon()
+            raise MemschedError("step(): the last backward pass did not finish (it raised part way); its "
+                                "deferred weight gradients were dropped and parameters not yet updated keep "
+                                "their old values. Zero the gradients and run the step again.")
         completed = self._micro_step % self.grad_accumulation_steps == 0 and self._micro_step > 0
         if self.fuse_optimizer or not completed:
             return False
