@@ -260,7 +260,11 @@ class RecordingMode(TorchDispatchMode):
 
 
 def _recording_dispatch(self, func, types, args=(), kwargs=None):
-    return self.recorder.on_op(func, args, kwargs or {})
+    rec = self.recorder
+    info = rec._op_cache.get(id(func))
+    if info is not None and info[3]:  # a view or marker: straight through (Note [Profiler overhead])
+        return func(*args, **(kwargs or {}))
+    return rec.on_op(func, args, kwargs or {})
 
 
 RecordingMode.__torch_dispatch__ = _recording_dispatch
