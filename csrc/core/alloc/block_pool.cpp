@@ -107,7 +107,31 @@ BlockPool::BlockPool(std::shared_ptr<RawMemory> raw, std::shared_ptr<StreamEvent
                  "BlockPool: segment sizes must hold the largest request of their pool");
 }
 
+// Note [Recycled Block objects]
+//   A cached size that coalesces on free and splits again on the next malloc
+//   would new/delete a Block per pair; a small stack of spare Blocks keeps the
+//   cached fast path free of heap calls.
+BlockPool::Block* BlockPool::new_block() {
+  if (spare_blocks_.empty()) return new Block();
+  Block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return b;
+}
+
+void BlockPool::recycle_block(Block* block) {
+  if (spare_blocks_.size() >= kMaxSpareBlocks) {
+    delete block;
+    return;
+  }
+  std::vector<StreamHandle> uses = std::move(block->stream_uses);
+  uses.clear();
+  *block = Block();
+  block->stream_uses = std::move(uses);  // keep the vector's capacity
+  spare_blocks_.push_back(block);
+}
+
 BlockPool::~BlockPool() {
+  for (Block* b : spare_blocks_) delete b;
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [stream, queue] : pending_) {
     for (PendingEvent& p : queue) events_->release(p.event);
@@ -164,7 +188,7 @@ BlockPool::Block* BlockPool::allocate_segment(bool is_small, size_t segment_byte
   void* ptr = raw_->allocate(segment_bytes);
   if (ptr == nullptr) return nullptr;
   ++stats_.num_device_alloc;
-  auto* block = new Block();
+  Block* block = new_block();
   block->address = reinterpret_cast<uintptr_t>(ptr);
   block->size = segment_bytes;
   block->stream = stream;
@@ -181,7 +205,7 @@ BlockPool::Block* BlockPool::allocate_segment(bool is_small, size_t segment_byte
 BlockPool::Block* BlockPool::take_block(Block* block, size_t rounded, size_t requested) {
   erase_free(block);
   if (options_.should_split(block->size, rounded)) {
-    auto* rest = new Block();
+    Block* rest = new_block();
     rest->address = block->address + rounded;
     rest->size = block->size - rounded;
     rest->stream = block->stream;
@@ -195,7 +219,15 @@ BlockPool::Block* BlockPool::take_block(Block* block, size_t rounded, size_t req
   }
   block->allocated = true;
   block->requested = requested;
-  active_.emplace(block->address, block);
+  if (spare_nodes_.empty()) {
+    active_.emplace(block->address, block);
+  } else {  // reuse a map node: no heap call (See Note [Recycled Block objects])
+    auto node = std::move(spare_nodes_.back());
+    spare_nodes_.pop_back();
+    node.key() = block->address;
+    node.mapped() = block;
+    active_.insert(std::move(node));
+  }
   const bool s = block->is_small;
   stat_add(stats_.allocation, s, 1);
   stat_add(stats_.allocated_bytes, s, static_cast<int64_t>(block->size));
@@ -276,7 +308,8 @@ void BlockPool::free(void* ptr) {
 }
 
 void BlockPool::free_block(Block* block) {
-  active_.erase(block->address);
+  auto node = active_.extract(block->address);
+  if (spare_nodes_.size() < kMaxSpareBlocks) spare_nodes_.push_back(std::move(node));
   block->allocated = false;
   block->pending = false;
   const bool s = block->is_small;
@@ -290,7 +323,7 @@ void BlockPool::free_block(Block* block) {
     prev->size += block->size;
     prev->next = block->next;
     if (prev->next != nullptr) prev->next->prev = prev;
-    delete block;
+    recycle_block(block);
     block = prev;
   }
   if (block->next != nullptr && block->next->is_free()) {
@@ -299,7 +332,7 @@ void BlockPool::free_block(Block* block) {
     block->size += next->size;
     block->next = next->next;
     if (block->next != nullptr) block->next->prev = block;
-    delete next;
+    recycle_block(next);
   }
   insert_free(block);
 }
@@ -351,7 +384,7 @@ void BlockPool::release_segment(Block* block) {
   add_trace(TraceAction::kSegmentFree, block->address, block->size, block->stream);
   raw_->free(reinterpret_cast<void*>(block->address), block->size);
   ++stats_.num_device_free;
-  delete block;
+  recycle_block(block);
 }
 
 void BlockPool::release_cached_segments() {

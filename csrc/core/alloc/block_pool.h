@@ -151,6 +151,8 @@ class BlockPool {
 
   FreeSet& free_set(bool is_small) { return is_small ? small_free_ : large_free_; }
   const FreeSet& free_set(bool is_small) const { return is_small ? small_free_ : large_free_; }
+  Block* new_block();               // See Note [Recycled Block objects]
+  void recycle_block(Block* block);
   Block* find_free_block(bool is_small, StreamHandle stream, size_t rounded);
   Block* allocate_segment(bool is_small, size_t segment_bytes, StreamHandle stream);
   Block* take_block(Block* block, size_t rounded, size_t requested);
@@ -179,6 +181,9 @@ class BlockPool {
   bool history_enabled_ = false;
   size_t history_max_entries_ = 0;
   std::deque<TraceEntry> history_;
+  static constexpr size_t kMaxSpareBlocks = 64;
+  std::vector<Block*> spare_blocks_;              // recycled Block objects
+  std::vector<std::unordered_map<uintptr_t, Block*>::node_type> spare_nodes_;  // recycled map nodes
 };
 
 }  // namespace memsched
