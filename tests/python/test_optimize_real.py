@@ -111,3 +111,13 @@ def test_budget_below_minimum_gives_the_planners_error():
             _train("mlp", model, opt, 2, run=run)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert not model._forward_pre_hooks
+
+
+@pytest.mark.skipif(not HAVE_PLANNER, reason="memsched.plan (planner issue) not in this build")
+def test_offload_all_sync_plan_runs_copies_on_the_compute_stream():
+    model, opt, ref, ref_opt = _pair("cnn")
+    with optimize(model, opt, budget=1.0, planner="offload_all_sync") as run:
+        grads = _train("cnn", model, opt, 3, run=run)
+    _assert_bitwise(grads, _train("cnn", ref, ref_opt, 3), model, ref)
+    assert run.plan.copies_on_compute_stream and run.executor.engine.on_compute_stream
+    assert all(s.offloaded > 0 for s in run.step_stats)

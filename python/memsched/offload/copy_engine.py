@@ -24,6 +24,9 @@ Note [Offload copy ordering]
     the compute stream wait for the copy's done-event before use (`wait()`).
     The host block stays referenced in `pending_` until that copy finished.
   - finish() synchronises both copy streams and empties `pending_`.
+  - on_compute_stream (plans with copies_on_compute_stream, i.e. offload_all_sync
+    -- torch's save_on_cpu): the same copies, events and holds, on the compute
+    stream, so compute waits for every copy.
   Approach (CPU): copy_() runs synchronously; tickets are complete at birth.
   Limitations: polling happens at hook calls (every pack / unpack), so the
   release of a device block can lag its copy's completion by one hook call.
@@ -61,6 +64,7 @@ class CopyEngine:
         if self.is_cuda:
             self.d2h_stream = torch.cuda.Stream(device=self.device)
             self.h2d_stream = torch.cuda.Stream(device=self.device)
+        self.on_compute_stream = False  # True: copies run on the compute stream (plan of offload_all_sync)
         self.pending_ = []     # [(ticket, refs)]: refs kept alive until ticket completes
         self.log_ = []         # [(kind, nbytes, issued_s, finished_s, start_event, done)] this step, for
                                #   the timeline -- never the tensors, which must die with their users
@@ -79,14 +83,16 @@ class CopyEngine:
             host.copy_(src_bytes)
             ticket = CopyTicket(host, nbytes, "d2h", issued_s=issued, finished_s=time.perf_counter())
         else:
+            compute = torch.cuda.current_stream(self.device)
+            stream = compute if self.on_compute_stream else self.d2h_stream
             produced = torch.cuda.Event()
-            produced.record(torch.cuda.current_stream(self.device))
+            produced.record(compute)
             start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(produced)
-                start.record(self.d2h_stream)
+            with torch.cuda.stream(stream):
+                stream.wait_event(produced)
+                start.record(stream)
                 host.copy_(src_bytes, non_blocking=True)
-                done.record(self.d2h_stream)
+                done.record(stream)
             ticket = CopyTicket(host, nbytes, "d2h", done=done, start_event=start, issued_s=issued)
             # WARNING: src_bytes is read on the D2H stream: keep it until `done`.
             self.pending_.append((ticket, (src_bytes,)))
@@ -107,17 +113,18 @@ class CopyEngine:
             ticket = CopyTicket(dst, nbytes, "h2d", issued_s=issued, finished_s=time.perf_counter())
         else:
             compute = torch.cuda.current_stream(self.device)
+            stream = compute if self.on_compute_stream else self.h2d_stream
             dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # compute-stream block
             allocated = torch.cuda.Event()
             allocated.record(compute)
             start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self.h2d_stream):
-                self.h2d_stream.wait_event(allocated)
+            with torch.cuda.stream(stream):
+                stream.wait_event(allocated)
                 if after is not None and after.done is not None:
-                    self.h2d_stream.wait_event(after.done)
-                start.record(self.h2d_stream)
+                    stream.wait_event(after.done)
+                start.record(stream)
                 dst.copy_(host, non_blocking=True)
-                done.record(self.h2d_stream)
+                done.record(stream)
             ticket = CopyTicket(dst, nbytes, "h2d", done=done, start_event=start, issued_s=issued)
             # WARNING: host is read on the H2D stream: keep it until `done`.
             self.pending_.append((ticket, (host,)))

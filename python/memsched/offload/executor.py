@@ -160,6 +160,7 @@ class OffloadExecutor:
     def set_schedule(self, schedule):
         """Schedule for the steps that follow (None: plain PyTorch with measurement)."""
         self.schedule = schedule
+        self.engine.on_compute_stream = bool(schedule is not None and schedule.copies_on_compute_stream)
 
     # -- step bookkeeping -------------------------------------------------------------------------
     def _reset_step(self):

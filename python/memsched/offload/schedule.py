@@ -59,6 +59,7 @@ class OffloadSchedule:
         self.prefetch_at = {}      # observable op (or -1) -> ordinals prefetched there, in plan order
         self.observable_ops = []   # sorted trace op indices that the unpack hook reveals
         self.skipped_small = 0     # COUNT: planned offloads below the size floor (kept)
+        self.copies_on_compute_stream = False  # the plan wants copies on the compute stream (offload_all_sync)
 
     @classmethod
     def build(cls, trace, plan, min_bytes=0):
@@ -82,6 +83,7 @@ class OffloadSchedule:
         s.observable_ops = sorted(set(s.first_bwd_op.values()))
         if plan is None:
             return s
+        s.copies_on_compute_stream = bool(getattr(plan, "copies_on_compute_stream", False))
         for d in plan_decisions(plan):
             if not d.offload:
                 continue
