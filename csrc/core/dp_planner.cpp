@@ -35,6 +35,8 @@ const char* to_string(DpCost cost) {
     case DpCost::kBytes: return "offloaded_bytes";
     case DpCost::kCopyTime: return "copy_time_ps";
     case DpCost::kExposedTime: return "exposed_time_ps";
+    case DpCost::kIdleRatio: return "idle_weighted_ps";
+    case DpCost::kWindowed: return "windowed_ps";
   }
   return "?";
 }
@@ -44,14 +46,19 @@ std::vector<int64_t> dp_costs(const Trace& trace, const DeviceModel& device, con
   std::vector<int64_t> out;
   out.reserve(analysis.candidates.size());
   const std::vector<double> start = stall_free_start_us(trace, device);
+  // Costs are capped so that any sum of them fits in an int64.
+  const double cap = static_cast<double>((int64_t{1} << 62) / std::max<int64_t>(1, analysis.candidates.size()));
+  auto ps = [cap](double us) { return std::llround(std::min(us * 1e6, cap)); };
   for (const auto& c : analysis.candidates) {
     const double copy_us = d2h_time_us(device, c.bytes) + h2d_time_us(device, c.bytes);
     const double idle_us = start[c.first_backward_use] - start[c.last_forward_use + 1];
     switch (cost) {
       case DpCost::kBytes: out.push_back(c.bytes); break;
-      case DpCost::kCopyTime: out.push_back(std::llround(copy_us * 1e6)); break;
+      case DpCost::kCopyTime: out.push_back(ps(copy_us)); break;
+      case DpCost::kIdleRatio: out.push_back(ps(copy_us * copy_us / std::max(idle_us, 1e-3))); break;
+      case DpCost::kWindowed: out.push_back(ps(copy_us * (1.0 + 4.0 * copy_us / std::max(idle_us, 1e-3)))); break;
       case DpCost::kExposedTime:
-        out.push_back(std::llround((copy_us + 4.0 * std::max(0.0, copy_us - idle_us)) * 1e6));
+        out.push_back(ps(copy_us + 4.0 * std::max(0.0, copy_us - idle_us)));
         break;
     }
   }
@@ -189,13 +196,30 @@ std::string DpPlanner::description() const {
          "prefetch placed by simulation";
 }
 
+std::vector<bool> prune_with_exact_windows(const OffloadAnalysis& analysis, const DpModel& model,
+                                           const std::vector<bool>& offload, int64_t budget_bytes) {
+  if (analysis.candidates.size() > static_cast<size_t>(kMaxItems)) return offload;
+  std::vector<bool> out = offload;
+  std::vector<int64_t> mem = modelled_memory(analysis, offload_set_decisions(analysis, offload));
+  for (auto it = model.order.rbegin(); it != model.order.rend(); ++it) {
+    if (!out[*it]) continue;
+    const auto& c = analysis.candidates[*it];
+    bool fits = true;
+    for (int64_t i = c.last_forward_use + 1; i < c.first_backward_use && fits; ++i) fits = mem[i] + c.bytes <= budget_bytes;
+    if (!fits) continue;
+    out[*it] = false;
+    for (int64_t i = c.last_forward_use + 1; i < c.first_backward_use; ++i) mem[i] += c.bytes;
+  }
+  return out;
+}
+
 Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t budget_bytes) const {
   const OffloadAnalysis analysis = analyze_offload(trace);
   Plan best;
   double best_time = std::numeric_limits<double>::infinity();
   int64_t best_bytes = 0;
   std::vector<std::vector<bool>> tried;
-  for (DpCost kind : {DpCost::kBytes, DpCost::kCopyTime, DpCost::kExposedTime}) {
+  for (DpCost kind : kDpCosts) {
     const DpModel model = build_dp_model(analysis, budget_bytes, dp_costs(trace, device, analysis, kind));
     if (!model.feasible) {
       throw_budget_unreachable(name(), budget_bytes, model.least_budget_bytes, least_budget_bytes(analysis),
@@ -206,7 +230,13 @@ Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t
     MEMSCHED_CHECK(sol.feasible, "dp: the model is feasible but the DP found no solution; internal error");
     if (std::find(tried.begin(), tried.end(), sol.offload) != tried.end()) continue;
     tried.push_back(sol.offload);
-    const std::vector<TensorDecision> base = offload_set_decisions(analysis, sol.offload);
+    std::vector<std::pair<std::vector<bool>, bool>> sets = {{sol.offload, false}};
+    std::vector<bool> pruned = prune_with_exact_windows(analysis, model, sol.offload, budget_bytes);
+    if (pruned != sol.offload) sets.push_back({pruned, true});
+    for (const auto& [set, is_pruned] : sets) {
+    const std::vector<TensorDecision> base = offload_set_decisions(analysis, set);
+    int64_t set_bytes = 0;
+    for (size_t k = 0; k < set.size(); ++k) set_bytes += set[k] ? analysis.candidates[k].bytes : 0;
     for (double slack : {1.0, 2.0, 4.0}) {
       DeviceModel slow = device;  // the latest-hiding rule with `slack` times the copy time
       slow.h2d_bw_gbps /= slack;
@@ -219,14 +249,15 @@ Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t
       p.planner = name();
       p.decisions = std::move(d);
       p.objective = static_cast<double>(sol.cost);
-      p.objective_name = to_string(kind);
-      if (sol.offloaded_bytes == 0) return p;
+      p.objective_name = std::string(to_string(kind)) + (is_pruned ? "+pruned" : "");
+      if (set_bytes == 0) return p;
       const double t = simulate(trace, p, device).step_time_us;
-      if (t < best_time || (t == best_time && sol.offloaded_bytes < best_bytes)) {
+      if (t < best_time || (t == best_time && set_bytes < best_bytes)) {
         best_time = t;
-        best_bytes = sol.offloaded_bytes;
+        best_bytes = set_bytes;
         best = std::move(p);
       }
+    }
     }
   }
   return best;

@@ -9,16 +9,22 @@
 //   tensor, lexicographically followed by the sum of the offloaded tensors'
 //   positions in the order pi below (a tie-break: among equal-cost plans,
 //   offload the tensors used last in backward -- the longest windows to hide
-//   copies in). Three costs (DpCost), each solved exactly:
+//   copies in). Five costs (DpCost), each solved exactly:
 //     kBytes          bytes_t: the bytes offloaded (source S1's "least data
 //                     moved"; each offloaded tensor moves out once, back once)
-//     kCopyTime       round(1e6 * (d2h_time_us + h2d_time_us)): copy time in
-//                     picoseconds, latency included (fewer, larger copies)
+//     kCopyTime       round(1e6 * copy_us), copy_us = d2h_time_us +
+//                     h2d_time_us: copy time in picoseconds, latency included
+//                     (fewer, larger copies)
 //     kExposedTime    round(1e6 * (copy_us + 4 * max(0, copy_us - idle_us))),
-//                     copy_us = d2h + h2d time, idle_us = stall-free compute
-//                     time between the tensor's last forward use and its first
-//                     backward use: copy time, heavily penalised where even
-//                     alone it cannot hide behind compute.
+//                     idle_us = stall-free compute time between the tensor's
+//                     last forward use and its first backward use: copy time,
+//                     heavily penalised where even alone it cannot hide
+//     kIdleRatio      round(1e6 * copy_us * copy_us / idle_us): copy time
+//                     weighted by copy/idle -- Capuchin's ranking made exact
+//     kWindowed       round(1e6 * copy_us * (1 + 4 * copy_us / idle_us))
+//   (idle_us floored at 1e-3; each cost capped at 2^62 / n so sums cannot
+//   overflow). All costs are integers, so the DP and brute
+//   force agree exactly.
 //   CONSTRAINTS (the model): every offloaded tensor's D2H copy follows its
 //   producer and it is fetched on demand; the memory constraint is checked at
 //   EVERY op i:  live_bytes[i] - sum_{offloaded t off the device during i}
@@ -55,14 +61,18 @@
 //   for the model above; beyond, it is exact for the grouped model. Without
 //   grouping, g would exceed typical tensor sizes on 100k-tensor traces and
 //   floor(bytes / g) would free nothing.
-//   THE PLANNER: solves the DP for each cost; offloaded tensors are copied
-//   out right after their producer; prefetch points are placed by Capuchin's
-//   latest-hiding rule with slack factors 1, 2 and 4 on the copy time, each
-//   pulled later where the budget requires (prefetch_placement.h); of these
-//   (up to 9) candidates the simulator picks the one with the least step time
-//   (ties: fewer bytes, then the order above). Plan::objective is the chosen
-//   candidate's DP objective, objective_name its cost ("offloaded_bytes",
-//   "copy_time_ps", "exposed_time_ps").
+//   THE PLANNER: solves the DP for each cost; each solution is also pruned
+//   against the exact windows (prune_with_exact_windows: offloads the true
+//   modelled memory does not need are dropped, last in pi first; <= 2048
+//   candidates). Offloaded tensors are copied out right after their
+//   producer; prefetch points are placed by Capuchin's latest-hiding rule
+//   with slack factors 1, 2 and 4 on the copy time, each pulled later where
+//   the budget requires (prefetch_placement.h). Of these candidates (at most
+//   5 costs x 2 sets x 3 placements) the simulator picks the one with the
+//   least step time (ties: fewer bytes, then the order above).
+//   Plan::objective is the chosen candidate's DP optimum and objective_name
+//   its cost ("offloaded_bytes", "copy_time_ps", ...; "+pruned" when the
+//   pruned set won, whose own cost is then at most that optimum).
 #pragma once
 
 #include <cstdint>
@@ -73,8 +83,10 @@
 
 namespace memsched {
 
-enum class DpCost { kBytes, kCopyTime, kExposedTime };
-const char* to_string(DpCost cost);  // "offloaded_bytes", "copy_time_ps", "exposed_time_ps"
+enum class DpCost { kBytes, kCopyTime, kExposedTime, kIdleRatio, kWindowed };
+constexpr DpCost kDpCosts[] = {DpCost::kBytes, DpCost::kCopyTime, DpCost::kExposedTime, DpCost::kIdleRatio,
+                               DpCost::kWindowed};
+const char* to_string(DpCost cost);  // "offloaded_bytes", "copy_time_ps", "exposed_time_ps", ...
 
 // Per-candidate cost (OffloadAnalysis order) of Note [DP planner model].
 std::vector<int64_t> dp_costs(const Trace& trace, const DeviceModel& device, const OffloadAnalysis& analysis,
@@ -112,6 +124,12 @@ DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes,
 
 // The dynamic program; exact (lexicographic min of (cost, tie_break)) for the model.
 DpSolution solve_dp(const DpModel& model, size_t num_candidates);
+
+// Drops offloaded candidates (last in pi first) that the true modelled memory
+// (exact last_forward_use, on-demand prefetch) does not need under the budget.
+// Identity beyond 2048 candidates.
+std::vector<bool> prune_with_exact_windows(const OffloadAnalysis& analysis, const DpModel& model,
+                                           const std::vector<bool>& offload, int64_t budget_bytes);
 
 class DpPlanner final : public Planner {
  public:
