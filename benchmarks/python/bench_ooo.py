@@ -79,7 +79,7 @@ def step_times(name, size="realistic", rounds=15, warmup=3, executor="auto"):
 
 def _summary(ts):
     q = statistics.quantiles(ts, n=4)
-    return {"median_ms": statistics.median(ts) * 1e3, "iqr_ms": (q[2] - q[0]) * 1e3}
+    return {"median_ms": statistics.median(ts) * 1e3, "iqr_ms": (q[2] - q[0]) * 1e3, "min_ms": min(ts) * 1e3}
 
 
 def gradient_memory(name="transformer", size="realistic"):
@@ -230,7 +230,8 @@ def test_ddp_first_allreduce(benchmark):
 
 # ---------------------------------------------------------------- formatting
 def format_step_table(table):
-    lines = ["CPU step time, AdamW, realistic models (median ms [IQR], ratio vs plain)",
+    lines = [f"CPU step time, AdamW, realistic models (median ms [IQR], ratio of medians vs plain; "
+             f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)",
              f"{'model':12s}" + "".join(f"{m:>26s}" for m in MODES)]
     for name, row in table.items():
         cells = []

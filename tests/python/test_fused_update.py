@@ -156,9 +156,14 @@ def test_fused_update_holds_one_layers_gradient_at_a_time():
     oa = torch.optim.Adam(a.parameters())
     plain = _plain_peak_grad_bytes(a, lambda: a(x).square().mean().backward())
     assert plain == 8 * 16640  # every gradient alive when optimizer.step() runs
+    seen = []  # independent of the executor's count: .grad bytes visible at each fused step
     with OutOfOrderBackward(b, optimizer=torch.optim.Adam(b.parameters()), fuse_optimizer=True) as ooo:
+        orig = ooo._stepper.step
+        ooo._stepper.step = lambda p: (seen.append(sum(q.grad.numel() * 4 for q in b.parameters()
+                                                         if q.grad is not None)), orig(p))
         b(x).square().mean().backward()
     # one item (weight + bias of one layer) is pending at a time, then stepped and freed
+    assert max(seen) == 16640 and len(seen) == 16
     assert ooo.report()["peak_grad_bytes"] == 16640
     assert ooo.report()["peak_grad_bytes"] <= 0.125 * plain
     oa.step()
