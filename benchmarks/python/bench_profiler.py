@@ -3,7 +3,8 @@ small transformer (memsched.models, "small": d_model 32, 2 layers, seq 16) on
 CPU. Goal: under 3x (profiling is a one-off pass).
 
 Run: python3 -m pytest -q -s benchmarks/python/bench_profiler.py
-Plain and profiled steps are interleaved (so machine load hits both alike);
+One intra-op thread. Plain and profiled steps are interleaved (so machine
+load hits both alike);
 the ratio of medians is printed and stored in the benchmark JSON as
 extra_info["ratio_vs_plain"], with the per-op overhead in microseconds.
 """
@@ -17,6 +18,17 @@ import memsched
 from memsched import models
 
 ROUNDS = 40
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a 2-core machine shared with builds, OpenMP
+    spin-waits turn multi-threaded small ops into noise; the profiler's own
+    cost is single-threaded Python either way."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _setup(batch):
