@@ -75,6 +75,21 @@ def test_mlp_ops_phases_module_paths_and_flops():
     assert trace.device == "cpu"
 
 
+def test_fast_matmul_flops_equal_flop_counter():
+    from torch.utils.flop_counter import flop_registry
+
+    from memsched.profiler.flops import flop_fn
+
+    aten = torch.ops.aten
+    a, b, bias = torch.randn(3, 5), torch.randn(5, 7), torch.randn(7)
+    ba, bb = torch.randn(2, 3, 5), torch.randn(2, 5, 4)
+    cases = [(aten.mm.default, (a, b)), (aten.addmm.default, (bias, a, b)), (aten.bmm.default, (ba, bb)),
+             (aten.baddbmm.default, (torch.randn(2, 3, 4), ba, bb))]
+    for op, args in cases:
+        out = op(*args)
+        assert flop_fn(op)(args, {}, out) == flop_registry[op._overloadpacket](*args, out_val=out) > 0
+
+
 def test_cnn_with_batchnorm_by_hand():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
@@ -96,6 +111,8 @@ def test_cnn_with_batchnorm_by_hand():
     }
     assert {t.label: t.bytes for t in acts(trace)} == expected
     assert trace.activation_bytes() == sum(expected.values()) == 7200
+    conv = next(o for o in trace.ops if o.name == "aten::convolution")
+    assert conv.flops == 2 * (2 * 4 * 8 * 8) * (3 * 3 * 3) and conv.module_path == "0"
     # BatchNorm buffers (running_mean, running_var, num_batches_tracked) are parameters.
     buffer_b = 4 * F32 * 2 + 8
     assert trace.bytes_of_kind("parameter") == F32 * sum(p.numel() for p in model.parameters()) + buffer_b
