@@ -7,6 +7,7 @@ With a GPU (requires_cuda): CUDA tensors come from memsched, statistics track
 them, record_stream delays reuse, empty_cache reaches memsched, snapshots load.
 """
 import ctypes
+import os
 import subprocess
 import sys
 import textwrap
@@ -178,6 +179,7 @@ def test_training_step_matches_native_allocator():
         from memsched import models
         if sys.argv[1] == "memsched":
             memsched.allocator.install()
+        torch.use_deterministic_algorithms(True)  # so that only the allocator differs
         torch.manual_seed(0)
         model = models.build_model("transformer", "small", device="cuda")
         step = models.make_step_fn(model, "transformer", batch=4, device="cuda")
@@ -186,8 +188,9 @@ def test_training_step_matches_native_allocator():
     """
     out = []
     for mode in ("native", "memsched"):
+        env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
         r = subprocess.run([sys.executable, "-c", textwrap.dedent(code), mode], capture_output=True,
-                           text=True, timeout=300)
+                           text=True, timeout=300, env=env)
         assert r.returncode == 0, r.stderr
         out.append(r.stdout.strip())
     assert out[0] == out[1]
