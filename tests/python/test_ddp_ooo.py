@@ -1,5 +1,6 @@
 """Out-of-order backward under DistributedDataParallel: gloo on CPU, two
-processes on 127.0.0.1. Parameters after K steps equal plain DDP's (bitwise),
+processes on 127.0.0.1. Parameters after K steps equal plain DDP's (bitwise;
+also with gradient accumulation against DDP's no_sync recipe),
 ranks stay in sync, several buckets are reduced in order, and the first
 all-reduce starts before the backward pass ends."""
 import os
@@ -39,6 +40,21 @@ def _run(rank, mode, steps):
             models.loss_fn("transformer", ddp(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+    elif mode == "plain_accum":  # DDP's recipe: no_sync() on all but the last micro-step
+        for k, (x, y) in enumerate(data):
+            if k % 2 == 0:
+                with ddp.no_sync():
+                    models.loss_fn("transformer", ddp(x), y).backward()
+            else:
+                models.loss_fn("transformer", ddp(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    elif mode == "fused_accum":
+        with OutOfOrderBackward(ddp, optimizer=opt, fuse_optimizer=True, grad_accumulation_steps=2) as ooo:
+            for x, y in data:
+                models.loss_fn("transformer", ddp(x), y).backward()
+                ooo.step()
+        report = ooo.report()
     else:
         fuse = mode == "fused"
         with OutOfOrderBackward(ddp, optimizer=opt, fuse_optimizer=fuse) as ooo:
@@ -64,6 +80,7 @@ def _worker(rank, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
         results = {mode: _run(rank, mode, K_STEPS) for mode in ("plain", "ooo", "fused")}
+        results.update({mode: _run(rank, mode, 4) for mode in ("plain_accum", "fused_accum")})
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -91,7 +108,11 @@ def test_ddp_ooo_and_fused_match_plain_ddp(tmp_path):
             assert report["buckets"] >= 3
             # communication started during backward, not after it
             assert 0 <= report["first_allreduce_start_ms"] < report["backward_ms"]
-    for mode in ("plain", "ooo", "fused"):  # the ranks agree
+        # gradient accumulation over 2 micro-steps: reduce and fuse on the last one only
+        for a, b in zip(res[r]["plain_accum"][0], res[r]["fused_accum"][0]):
+            assert torch.equal(a, b), f"rank {r}: accumulation differs from DDP with no_sync"
+    assert res[0]["fused_accum"][2]["fused_updates"] == 2 * len(res[0]["fused_accum"][0])
+    for mode in ("plain", "ooo", "fused", "fused_accum"):  # the ranks agree
         for a, b in zip(res[0][mode][0], res[1][mode][0]):
             assert torch.equal(a, b)
     assert res[0]["fused"][2]["fused_updates"] == K_STEPS * len(res[0]["fused"][0])
