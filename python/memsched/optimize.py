@@ -25,6 +25,18 @@ Note [Profiling inside the user's first step]
   warning per Run; the next step is profiled again and re-planned, at most
   `max_reprofiles` times -- after that mismatching steps simply run plainly.
 
+Note [What a Run changes while it is active]
+  - hooks: a forward pre-hook and an always-called forward hook on the root
+    module (the Run's), the executor's pair, ModuleStack's pair on every
+    submodule, and -- while profiling -- the profiler's; our saved-tensor hooks
+    from a step's first forward to run.step(). All are removed by __exit__,
+    also when the body raised (KeyboardInterrupt included).
+  - ooo=True: memsched.ooo patches eligible layers' forward; removed likewise.
+  - CUDA: torch.cuda peak-memory statistics are reset at the start of every
+    executed step (the measured peak is per step).
+  Parameters, buffers, gradients and optimizer state are never touched except
+  by optimizer.step() / zero_grad(set_to_none=True) in run.step().
+
 Note [Budgets]
   budget=None: "as fast as possible within the device's memory": keep_all when
   the profiled peak fits the device (always on CPU), else `planner` at 90% of
