@@ -364,3 +364,19 @@ def test_activation_checkpointing_inside_ooo_matches_plain():
             b(x).square().sum().backward()
             ooo.step()
     assert_same_state(a, oa, b, ob)
+
+
+def test_install_twice_in_a_row_and_reinstall_after_remove():
+    a, oa, b, ob = twin("mlp", "sgd_momentum")
+    data = batches("mlp", 4)
+    plain_loop(a, oa, "mlp", data)
+    ooo = OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=True)
+    for half in (data[:2], data[2:]):
+        with ooo:
+            with pytest.raises(memsched.MemschedError, match="already installed"):
+                ooo.install()
+            for x, y in half:
+                models.loss_fn("mlp", b(x), y).backward()
+                ooo.step()
+        assert ooo.report()["iterations"] == 2  # counters are per installation
+    assert_same_state(a, oa, b, ob)

@@ -175,6 +175,7 @@ class OutOfOrderBackward:
     def install(self) -> "OutOfOrderBackward":
         if self._installed:
             raise MemschedError("OutOfOrderBackward is already installed; call remove() first")
+        self._reset_state()  # a second install() starts from scratch
         try:
             self._install()
         except BaseException:
