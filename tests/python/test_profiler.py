@@ -144,6 +144,15 @@ def test_small_transformer_attention_layernorm_gelu():
     assert sum(t.bytes == vocab * d * F32 for t in params) == 1
     grads = [t for t in trace.tensors if t.kind == "gradient"]
     assert sum(t.bytes for t in grads) == unique_param_b
+    # Backward ops carry the module whose forward they differentiate (Note [Backward module path]).
+    bwd = [o for o in trace.ops if o.phase == "backward"]
+    assert [o.module_path for o in bwd if o.name == "aten::_softmax_backward_data"] == ["blocks.1.attn",
+                                                                                        "blocks.0.attn"]
+    assert [o.module_path for o in bwd if o.name == "aten::gelu_backward"] == ["blocks.1.mlp.1", "blocks.0.mlp.1"]
+    assert [o.module_path for o in bwd if o.name == "aten::native_layer_norm_backward"] == [
+        "ln_f", "blocks.1.ln2", "blocks.1.ln1", "blocks.0.ln2", "blocks.0.ln1"]
+    assert [o.module_path for o in bwd if o.name == "aten::embedding_dense_backward"] == ["pos", "tok"] or \
+        [o.module_path for o in bwd if o.name == "aten::embedding_dense_backward"] == ["tok", "pos"]
     assert {o.name for o in trace.ops} >= {"aten::native_layer_norm", "aten::gelu", "aten::_softmax",
                                            "aten::native_layer_norm_backward", "aten::gelu_backward"}
 
@@ -319,6 +328,27 @@ def test_bad_arguments():
         memsched.profile(None)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         memsched.profile(lambda: None, model="mlp")
+
+
+def test_free_detection_op_by_op():
+    x = torch.randn(100)  # 400 bytes, exists before the step
+
+    def step():
+        a = x * 2          # op 0
+        b = a + 1          # op 1
+        del a              # a dies after op 1
+        c = b * 3          # op 2
+        del b              # b dies after op 2
+        return c.sum()     # op 3; c and the sum die when step returns
+
+    trace = memsched.profile(step)
+    assert [o.name for o in trace.ops] == ["aten::mul", "aten::add", "aten::mul", "aten::sum"]
+    by_producer = {t.producer_op: t for t in trace.tensors}
+    assert by_producer[0].freed_after_op == 1 and by_producer[0].uses == [1]  # read by op 1 only
+    assert by_producer[1].freed_after_op == 2 and by_producer[1].uses == [2]
+    assert by_producer[2].freed_after_op == 3 and by_producer[3].freed_after_op == 3
+    assert by_producer[-1].bytes == 400 and by_producer[-1].freed_after_op == -1
+    assert trace.live_bytes() == [800, 1200, 1200, 804]
 
 
 def test_profile_without_model_counts_everything_as_seen():
