@@ -413,3 +413,51 @@ def test_exception_in_the_profiled_forward_restarts_profiling(standins):
     assert run.steps_profiled == 1 and [s.mode for s in run.step_stats] == ["planned", "planned"]
     _assert_bitwise(grads, _train("mlp", ref, ref_opt, 3), model, ref)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+class Modifies(nn.Module):
+    """Modifies a saved tensor in place when told to: plain PyTorch raises at backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.where = None
+
+    def forward(self, x):
+        y = torch.sigmoid(self.fc(x))      # sigmoid saves its output y
+        if self.where == "activation":
+            y.mul_(2)
+        if self.where == "weight":
+            with torch.no_grad():
+                self.fc.weight.mul_(1.0)   # the weight saved by fc's matmul
+        return y
+
+
+@pytest.mark.parametrize("budget", [None, 1])  # keep everything / offload everything
+@pytest.mark.parametrize("where", ["activation", "weight"])
+def test_in_place_change_of_a_saved_tensor_raises_like_pytorch(where, budget, standins):
+    torch.manual_seed(0)
+    model = Modifies()
+    x = torch.randn(4, 32, requires_grad=True)
+    model.where = where
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()   # plain PyTorch
+    model.where = None
+    model.zero_grad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with optimize(model, opt, budget=budget) as run:
+        for _ in range(2):
+            model(x).sum().backward()
+            run.step()
+        model.where = where
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            model(x).sum().backward()
+        model.where = None
+        # The failed backward never reached run.step(): the next forward continues that step, which
+        # then no longer matches the trace -- it runs plainly (one warning), the one after is
+        # profiled again, then the plan runs again.
+        with pytest.warns(RuntimeWarning, match="does not match the profiled trace"):
+            for _ in range(3):
+                model(x).sum().backward()
+                run.step()
+    assert [s.mode for s in run.step_stats][-2:] == ["diverged", "planned"]

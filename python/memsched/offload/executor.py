@@ -40,6 +40,19 @@ Note [What is never offloaded]
   therefore bitwise those PyTorch would have used -- a wrong plan costs time or
   memory, never a wrong gradient.
 
+Note [Version checks]
+  With saved-tensor hooks installed PyTorch no longer checks that a saved
+  tensor was not modified in place before backward used it (try
+  save_on_cpu with y = x.sigmoid(); y.mul_(2)): a buggy step would silently
+  get a wrong gradient. The executor restores the check: kept tensors and
+  parameters are packed with their _version and compared at unpack (the
+  detached alias shares the version counter). An offloaded tensor's counter
+  is not reachable once its storage is gone, so the executor holds a weak
+  reference to the packed Python tensor and compares its _version at the end
+  of each forward and at every offloaded unpack while that object lives; a
+  change raises at unpack. Limitation: an in-place change made only through
+  another view, after the packed tensor's Python object died, goes unseen.
+
 Note [Packing without reference cycles]
   A pack hook that returns the tensor it was given (or a tuple holding it)
   leaks when the tensor is the node's own output: tensor -> grad_fn -> saved
@@ -84,7 +97,8 @@ class StepStats:
 class _Offloaded:
     """One offloaded storage: its host copy and, during backward, its device copy."""
 
-    __slots__ = ("ordinal", "nbytes", "version", "d2h", "h2d", "device_bytes", "packs", "unpacks", "source")
+    __slots__ = ("ordinal", "nbytes", "version", "d2h", "h2d", "device_bytes", "packs", "unpacks", "source",
+                 "tensor", "modified_to", "label")
 
     def __init__(self, ordinal, nbytes, version, d2h, source):
         self.ordinal = ordinal        # activation ordinal
@@ -96,6 +110,16 @@ class _Offloaded:
         self.packs = 0                # COUNT saves referring to this storage
         self.unpacks = 0              # COUNT unpacks so far
         self.source = source          # StorageWeakRef of the original device storage (released in forward)
+        self.tensor = None            # weakref to the packed Python tensor: reads its _version while alive
+        self.modified_to = None       # version seen after an in-place change (See Note [Version checks])
+        self.label = ""               # activation label, for errors
+
+
+def _modified_error(what, version, expected):
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"{what} is at version {version}; expected version {expected} instead. (memsched checks this itself "
+        "because saved-tensor hooks turn PyTorch's own check off; plain PyTorch raises the same error.)")
 
 
 class _View:
@@ -246,6 +270,8 @@ class OffloadExecutor:
 
     def _forward_post(self, module, args, output):
         self.in_forward_ = False
+        if self.in_step_:
+            self._check_versions()
         if output is None and self.in_step_:
             # always_call hook after an exception (forward returned nothing): abandon the step.
             self.forward_failed_ = True
@@ -267,10 +293,10 @@ class OffloadExecutor:
         if alias is not None and not alias[0].expired():
             # A fetched copy saved again (e.g. a reentrant checkpoint's recompute): the profiled step
             # saw the original storage here, so this is a re-pack of the same ordinal.
-            return (alias[1], t.detach())
+            return (alias[1], t.detach(), t._version)
         act = self.numbering.number(t, self.stack.current)
         if act is None:
-            return t  # parameter or buffer: no cycle possible (leaf), nothing to do
+            return (-1, t, t._version)  # parameter or buffer: a leaf (no cycle); kept, version-checked
         k = act.ordinal
         if act.is_first_pack:
             nbytes = t.untyped_storage().nbytes()
@@ -288,18 +314,26 @@ class OffloadExecutor:
         h = self.offloaded_.get(k)
         if h is not None and t._version == h.version:
             h.packs += 1
+            if h.label == "":
+                h.label = act.label
             return _View(h, t)
-        return (k, t.detach())  # See Note [Packing without reference cycles]
+        return (k, t.detach(), t._version)  # See Notes [Packing without reference cycles], [Version checks]
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
         self.engine.poll()
         if isinstance(packed, tuple):
-            k, t = packed
-            self._observe(k)
+            k, t, version = packed
+            if t._version != version:
+                raise _modified_error(f"a saved tensor of shape {list(t.shape)}", t._version, version)
+            if k >= 0:
+                self._observe(k)
             return t
         h = packed.handle
+        self._check_versions()
+        if h.modified_to is not None:
+            raise _modified_error(f"saved activation {h.label}", h.modified_to, h.version)
         self._observe(h.ordinal)
         if h.device_bytes is None:
             self._materialize(h)
@@ -323,9 +357,21 @@ class OffloadExecutor:
         storage = t.untyped_storage()
         flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
         ticket = self.engine.offload(flat)
-        self.offloaded_[k] = _Offloaded(k, nbytes, t._version, ticket, StorageWeakRef(storage))
+        h = _Offloaded(k, nbytes, t._version, ticket, StorageWeakRef(storage))
+        h.tensor = weakref.ref(t)
+        self.offloaded_[k] = h
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += nbytes
+
+    def _check_versions(self):
+        """Note in-place changes to offloaded tensors whose Python objects are still alive."""
+        for h in self.offloaded_.values():
+            t = h.tensor() if h.tensor is not None else None
+            if t is None:
+                h.tensor = None  # gone: nothing can change it from Python any more
+                continue
+            if t._version != h.version and h.modified_to is None:
+                h.modified_to = t._version
 
     def _observe(self, k):
         """An unpack of ordinal k: fire every prefetch trigger up to its first backward op."""
