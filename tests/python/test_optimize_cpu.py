@@ -461,3 +461,40 @@ def test_in_place_change_of_a_saved_tensor_raises_like_pytorch(where, budget, st
                 model(x).sum().backward()
                 run.step()
     assert [s.mode for s in run.step_stats][-2:] == ["diverged", "planned"]
+
+
+@pytest.mark.parametrize("pattern", ["accumulate", "retain_graph"])
+def test_two_backwards_per_step_are_bitwise(pattern, standins):
+    """Gradient accumulation (two forward/backward per run.step()) and a graph backpropagated twice
+    (retain_graph): every saved tensor is fetched again for the second use."""
+    model, opt, ref, ref_opt = _pair("cnn")
+
+    def step(m, s):
+        x, y = _data("cnn", s)
+        if pattern == "accumulate":
+            for half in (x[:2], x[2:]):
+                F.cross_entropy(m(half), y[:2] if half is x[:2] else y[2:]).backward()
+        else:
+            loss = F.cross_entropy(m(x), y)
+            loss.backward(retain_graph=True)
+            (0.5 * loss).backward()
+
+    with optimize(model, opt, budget=1) as run:
+        for s in range(3):
+            step(model, s)
+            run.step()
+    for s in range(3):
+        step(ref, s)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    _assert_bitwise([], [], model, ref)
+    stats = run.step_stats
+    assert [st.mode for st in stats] == ["planned", "planned"]
+    if pattern == "retain_graph":
+        assert all(st.h2d_bytes == 2 * st.offloaded_bytes for st in stats)   # fetched for each backward
+    else:
+        # The batch x and the targets y are one storage each for both micro-batches (x[:2], x[2:]):
+        # saved again after the first backward used them, so they are fetched twice; the rest once.
+        x, y = _data("cnn", 0)
+        twice = x.untyped_storage().nbytes() + y.untyped_storage().nbytes()
+        assert all(st.h2d_bytes == st.offloaded_bytes + twice for st in stats)

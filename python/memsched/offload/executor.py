@@ -340,8 +340,10 @@ class OffloadExecutor:
         h.unpacks += 1
         dev = h.device_bytes
         self.fetched_[storage_key(dev)] = (StorageWeakRef(dev.untyped_storage()), h.ordinal)
-        if h.unpacks >= h.packs:
-            h.device_bytes = None  # the returned tensor now owns it; a second backward fetches again
+        if h.unpacks % h.packs == 0:
+            # Every save of it has been used once: the returned tensor owns the copy now. Another
+            # backward of a retained graph (or a later micro-batch saving it again) fetches again.
+            h.device_bytes = None
         out = torch.empty(0, dtype=packed.dtype, device=self.device)
         out.set_(dev.untyped_storage(), packed.offset, packed.size, packed.stride)
         self._sample()
