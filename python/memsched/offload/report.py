@@ -101,10 +101,10 @@ def build_report(run_info, planned, step_stats, notes=()):
             "activation_peak_bytes": max(s.peak_bytes for s in executed) if not r.device.startswith("cuda") else None,
             "bytes_moved": med("d2h_bytes") + med("h2d_bytes"),
             "stall_s": med("stall_s"),
-            "offloaded": med("offloaded"),
-            "offloaded_bytes": med("offloaded_bytes"),
-            "prefetched": med("prefetched"),
-            "on_demand": med("on_demand"),
+            "offloaded": int(med("offloaded")),
+            "offloaded_bytes": int(med("offloaded_bytes")),
+            "prefetched": int(med("prefetched")),
+            "on_demand": int(med("on_demand")),
         }
         r.memory_source = executed[-1].memory_source
     m, p = r.measured, r.planned
