@@ -49,7 +49,7 @@ Note [Version checks]
   detached alias shares the version counter). An offloaded tensor's counter
   is not reachable once its storage is gone, so the executor holds a weak
   reference to the packed Python tensor and compares its _version at the end
-  of each forward and at every offloaded unpack while that object lives; a
+  of each forward and at its own unpack while that object lives; a
   change raises at unpack. Limitation: an in-place change made only through
   another view, after the packed tensor's Python object died, goes unseen.
 
@@ -331,7 +331,7 @@ class OffloadExecutor:
                 self._observe(k)
             return t
         h = packed.handle
-        self._check_versions()
+        self._check_version(h)
         if h.modified_to is not None:
             raise _modified_error(f"saved activation {h.label}", h.modified_to, h.version)
         self._observe(h.ordinal)
@@ -366,14 +366,18 @@ class OffloadExecutor:
         self.stats.offloaded_bytes += nbytes
 
     def _check_versions(self):
-        """Note in-place changes to offloaded tensors whose Python objects are still alive."""
+        """Note in-place changes to offloaded tensors whose Python objects are still alive (O(n):
+        once per forward)."""
         for h in self.offloaded_.values():
-            t = h.tensor() if h.tensor is not None else None
-            if t is None:
-                h.tensor = None  # gone: nothing can change it from Python any more
-                continue
-            if t._version != h.version and h.modified_to is None:
-                h.modified_to = t._version
+            self._check_version(h)
+
+    @staticmethod
+    def _check_version(h):
+        t = h.tensor() if h.tensor is not None else None
+        if t is None:
+            h.tensor = None  # gone: nothing can change it from Python any more
+        elif t._version != h.version and h.modified_to is None:
+            h.modified_to = t._version
 
     def _observe(self, k):
         """An unpack of ordinal k: fire every prefetch trigger up to its first backward op."""
