@@ -284,8 +284,12 @@ def main(argv=None):
     print(format_memory(mem), flush=True)
     untied = gradient_memory(untie=True)
     print(format_memory(untied, "realistic transformer (untied copy)"), flush=True)
+    BATCH["transformer"] = 1  # activations small: the step's peak is where gradients live
+    mem_b1 = gradient_memory()
+    print(format_memory(mem_b1), flush=True)
+    BATCH["transformer"] = 8
     result = {"step_time": table, "gradient_memory": mem, "gradient_memory_untied": untied,
-              "executor": args.executor, **_bench_env()}
+              "gradient_memory_batch1": mem_b1, "executor": args.executor, **_bench_env()}
     if not args.skip_ddp:
         trace = ddp_trace()
         print(format_ddp(trace), flush=True)
