@@ -203,12 +203,12 @@ class ActivationNumbering:
             if hit is not None:
                 # Holding the weak ref means the address cannot have been reused
                 # (Note [Storage keys and reuse]); expired() is a cheap guard.
-                ref, act = hit
+                ref, again = hit
                 if not ref.expired():
-                    return act._replace(is_first_pack=False)
+                    return again
         ordinal = len(self._labels)
-        act = Activation(ordinal, True, activation_label(ordinal, module_path, tensor))
-        self._labels.append(act.label)
+        label = activation_label(ordinal, module_path, tensor)
+        self._labels.append(label)
         if key is not None:
-            self._seen[key] = (StorageWeakRef(tensor.untyped_storage()), act)
-        return act
+            self._seen[key] = (StorageWeakRef(tensor.untyped_storage()), Activation(ordinal, False, label))
+        return Activation(ordinal, True, label)

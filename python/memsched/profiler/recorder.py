@@ -35,7 +35,7 @@ from memsched import _C
 from memsched.profiler.backward_modules import BackwardModuleMap
 from memsched.profiler.flops import flop_fn
 from memsched.profiler.op_timer import OpTimer
-from memsched.saved_tensors import ActivationNumbering, ModuleStack, dtype_name
+from memsched.saved_tensors import ActivationNumbering, ModuleStack, dtype_name, storage_key
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 _graph_task_id = torch._C._current_graph_task_id  # != -1 inside the autograd engine
@@ -148,12 +148,15 @@ class Recorder:
 
     # ---- saved tensors ----------------------------------------------------
     def pack(self, t: torch.Tensor):
-        path = self.stack.current if self.stack is not None else ""
-        act = self.numbering.number(t, path)
+        stack = self._stack_list
+        act = self.numbering.number(t, stack[-1] if stack else "")
         if act is not None and act.is_first_pack:
-            key = self.register_existing(t, "activation")
-            if key is not None:
-                self.builder.upgrade_kind(key, "activation", act.label)
+            key = storage_key(t)
+            if key is None:
+                return t
+            if key not in self._watch:  # never seen made: it existed before the step
+                self.register_existing(t, "activation")
+            self.builder.upgrade_kind(key, "activation", act.label)
         return t
 
     @staticmethod
@@ -177,15 +180,18 @@ class Recorder:
             return func(*args, **kwargs)
         name, mutable, flops_of, _ = info
         watch = self._watch
+        bmap = self.backward_map
         if self.in_optimizer:
             phase, path = OPTIMIZER, ""
         elif _graph_task_id() != -1:
             phase = BACKWARD
-            self.backward_map.tag_pending()
-            path = self.backward_map.module_of_current_node()
+            if bmap._pending:
+                bmap.tag_pending()
+            path = bmap.module_of_current_node()
         else:
             phase = FORWARD
-            self.backward_map.tag_pending()
+            if bmap._pending:
+                bmap.tag_pending()
             stack = self._stack_list
             path = stack[-1] if stack else ""
         used = []
@@ -232,7 +238,7 @@ class Recorder:
         self.builder.record_op(name, path, phase, used, made, duration_us or 0.0, float(flops), bytes_read,
                                bytes_written)
         if phase == FORWARD and outputs and _grad_enabled():
-            self.backward_map.note_outputs(outputs, path)
+            bmap.note_outputs(outputs, path)
         return out
 
     # ---- end of step --------------------------------------------------------
