@@ -139,10 +139,10 @@ class Recorder:
         if st is None:
             return None
         key = st._cdata
-        if self.builder.is_live(key):
+        if key in self._watch or self.builder.is_live(key):  # _watch mirrors the live keys until close()
             self.builder.upgrade_kind(key, kind)
         else:
-            self.builder.tensor_existing(key, st.nbytes(), dtype_name(t.dtype), kind)
+            self.builder.tensor_existing(key, st.nbytes(), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype), kind)
             self._watch_storage(st, key)
         return key
 
