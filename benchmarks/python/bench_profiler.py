@@ -74,4 +74,4 @@ def test_profiled_step(benchmark, batch):
     print(f"\nsmall transformer, batch {batch}, CPU, {torch.get_num_threads()} threads: plain median "
           f"{plain_s * 1e3:.2f} ms (min {min(plain_t) * 1e3:.2f}), profiled median {prof_s * 1e3:.2f} ms "
           f"(min {min(prof_t) * 1e3:.2f}): ratio {ratio:.2f}x (goal < 3x); {n_ops} recorded ops, "
-          f"{per_op_us:.1f} us overhead per recorded op")
+          f"{per_op_us:.1f} us of overhead per recorded op (all overhead, incl. pass-through view ops and setup)")
