@@ -37,6 +37,7 @@ const char* to_string(DpCost cost) {
     case DpCost::kExposedTime: return "exposed_time_ps";
     case DpCost::kIdleRatio: return "idle_weighted_ps";
     case DpCost::kWindowed: return "windowed_ps";
+    case DpCost::kCopyPerIdle: return "copy_per_idle_ppm";
   }
   return "?";
 }
@@ -57,6 +58,7 @@ std::vector<int64_t> dp_costs(const Trace& trace, const DeviceModel& device, con
       case DpCost::kCopyTime: out.push_back(ps(copy_us)); break;
       case DpCost::kIdleRatio: out.push_back(ps(copy_us * copy_us / std::max(idle_us, 1e-3))); break;
       case DpCost::kWindowed: out.push_back(ps(copy_us * (1.0 + 4.0 * copy_us / std::max(idle_us, 1e-3)))); break;
+      case DpCost::kCopyPerIdle: out.push_back(ps(copy_us / std::max(idle_us, 1e-3))); break;
       case DpCost::kExposedTime:
         out.push_back(ps(copy_us + 4.0 * std::max(0.0, copy_us - idle_us)));
         break;
