@@ -67,29 +67,91 @@ std::vector<int64_t> dp_costs(const Trace& trace, const DeviceModel& device, con
   return out;
 }
 
-DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes, const std::vector<int64_t>& cost) {
-  DpModel m;
-  m.budget_bytes = budget_bytes;
+namespace {
+
+// pi: candidate indices by first_backward_use descending, then
+// last_forward_use ascending, then tensor id (See Note [DP planner model]).
+std::vector<int64_t> nested_order(const OffloadAnalysis& analysis, const std::vector<bool>& eligible) {
   const auto& cands = analysis.candidates;
-  const auto n = static_cast<int64_t>(cands.size());
-  m.order.resize(n);
-  std::iota(m.order.begin(), m.order.end(), 0);
-  std::sort(m.order.begin(), m.order.end(), [&](int64_t x, int64_t y) {
+  std::vector<int64_t> order;
+  order.reserve(cands.size());
+  for (size_t k = 0; k < cands.size(); ++k)
+    if (eligible.empty() || eligible[k]) order.push_back(static_cast<int64_t>(k));
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
     const auto& a = cands[x];
     const auto& b = cands[y];
     if (a.first_backward_use != b.first_backward_use) return a.first_backward_use > b.first_backward_use;
     if (a.last_forward_use != b.last_forward_use) return a.last_forward_use < b.last_forward_use;
     return a.tensor_id < b.tensor_id;
   });
-  MEMSCHED_CHECK(cost.empty() || static_cast<int64_t>(cost.size()) == n, "build_dp_model: ", cost.size(),
-                 " costs for ", n, " candidates");
+  return order;
+}
+
+}  // namespace
+
+std::vector<bool> nested_subfamily(const OffloadAnalysis& analysis) {
+  const auto& cands = analysis.candidates;
+  const std::vector<int64_t> order = nested_order(analysis, {});
+  const size_t n = order.size();
+  // Compress last_forward_use values to ranks 1..R for the Fenwick tree.
+  std::vector<int64_t> values;
+  values.reserve(n);
+  for (const auto& c : cands) values.push_back(c.last_forward_use);
+  std::sort(values.begin(), values.end());
+  values.erase(std::unique(values.begin(), values.end()), values.end());
+  const size_t ranks = values.size();
+  // fenwick[r]: (best total bytes, end position in pi) of a non-decreasing
+  // chain ending at a value of rank <= r.
+  std::vector<std::pair<int64_t, int64_t>> fenwick(ranks + 1, {0, -1});
+  std::vector<int64_t> prev(n, -1);
+  std::vector<int64_t> best_at(n, 0);
+  for (size_t p = 0; p < n; ++p) {
+    const auto& c = cands[order[p]];
+    const size_t r = static_cast<size_t>(std::lower_bound(values.begin(), values.end(), c.last_forward_use) -
+                                         values.begin()) + 1;
+    std::pair<int64_t, int64_t> q{0, -1};
+    for (size_t i = r; i > 0; i -= i & (~i + 1)) q = std::max(q, fenwick[i]);
+    best_at[p] = q.first + c.bytes;
+    prev[p] = q.second;
+    const std::pair<int64_t, int64_t> mine{best_at[p], static_cast<int64_t>(p)};
+    for (size_t i = r; i <= ranks; i += i & (~i + 1)) fenwick[i] = std::max(fenwick[i], mine);
+  }
+  std::vector<bool> out(cands.size(), false);
+  if (n == 0) return out;
+  int64_t p = std::max_element(best_at.begin(), best_at.end()) - best_at.begin();
+  for (; p >= 0; p = prev[p]) out[order[p]] = true;
+  return out;
+}
+
+DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes, const std::vector<int64_t>& cost,
+                       const std::vector<bool>& eligible, bool force_ineligible) {
+  DpModel m;
+  m.budget_bytes = budget_bytes;
+  const auto& cands = analysis.candidates;
+  MEMSCHED_CHECK(eligible.empty() || eligible.size() == cands.size(), "build_dp_model: ", eligible.size(),
+                 " eligibility flags for ", cands.size(), " candidates");
+  MEMSCHED_CHECK(cost.empty() || cost.size() == cands.size(), "build_dp_model: ", cost.size(),
+                 " costs for ", cands.size(), " candidates");
+  m.order = nested_order(analysis, eligible);
+  const auto n = static_cast<int64_t>(m.order.size());
+  // live[i]: what the constraints see, less what forced candidates free.
+  std::vector<int64_t> live = analysis.live_bytes;
+  if (force_ineligible && !eligible.empty()) {
+    for (size_t k = 0; k < cands.size(); ++k) {
+      if (eligible[k]) continue;
+      m.forced.push_back(static_cast<int64_t>(k));
+      m.forced_cost += cost.empty() ? cands[k].bytes : cost[k];
+      m.forced_bytes += cands[k].bytes;
+      for (int64_t i = cands[k].last_forward_use + 1; i < cands[k].first_backward_use; ++i) live[i] -= cands[k].bytes;
+    }
+  }
   // Items: runs of `group` consecutive candidates of pi (See Note [DP planner model], ITEMS).
   const int64_t group = std::max<int64_t>(1, ceil_div(n, kMaxItems));
   const int64_t items = ceil_div(n, group);
   m.item_begin.resize(items + 1);
   for (int64_t j = 0; j <= items; ++j) m.item_begin[j] = std::min(n, j * group);
   int64_t total = 0;
-  for (const auto& c : cands) total += c.bytes;
+  for (int64_t k : m.order) total += cands[k].bytes;
   const int64_t max_states = std::clamp(kDpCells / std::max<int64_t>(items, 1), kMinStates, kMaxStates);
   m.granularity_bytes = 1;
   while (ceil_div(total, m.granularity_bytes) > max_states) m.granularity_bytes *= 2;
@@ -129,9 +191,9 @@ DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes, co
                                               [i](int64_t b) { return b > i; }) -
                          m.first_backward_use.begin();
     const int64_t mi = std::min(by_f, by_b);
-    const int64_t need = analysis.live_bytes[i] - budget_bytes;
+    const int64_t need = live[i] - budget_bytes;
     if (need > 0) m.need_units[mi] = std::max(m.need_units[mi], ceil_div(need, g));
-    m.least_budget_bytes = std::max(m.least_budget_bytes, analysis.live_bytes[i] - prefix_cover[mi]);
+    m.least_budget_bytes = std::max(m.least_budget_bytes, live[i] - prefix_cover[mi]);
   }
   m.capacity_units = *std::max_element(m.need_units.begin(), m.need_units.end());
   m.feasible = budget_bytes >= m.least_budget_bytes;
@@ -142,6 +204,9 @@ DpSolution solve_dp(const DpModel& model, size_t num_candidates) {
   DpSolution sol;
   sol.offload.assign(num_candidates, false);
   if (!model.feasible) return sol;
+  for (int64_t k : model.forced) sol.offload[k] = true;
+  sol.cost = model.forced_cost;
+  sol.offloaded_bytes = model.forced_bytes;
   const auto n = static_cast<int64_t>(model.cost.size());  // items
   const int64_t C = model.capacity_units;
   if (C == 0) {  // nothing to free
@@ -180,7 +245,7 @@ DpSolution solve_dp(const DpModel& model, size_t num_candidates) {
     if (cur[c].finite() && (best < 0 || cur[c] < cur[best])) best = c;
   if (best < 0) return sol;  // cannot happen when model.feasible
   sol.feasible = true;
-  sol.cost = cur[best].bytes;
+  sol.cost += cur[best].bytes;
   sol.tie_break = cur[best].tie;
   int64_t c = best;
   for (int64_t k = n - 1; k >= 0; --k) {
@@ -221,13 +286,29 @@ Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t
   double best_time = std::numeric_limits<double>::infinity();
   int64_t best_bytes = 0;
   std::vector<std::vector<bool>> tried;
+  // Two candidate families (See Note [Nested subfamily]): all candidates, and
+  // the largest nested subfamily. The model is infeasible for a family
+  // whatever the cost, so feasibility is settled by the first cost.
+  struct Family {
+    std::vector<bool> eligible;  // empty: every candidate
+    bool force_ineligible;
+    const char* suffix;          // appended to Plan::objective_name
+  };
+  std::vector<Family> families = {{{}, false, ""}};
+  const std::vector<bool> nested = nested_subfamily(analysis);
+  if (std::find(nested.begin(), nested.end(), false) != nested.end()) {
+    families.push_back({nested, false, "+nested"});
+    families.push_back({nested, true, "+nested_forced"});
+  }
+  int64_t least_model_budget = std::numeric_limits<int64_t>::max();
+  bool any_feasible = false;
+  for (const Family& family : families) {
   for (DpCost kind : kDpCosts) {
-    const DpModel model = build_dp_model(analysis, budget_bytes, dp_costs(trace, device, analysis, kind));
-    if (!model.feasible) {
-      throw_budget_unreachable(name(), budget_bytes, model.least_budget_bytes, least_budget_bytes(analysis),
-                               "its nested model keeps a tensor on the device until every tensor needed later "
-                               "in backward has finished its forward use");
-    }
+    const DpModel model = build_dp_model(analysis, budget_bytes, dp_costs(trace, device, analysis, kind),
+                                         family.eligible, family.force_ineligible);
+    least_model_budget = std::min(least_model_budget, model.least_budget_bytes);
+    if (!model.feasible) break;
+    any_feasible = true;
     const DpSolution sol = solve_dp(model, analysis.candidates.size());
     MEMSCHED_CHECK(sol.feasible, "dp: the model is feasible but the DP found no solution; internal error");
     if (std::find(tried.begin(), tried.end(), sol.offload) != tried.end()) continue;
@@ -251,7 +332,7 @@ Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t
       p.planner = name();
       p.decisions = std::move(d);
       p.objective = static_cast<double>(sol.cost);
-      p.objective_name = std::string(to_string(kind)) + (is_pruned ? "+pruned" : "");
+      p.objective_name = std::string(to_string(kind)) + family.suffix + (is_pruned ? "+pruned" : "");
       if (set_bytes == 0) return p;
       const double t = simulate(trace, p, device).step_time_us;
       if (t < best_time || (t == best_time && set_bytes < best_bytes)) {
@@ -261,6 +342,12 @@ Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t
       }
     }
     }
+  }
+  }
+  if (!any_feasible) {
+    throw_budget_unreachable(name(), budget_bytes, least_model_budget, least_budget_bytes(analysis),
+                             "its nested model keeps a tensor on the device until every tensor needed later "
+                             "in backward has finished its forward use");
   }
   return best;
 }

@@ -63,7 +63,8 @@
 //   for the model above; beyond, it is exact for the grouped model. Without
 //   grouping, g would exceed typical tensor sizes on 100k-tensor traces and
 //   floor(bytes / g) would free nothing.
-//   THE PLANNER: solves the DP for each cost; each solution is also pruned
+//   THE PLANNER: for each of three candidate families (See Note [Nested
+//   subfamily]) solves the DP for each cost; each solution is also pruned
 //   against the exact windows (prune_with_exact_windows: offloads the true
 //   modelled memory does not need are dropped, last in pi first; <= 2048
 //   candidates). Offloaded tensors are copied out right after their
@@ -117,6 +118,9 @@ struct DpModel {
   int64_t capacity_units = 0;          // C = max(0, max_m U_m)
   int64_t least_budget_bytes = 0;      // least budget for which the model is feasible
   bool feasible = false;               // offloading every candidate meets every constraint
+  std::vector<int64_t> forced;         // candidates always offloaded, exact windows (Note [Nested subfamily])
+  int64_t forced_cost = 0;             // sum of their costs
+  int64_t forced_bytes = 0;            // sum of their bytes
 };
 
 struct DpSolution {
@@ -128,9 +132,33 @@ struct DpSolution {
 };
 
 // Builds Note [DP planner model] for `budget_bytes` with per-candidate
-// `cost` (OffloadAnalysis order; empty: cost = bytes).
+// `cost` (OffloadAnalysis order; empty: cost = bytes). With `eligible`
+// non-empty, only candidates k with eligible[k] enter pi; the others stay on
+// the device, or -- with `force_ineligible` -- are always offloaded, off the
+// device during their exact windows last_forward_use < i < first_backward_use
+// (See Note [Nested subfamily]).
 DpModel build_dp_model(const OffloadAnalysis& analysis, int64_t budget_bytes,
-                       const std::vector<int64_t>& cost = {});
+                       const std::vector<int64_t>& cost = {}, const std::vector<bool>& eligible = {},
+                       bool force_ineligible = false);
+
+// Note [Nested subfamily]
+//   Rationale: one candidate whose window is not nested -- used at the end of
+//   forward yet first needed at the very end of backward, e.g. the token
+//   storage that both the embedding (input) and the loss (targets, a view of
+//   the same storage) read -- raises f' for every candidate after it in pi and
+//   can stop the model from freeing anything during forward.
+//   Approach: the subfamily of candidates whose last_forward_use is
+//   non-decreasing along pi with the most bytes (a weighted longest
+//   non-decreasing subsequence, O(n log n) with a Fenwick tree of prefix
+//   maxima). On it f' == last_forward_use: the nested model is exact there
+//   (up to the rounding). The planner solves the DP over three families: all
+//   candidates; the subfamily with the rest kept; the subfamily with the rest
+//   always offloaded (exact windows). Offloading everything in the third is
+//   the least-budget configuration, so dp reaches every budget any plan can
+//   reach (up to the rounding). The simulator picks among the results.
+//   Limitations: within a family the DP is exact for that family's model; the
+//   best over the families is not a global optimum over all subsets.
+std::vector<bool> nested_subfamily(const OffloadAnalysis& analysis);
 
 // The dynamic program; exact (lexicographic min of (cost, tie_break)) for the model.
 DpSolution solve_dp(const DpModel& model, size_t num_candidates);
