@@ -13,13 +13,15 @@ a context manager:
 Note [Profiling inside the user's first step]
   Rationale: memsched.profile(step_fn, ...) runs a step it is given, but here
   the user drives the loop, so there is no step function to hand over.
-  Approach: __enter__ installs the profiler's instrumentation; the first
-  forward, backward (and whatever else runs until run.step()) is recorded;
-  run.step() finalises the Trace, plans it for the budget, simulates the plan,
-  and from the second step on the OffloadExecutor executes it (the executor's
-  hooks are installed at __enter__ but stay inactive while profiling). The
-  first step's optimizer.step() runs after the Trace is closed, so the trace
-  holds forward + backward only.
+  Approach: the step's first forward starts a memsched.profiler.ProfilerSession
+  (the instrumentation of memsched.profile(), so the trace is the one profile()
+  records); that forward, backward (and whatever else runs until run.step())
+  is recorded; run.step() stops the session (a step that raised is aborted and
+  the next one recorded instead), plans the Trace for the budget, simulates
+  the plan, and from the second step on the OffloadExecutor executes it (the
+  executor's hooks are installed at __enter__ but stay inactive while
+  profiling). The first step's optimizer.step() runs after the Trace is closed,
+  so the trace holds forward + backward only.
   A step that does not match the trace (See Note [Activation identity]) runs
   without offloading from the first mismatching activation on, with one
   warning per Run; the next step is profiled again and re-planned, at most
@@ -28,8 +30,9 @@ Note [Profiling inside the user's first step]
 Note [What a Run changes while it is active]
   - hooks: a forward pre-hook and an always-called forward hook on the root
     module (the Run's), the executor's pair, ModuleStack's pair on every
-    submodule, and -- while profiling -- the profiler's; our saved-tensor hooks
-    from a step's first forward to run.step(). All are removed by __exit__,
+    submodule, and -- while profiling -- the profiler's (with step pre/post
+    hooks on the optimizer); our saved-tensor hooks from a step's first
+    forward to run.step(). All are removed by __exit__,
     also when the body raised (KeyboardInterrupt included).
   - ooo=True: memsched.ooo patches eligible layers' forward; removed likewise.
   - CUDA: torch.cuda peak-memory statistics are reset at the start of every
@@ -69,10 +72,11 @@ _DEVICE_MEMORY_FRACTION = 0.9       # budget=None on a device that the step does
 
 # -- the pieces of other issues, behind one seam each (tests may substitute stand-ins) -----------------
 def start_profile(model, optimizer, device):
-    """Start recording one step (called at the step's first forward); returns an object whose
-    stop() returns the memsched.Trace and whose abort() drops a failed step."""
-    from memsched.offload.profile_session import ProfileSession
-    return ProfileSession(model, optimizer, device).start()
+    """Start recording one step (called at the step's first forward): a started
+    memsched.profiler.ProfilerSession, whose stop() returns the memsched.Trace and whose abort()
+    drops a failed step."""
+    from memsched.profiler import ProfilerSession
+    return ProfilerSession(model, optimizer, device).start()
 
 
 def make_plan(trace, budget_bytes, planner, device):

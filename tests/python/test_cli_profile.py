@@ -34,7 +34,9 @@ def test_profile_command_rejects_unknown_model(tmp_path):
 
 
 def test_demo_command_prints_table_and_writes_png(tmp_path):
-    stdout = run_cli("demo", "--out-dir", str(tmp_path / "demo"), "--batch", "2", cwd=tmp_path)
+    # --no-compare: the side-by-side run is tested in-process (test_offload_compare.py)
+    stdout = run_cli("demo", "--out-dir", str(tmp_path / "demo"), "--batch", "2", "--no-compare", cwd=tmp_path)
+    assert "plain PyTorch" not in stdout and not (tmp_path / "demo" / "timeline.png").exists()
     png = tmp_path / "demo" / "memory_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = memsched.Trace.from_json(str(tmp_path / "demo" / "trace.json"))

@@ -3,6 +3,7 @@
 The profiler session that optimize() opens inside the user's first step must
 record what memsched.profile() records for the same step.
 """
+import contextlib
 import copy
 
 import pytest
@@ -10,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 import memsched
-from memsched.offload.profile_session import ProfileSession
 from memsched.optimize import optimize
 from offload_standins import install_standins
 from test_optimize_cpu import MODELS, _assert_bitwise, _data, _loss, _pair, _train
@@ -23,29 +23,82 @@ def planner_if_missing(monkeypatch):
     install_standins(monkeypatch, only_missing=True)
 
 
-def test_session_records_what_profile_records():
+def _op_rows(trace):
+    return [(o.name, o.phase, o.module_path, o.flops, o.bytes_read, o.bytes_written) for o in trace.ops]
+
+
+def _tensor_rows(trace):
+    return [(t.kind, t.label, t.bytes, t.dtype, t.producer_op, t.uses, t.freed_after_op) for t in trace.tensors]
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_optimize_records_what_profile_records(with_optimizer):
+    """The trace optimize() records in the user's first step (a ProfilerSession opened at the first
+    forward, stopped by run.step()) is memsched.profile()'s trace of the same step: same ops,
+    same tensors, same peak. With an optimizer, profile() also records optimizer.step(), which
+    optimize() runs after its trace is closed: the forward + backward part must still agree."""
     torch.manual_seed(0)
     model = MODELS["cnn"]()
     twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if with_optimizer else None
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2) if with_optimizer else None
     x, y = _data("cnn", 0)
 
-    ref = memsched.profile(lambda: _loss("cnn", twin(x), y).backward(), model=twin)
-    session = ProfileSession(model, None, "cpu")
-    def start(module, args):
-        if not session.recording:
-            session.start()
-
-    h = model.register_forward_pre_hook(start)
-    try:
+    ref = memsched.profile(lambda: _loss("cnn", twin(x), y).backward(), model=twin, optimizer=twin_opt)
+    with optimize(model, opt, budget=None, planner="keep_all") as run:
         _loss("cnn", model(x), y).backward()
-    finally:
-        h.remove()
-    got = session.stop()
-    assert [(o.name, o.phase, o.module_path) for o in got.ops] == \
-        [(o.name, o.phase, o.module_path) for o in ref.ops]
-    assert [(t.label, t.bytes, t.producer_op, t.uses) for t in got.tensors if t.kind == "activation"] == \
-        [(t.label, t.bytes, t.producer_op, t.uses) for t in ref.tensors if t.kind == "activation"]
-    assert got.activation_bytes() == ref.activation_bytes() > 0
+        run.step()
+    got = run.trace
+    assert run.steps_profiled == 1 and got.activation_bytes() > 0
+    if not with_optimizer:
+        assert _op_rows(got) == _op_rows(ref)
+        assert _tensor_rows(got) == _tensor_rows(ref)
+        assert got.peak_bytes() == ref.peak_bytes() and got.live_bytes() == ref.live_bytes()
+    else:
+        ref_ops = _op_rows(ref)
+        n = len(got.ops)
+        assert _op_rows(got) == ref_ops[:n]
+        assert {r[1] for r in ref_ops[n:]} == {"optimizer"} and len(ref_ops) > n
+        assert [t for t in _tensor_rows(got) if t[0] == "activation"] == \
+            [t for t in _tensor_rows(ref) if t[0] == "activation"]
+    assert all(o.phase != "optimizer" for o in got.ops)
+
+
+def _assert_nothing_installed(optimizer):
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+
+
+@pytest.mark.parametrize("then", ["retry", "leave"])
+def test_profiled_step_that_raises_is_aborted(then):
+    """A forward that raises while the ProfilerSession records is dropped: the next step is
+    recorded instead (and its trace is profile()'s), or leaving the `with` removes the session."""
+    from test_optimize_cpu import Boom, Exploding
+
+    torch.manual_seed(0)
+    model = Exploding()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data("mlp", 0)
+    with pytest.raises(Boom) if then == "leave" else contextlib.nullcontext():
+        with optimize(model, opt, budget=None, planner="keep_all") as run:
+            model.explode = True
+            with pytest.raises(Boom):
+                model(x)
+            if then == "leave":
+                raise Boom("leave the with")
+            model.explode = False
+            _loss("mlp", model(x), y).backward()
+            run.step()
+    _assert_nothing_installed(opt)
+    if then == "retry":
+        ref = memsched.profile(lambda: _loss("mlp", twin(x), y).backward(), model=twin)
+        assert run.steps_profiled == 1
+        assert _op_rows(run.trace) == _op_rows(ref)
+        assert _tensor_rows(run.trace) == _tensor_rows(ref)
+    else:
+        assert run.steps_profiled == 0 and run.trace is None
 
 
 def _train_lean(kind, model, run, steps):

@@ -4,7 +4,6 @@
   CopyEngine       (copy_engine.py)  D2H / H2D copies on side streams (in order on CPU) + deferred release
   HostBuffers      (host_buffers.py) pinned (CUDA) or pageable (CPU) host blocks
   OffloadExecutor  (executor.py)     the saved-tensor hooks; one StepStats per step
-  ProfileSession   (profile_session.py) memsched.profile()'s instrumentation as start()/stop()
   report.py        planned-vs-measured table (RunReport) and the timeline PNG
   compare.py       the side-by-side demo (plain vs memsched.optimize), used by `python -m memsched demo`
 The user API on top is memsched.optimize() (optimize.py).
@@ -12,8 +11,7 @@ The user API on top is memsched.optimize() (optimize.py).
 from memsched.offload.copy_engine import CopyEngine, CopyTicket
 from memsched.offload.executor import OffloadExecutor, StepStats
 from memsched.offload.host_buffers import HostBuffers
-from memsched.offload.profile_session import ProfileSession
 from memsched.offload.schedule import OffloadSchedule, ordinal_of_label
 
-__all__ = ["CopyEngine", "CopyTicket", "HostBuffers", "OffloadExecutor", "OffloadSchedule", "ProfileSession",
-           "StepStats", "ordinal_of_label"]
+__all__ = ["CopyEngine", "CopyTicket", "HostBuffers", "OffloadExecutor", "OffloadSchedule", "StepStats",
+           "ordinal_of_label"]
