@@ -19,27 +19,16 @@ import os
 
 import pytest
 
-import memsched
-from memsched import allocator, models
+from bench_common import FAMILIES, OUT_DIR, profiled_trace
+from memsched import allocator
 
-# Same families and batches as bench_planners.py.
-FAMILIES = [("transformer", 16), ("cnn", 128), ("mlp", 4096)]
-OUT_DIR = os.environ.get("MEMSCHED_BENCH_OUT", "bench_out")
-_TRACES = {}
 _ROWS = {}
 
 
-def _trace(family, batch):
-    key = (family, batch)
-    if key not in _TRACES:
-        model = models.build_model(family, "realistic")
-        step = models.make_step_fn(model, family, batch=batch, size="realistic")
-        _TRACES[key] = memsched.profile(step, model=model)
-    return _TRACES[key]
 
 
 def measure(family, batch):
-    trace = _trace(family, batch)
+    trace = profiled_trace(family, batch)
     live = trace.peak_bytes()
     pool = allocator.replay_trace(trace, split_blocks=True, steps=2)
     plain = allocator.replay_trace(trace, split_blocks=False, steps=2)
@@ -85,7 +74,7 @@ def test_alloc_replay_table(benchmark, family, batch):
     _ROWS[family] = row
     assert row["placement"] <= 1.05 * row["live"], row
     assert row["pool"] >= row["live"] and row["plain"] >= row["live"]
-    trace = _trace(family, batch)
+    trace = profiled_trace(family, batch)
     benchmark.pedantic(allocator.plan_placement, args=(trace,), rounds=5, iterations=1)
     if len(_ROWS) == len(FAMILIES):
         rows = [_ROWS[f] for f, _ in FAMILIES]
@@ -95,7 +84,7 @@ def test_alloc_replay_table(benchmark, family, batch):
 
 @pytest.mark.parametrize("family,batch", FAMILIES)
 def test_replay_speed(benchmark, family, batch):
-    trace = _trace(family, batch)
+    trace = profiled_trace(family, batch)
     benchmark.pedantic(allocator.replay_trace, args=(trace,), rounds=5, iterations=1)
 
 

@@ -13,33 +13,22 @@ import os
 import pytest
 
 import memsched
-from memsched import models, planning
+from bench_common import FAMILIES, OUT_DIR, profiled_trace
+from memsched import planning
 
-# (family, batch): realistic example models; batches chosen so activations, not weights, dominate
-# the peak where the family allows it (the MLP's weights and gradients still set a high floor).
-FAMILIES = [("transformer", 16), ("cnn", 128), ("mlp", 4096)]
 # 30/50/70% of keep_all's peak (the cells), plus "mid": halfway between the least budget
 # any plan can reach and the peak, a cell every family can meet.
 BUDGETS = ["30%", "50%", "70%", "mid"]
 DEVICE = "h100-pcie"
-OUT_DIR = os.environ.get("MEMSCHED_BENCH_OUT", "bench_out")
-_TRACES = {}
 _ROWS = {}
 
 
-def _trace(family, batch):
-    key = (family, batch)
-    if key not in _TRACES:
-        model = models.build_model(family, "realistic")
-        step = models.make_step_fn(model, family, batch=batch, size="realistic")
-        _TRACES[key] = memsched.profile(step, model=model)
-    return _TRACES[key]
 
 
 @pytest.mark.parametrize("family,batch", FAMILIES)
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_planner_table(benchmark, family, batch, budget):
-    trace = _trace(family, batch)
+    trace = profiled_trace(family, batch)
     if budget == "mid":
         budget = (memsched._C.least_budget_bytes(trace) + trace.peak_bytes()) // 2
     rows = planning.compare(trace, budget, device=DEVICE)
