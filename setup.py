@@ -20,6 +20,18 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
+def _replace_file(src: Path, dest: Path) -> None:
+    """Install `src` as `dest` by copy-then-rename.
+
+    WARNING: copying over a shared library in place rewrites the inode that
+    running processes have memory-mapped (a test run importing memsched._C
+    crashes mid-run); a rename gives the new library a new inode instead.
+    """
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dest)
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str):
         super().__init__(name, sources=[])
@@ -48,12 +60,17 @@ class CMakeBuild(build_ext):
         dest = Path(self.get_ext_fullpath(ext.name)).resolve()
         dest.parent.mkdir(parents=True, exist_ok=True)
         built = next(build_dir.glob("_C*.so"))
-        shutil.copy2(built, dest)
-        for shim in build_dir.glob("libmemsched_alloc*.so"):
-            shutil.copy2(shim, dest.parent / shim.name)
-            # An editable install copies only _C into the source tree; the
-            # allocator library (loaded by path, memsched/allocator.py) goes there too.
-            shutil.copy2(shim, ROOT / "python" / "memsched" / shim.name)
+        _replace_file(built, dest)
+        libraries = [built] + list(build_dir.glob("libmemsched_alloc*.so"))
+        for lib in libraries[1:]:
+            _replace_file(lib, dest.parent / lib.name)
+        if getattr(self, "editable_mode", False) or self.inplace:
+            # The package lives in the source tree: put _C and the allocator
+            # library (loaded by path, memsched/allocator.py) there ourselves,
+            # by rename. setuptools then finds _C up to date (same mtime) and
+            # skips its own in-place copy.
+            for lib in libraries:
+                _replace_file(lib, ROOT / "python" / "memsched" / lib.name)
 
 
 setup(
