@@ -24,6 +24,39 @@ TensorKind to_kind(const std::string& s) {
   return k;
 }
 
+// The profiler's hot path (Note [Profiler overhead]) passes plain Python lists
+// and numbers; reading them with the C API skips pybind11's list and tuple casters.
+std::vector<uint64_t> to_keys(py::handle used) {
+  MEMSCHED_CHECK(PyList_Check(used.ptr()), "TraceBuilder.record_op: used must be a list of storage keys");
+  const Py_ssize_t n = PyList_GET_SIZE(used.ptr());
+  std::vector<uint64_t> keys(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) keys[i] = py::cast<uint64_t>(py::handle(PyList_GET_ITEM(used.ptr(), i)));
+  return keys;
+}
+
+std::vector<TraceBuilder::OutputInfo> to_outputs(py::handle outputs) {
+  MEMSCHED_CHECK(PyList_Check(outputs.ptr()) && PyList_GET_SIZE(outputs.ptr()) % 3 == 0,
+                 "TraceBuilder.record_op: outputs must be a flat list key, bytes, dtype, key, bytes, dtype, ...");
+  const Py_ssize_t n = PyList_GET_SIZE(outputs.ptr());
+  std::vector<TraceBuilder::OutputInfo> outs(static_cast<size_t>(n / 3));
+  for (Py_ssize_t i = 0; i < n; i += 3) {
+    TraceBuilder::OutputInfo& o = outs[static_cast<size_t>(i / 3)];
+    o.key = py::cast<uint64_t>(py::handle(PyList_GET_ITEM(outputs.ptr(), i)));
+    o.bytes = py::cast<int64_t>(py::handle(PyList_GET_ITEM(outputs.ptr(), i + 1)));
+    o.dtype = py::cast<std::string>(py::handle(PyList_GET_ITEM(outputs.ptr(), i + 2)));
+  }
+  return outs;
+}
+
+double to_double(py::handle x, const char* field) {
+  const double v = PyFloat_AsDouble(x.ptr());  // accepts float and int
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    MEMSCHED_CHECK(false, "TraceBuilder.record_op: ", field, " must be a number");
+  }
+  return v;
+}
+
 }  // namespace
 
 void bind_trace_builder(py::module_& m) {
@@ -39,17 +72,16 @@ void bind_trace_builder(py::module_& m) {
            py::arg("bytes_written"))
       .def("record_op",
            [](TraceBuilder& b, const std::string& name, const std::string& module_path, const std::string& phase,
-              const std::vector<uint64_t>& used, const std::vector<std::tuple<uint64_t, int64_t, std::string>>& outputs,
-              double duration_us, double flops, int64_t bytes_read, int64_t bytes_written) {
-             std::vector<TraceBuilder::OutputInfo> outs;
-             outs.reserve(outputs.size());
-             for (const auto& [key, bytes, dtype] : outputs) outs.push_back({key, bytes, dtype});
-             return b.record_op(name, module_path, to_phase(phase), used, outs, duration_us, flops, bytes_read,
+              py::handle used, py::handle outputs, py::handle duration_us, py::handle flops, int64_t bytes_read,
+              int64_t bytes_written) {
+             return b.record_op(name, module_path, to_phase(phase), to_keys(used), to_outputs(outputs),
+                                to_double(duration_us, "duration_us"), to_double(flops, "flops"), bytes_read,
                                 bytes_written);
            },
            py::arg("name"), py::arg("module_path"), py::arg("phase"), py::arg("used"), py::arg("outputs"),
            py::arg("duration_us"), py::arg("flops"), py::arg("bytes_read"), py::arg("bytes_written"),
-           "begin_op + tensor_used(used) + tensor_allocated(outputs: (key, bytes, dtype)) + end_op in one call.")
+           "begin_op + tensor_used(used: list of keys) + tensor_allocated(outputs: a flat list key, bytes, "
+           "dtype, key, bytes, dtype, ...) + end_op in one call (the profiler's hot path).")
       .def("set_duration_us", &TraceBuilder::set_duration_us, py::arg("op_id"), py::arg("duration_us"))
       .def("tensor_existing",
            [](TraceBuilder& b, uint64_t key, int64_t bytes, const std::string& dtype, const std::string& kind,

@@ -27,7 +27,7 @@ Note [Backward module path]
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,12 +35,13 @@ KEY = "memsched_module"
 
 
 class BackwardModuleMap:
-    def __init__(self, model: torch.nn.Module | None):
+    def __init__(self, model: torch.nn.Module | None, named_params: Optional[list] = None):
+        """`named_params`: model.named_parameters() already listed by the caller (or None)."""
         self._pending: List[Tuple[weakref.ref, str]] = []
         self._last = ""  # path of the previous backward op (fallback for untagged nodes)
         self._param_owner: Dict[int, str] = {}
         if model is not None:
-            for name, p in model.named_parameters():
+            for name, p in (named_params if named_params is not None else model.named_parameters()):
                 self._param_owner[id(p)] = name.rpartition(".")[0]
 
     def note_outputs(self, tensors, module_path: str) -> None:

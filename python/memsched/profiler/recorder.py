@@ -92,21 +92,35 @@ def _storage(t: torch.Tensor):
         return None  # sparse, nested, or a subclass without storage: not counted
 
 
+# Per-OpOverload facts, for the whole process (OpOverloads live as long as
+# torch.ops does; the entry also holds `func`, so its id cannot be reused):
+# id(func) -> (pass through unrecorded, name, is_mutable, flop fn or None, func).
+# Keyed by id: an OpOverload's __hash__ is Python code. See Note [Profiler overhead].
+_OP_INFO: Dict[int, tuple] = {}
+
+
+def _op_info(func) -> tuple:
+    # Pass through: a view or a record_function marker allocates, reads and computes nothing.
+    passthrough = func.is_view or func.namespace == "profiler"
+    info = (passthrough, func._schema.name, func._schema.is_mutable, flop_fn(func), func)
+    _OP_INFO[id(func)] = info
+    return info
+
+
 class Recorder:
     """State of one profiling pass. Not reusable: make a new one per step."""
 
-    def __init__(self, model: Optional[torch.nn.Module], device: str):
+    def __init__(self, model: Optional[torch.nn.Module], device: str, named_params: Optional[list] = None):
         self.builder = _C.TraceBuilder(device)
         self.stack = ModuleStack(model) if model is not None else None
         self.numbering = ActivationNumbering(model)
-        self.backward_map = BackwardModuleMap(model)
+        self.backward_map = BackwardModuleMap(model, named_params)
         self.timer = OpTimer()
         self.in_optimizer = False
         self.closed = False
         self._watch: Dict[int, weakref.ref] = {}  # storage key -> weakref with free callback; == builder's live keys
         self._ref_key: Dict[int, int] = {}        # id(weakref) -> storage key
         self._on_free: Callable = self._make_free_callback()
-        self._op_cache: Dict[int, tuple] = {}  # id(OpOverload) -> (name, is_mutable, flop fn, is_view)
         self._stack_list = self.stack._stack if self.stack is not None else []
 
     # ---- storages ---------------------------------------------------------
@@ -164,21 +178,10 @@ class Recorder:
         return t
 
     # ---- ops ----------------------------------------------------------------
-    def _op_info(self, func):
-        info = self._op_cache.get(id(func))
-        if info is None:
-            # (name, is_mutable, flop fn, pass through unrecorded: a view or a profiler marker)
-            passthrough = func.is_view or func.namespace == "profiler"
-            info = (func._schema.name, func._schema.is_mutable, flop_fn(func), passthrough)
-            self._op_cache[id(func)] = info  # OpOverloads live for the process; id avoids their Python __hash__
-        return info
-
-    def on_op(self, func, args, kwargs):
-        # Hot path (every aten op of the step): See Note [Profiler overhead].
-        info = self._op_cache.get(id(func)) or self._op_info(func)
-        if info[3]:  # a view or a record_function marker: allocates, reads, computes nothing
-            return func(*args, **kwargs)
-        name, mutable, flops_of, _ = info
+    def on_op(self, func, info, args, kwargs):
+        # Hot path (every recorded aten op of the step): See Note [Profiler overhead].
+        # `info` is _OP_INFO[id(func)] for a func that is not passed through.
+        _, name, mutable, flops_of, _ = info
         watch = self._watch
         bmap = self.backward_map
         if self.in_optimizer:
@@ -211,16 +214,16 @@ class Recorder:
             op_id = self.builder.num_ops
             token = self.timer.start(True)
             out = func(*args, **kwargs)
-            duration_us = self.timer.stop(op_id, token, True)
-            outputs = _outputs(out)
+            duration_us = self.timer.stop(op_id, token, True) or 0.0  # resolved after the step
         else:
             t0 = _clock_ns()
             out = func(*args, **kwargs)
             duration_us = (_clock_ns() - t0) / 1000.0
-            outputs = _outputs(out)
-            if outputs and outputs[0].is_cuda:  # a CPU-argument op that made CUDA tensors (factories)
-                duration_us = 0.0
-        made = []
+        # Outputs: a single Tensor is by far the common case; skip the list.
+        outputs = (out,) if isinstance(out, torch.Tensor) else _outputs(out)
+        if not is_cuda and outputs and outputs[0].is_cuda:  # a CPU-argument op that made CUDA tensors
+            duration_us = 0.0
+        made = []  # flat: key, bytes, dtype, key, bytes, dtype, ...
         bytes_written = 0
         for t in outputs:
             try:
@@ -228,16 +231,15 @@ class Recorder:
             except (RuntimeError, NotImplementedError, TypeError):
                 continue
             key = st._cdata
-            made.append((key, st.nbytes(), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype)))
+            made += (key, st.nbytes(), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype))
             if key not in watch:
                 self._watch_storage(st, key)
                 bytes_written += t.nbytes
             elif mutable:
                 bytes_written += t.nbytes
         flops = flops_of(args, kwargs, out) if flops_of is not None else 0
-        self.builder.record_op(name, path, phase, used, made, duration_us or 0.0, float(flops), bytes_read,
-                               bytes_written)
-        if phase == FORWARD and outputs and _grad_enabled():
+        self.builder.record_op(name, path, phase, used, made, duration_us, flops, bytes_read, bytes_written)
+        if phase is FORWARD and outputs and _grad_enabled():
             bmap.note_outputs(outputs, path)
         return out
 
@@ -266,11 +268,10 @@ class RecordingMode(TorchDispatchMode):
 
 
 def _recording_dispatch(self, func, types, args=(), kwargs=None):
-    rec = self.recorder
-    info = rec._op_cache.get(id(func))
-    if info is not None and info[3]:  # a view or marker: straight through (Note [Profiler overhead])
-        return func(*args, **(kwargs or {}))
-    return rec.on_op(func, args, kwargs or {})
+    info = _OP_INFO.get(id(func)) or _op_info(func)
+    if info[0]:  # a view or marker: straight through (Note [Profiler overhead])
+        return func(*args, **kwargs) if kwargs else func(*args)
+    return self.recorder.on_op(func, info, args, kwargs or {})
 
 
 RecordingMode.__torch_dispatch__ = _recording_dispatch

@@ -61,32 +61,36 @@ class ProfilerSession:
         self._rec: Optional[Recorder] = None
         self._mode: Optional[RecordingMode] = None
         self._exits: Optional[contextlib.ExitStack] = None
+        self._param_list: Optional[list] = None  # parameters seen at start(), in registration order
 
     @property
     def recording(self) -> bool:
         return self._exits is not None
 
-    def _params_and_grads(self):
-        seen = set()
-        groups = []
-        if self.model is not None:
-            groups.append(self.model.parameters())
+    def _params(self, named_params) -> list:
+        """The model's parameters, then the optimizer's others; each once."""
+        params = [p for _, p in named_params]
         if self.optimizer is not None:
-            groups.extend(g["params"] for g in self.optimizer.param_groups)
-        for params in groups:
-            for p in params:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+            seen = {id(p) for p in params}
+            for g in self.optimizer.param_groups:
+                for p in g["params"]:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+        return params
 
     def start(self) -> "ProfilerSession":
         if self._exits is not None:
             raise RuntimeError("ProfilerSession.start(): already recording; call stop() or abort() first")
-        rec = Recorder(self.model, self.device)
+        # One walk of the module tree for the parameters (it costs tens of
+        # microseconds per walk on a small model; Note [Profiler overhead]).
+        named_params = list(self.model.named_parameters()) if self.model is not None else []
+        rec = Recorder(self.model, self.device, named_params)
+        params = self._params(named_params)
         exits = contextlib.ExitStack()
         try:
             exits.callback(rec.close)
-            for p in self._params_and_grads():
+            for p in params:
                 rec.register_existing(p, "parameter")
                 if p.grad is not None:
                     rec.register_existing(p.grad, "gradient")
@@ -116,12 +120,13 @@ class ProfilerSession:
             exits.close()
             raise
         self._rec, self._mode, self._exits = rec, mode, exits
+        self._param_list = params
         return self
 
     def abort(self) -> None:
         """Stop recording and drop what was recorded. Safe to call twice."""
         exits, self._exits = self._exits, None
-        self._rec = self._mode = None
+        self._rec = self._mode = self._param_list = None
         if exits is not None:
             exits.close()
 
@@ -129,13 +134,13 @@ class ProfilerSession:
         """Stop recording; return the validated memsched.Trace of what ran since start()."""
         if self._exits is None:
             raise RuntimeError("ProfilerSession.stop(): not recording; call start() first")
-        rec, exits = self._rec, self._exits
-        self._exits = self._rec = self._mode = None
+        rec, exits, params = self._rec, self._exits, self._param_list
+        self._exits = self._rec = self._mode = self._param_list = None
         # Uninstall everything first (the dispatch mode leaves first), so the
         # bookkeeping below records no ops; frees after this point are past the step.
         exits.close()
         rec.in_optimizer = False
-        for p in self._params_and_grads():
+        for p in params:
             if p.grad is not None:
                 rec.register_existing(p.grad, "gradient")
         if self.optimizer is not None:
