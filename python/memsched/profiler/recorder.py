@@ -35,7 +35,8 @@ from memsched import _C
 from memsched.profiler.backward_modules import BackwardModuleMap
 from memsched.profiler.flops import flop_fn
 from memsched.profiler.op_timer import OpTimer
-from memsched.saved_tensors import ActivationNumbering, ModuleStack, dtype_name, storage_key
+from memsched.profiler.module_paths import ModulePathStack
+from memsched.saved_tensors import ActivationNumbering, dtype_name, storage_key
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 _graph_task_id = torch._C._current_graph_task_id  # != -1 inside the autograd engine
@@ -92,6 +93,11 @@ def _storage(t: torch.Tensor):
         return None  # sparse, nested, or a subclass without storage: not counted
 
 
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage's Python object that carries its key."""
+    __slots__ = ("key",)
+
+
 # Per-OpOverload facts, for the whole process (OpOverloads live as long as
 # torch.ops does; the entry also holds `func`, so its id cannot be reused):
 # id(func) -> (pass through unrecorded, name, is_mutable, flop fn or None, func).
@@ -112,40 +118,38 @@ class Recorder:
 
     def __init__(self, model: Optional[torch.nn.Module], device: str, named_params: Optional[list] = None):
         self.builder = _C.TraceBuilder(device)
-        self.stack = ModuleStack(model) if model is not None else None
+        self.stack = ModulePathStack(model) if model is not None else None
         self.numbering = ActivationNumbering(model)
         self.backward_map = BackwardModuleMap(model, named_params)
         self.timer = OpTimer()
         self.in_optimizer = False
         self.closed = False
-        self._watch: Dict[int, weakref.ref] = {}  # storage key -> weakref with free callback; == builder's live keys
-        self._ref_key: Dict[int, int] = {}        # id(weakref) -> storage key
+        self._watch: Dict[int, _StorageRef] = {}  # storage key -> weakref with free callback; == builder's live keys
         self._on_free: Callable = self._make_free_callback()
-        self._stack_list = self.stack._stack if self.stack is not None else []
+        self._stack_list = self.stack.stack if self.stack is not None else []
 
     # ---- storages ---------------------------------------------------------
     def _make_free_callback(self):
-        # One callback for every storage (no closure per storage); it must not
-        # keep the Recorder alive, hence the weak self.
-        builder = self.builder
-        watch, ref_key = self._watch, self._ref_key
-        this = weakref.ref(self)
+        # One callback for every storage (no closure per storage); it holds
+        # the dict and the builder, not the Recorder. close() empties `watch`
+        # and nothing is watched after it, so later frees are ignored.
+        watch = self._watch
+        tensor_freed = self.builder.tensor_freed
 
         def freed(ref):
-            key = ref_key.pop(id(ref), None)
-            rec = this()
-            if key is None or rec is None or rec.closed:
-                return
+            key = ref.key
             if watch.get(key) is ref:
                 del watch[key]
-                builder.tensor_freed(key)
+                tensor_freed(key)
 
         return freed
 
     def _watch_storage(self, st, key: int) -> None:
-        ref = weakref.ref(st, self._on_free)
+        if self.closed:
+            return  # past the step: frees are not recorded
+        ref = _StorageRef(st, self._on_free)
+        ref.key = key
         self._watch[key] = ref
-        self._ref_key[id(ref)] = key
 
     def register_existing(self, t: torch.Tensor, kind: str) -> Optional[int]:
         """A storage that exists before the step (or was never seen made): live from op 0."""
@@ -224,6 +228,7 @@ class Recorder:
         if not is_cuda and outputs and outputs[0].is_cuda:  # a CPU-argument op that made CUDA tensors
             duration_us = 0.0
         made = []  # flat: key, bytes, dtype, key, bytes, dtype, ...
+        on_free = self._on_free
         bytes_written = 0
         for t in outputs:
             try:
@@ -232,8 +237,10 @@ class Recorder:
                 continue
             key = st._cdata
             made += (key, st.nbytes(), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype))
-            if key not in watch:
-                self._watch_storage(st, key)
+            if key not in watch:  # a new storage: watch it (inlined _watch_storage; never closed here)
+                ref = _StorageRef(st, on_free)
+                ref.key = key
+                watch[key] = ref
                 bytes_written += t.nbytes
             elif mutable:
                 bytes_written += t.nbytes
@@ -248,7 +255,6 @@ class Recorder:
         """Stop observing: later frees are ignored; drop every weakref."""
         self.closed = True
         self._watch.clear()
-        self._ref_key.clear()
         self.backward_map.clear()
 
 
