@@ -47,19 +47,19 @@ _DTYPE_NAMES = {d: dtype_name(d) for d in (torch.float32, torch.float16, torch.b
 
 
 def _tensors(args, kwargs) -> List[torch.Tensor]:
-    """Tensor leaves of aten op arguments (tensors, and lists/tuples of them)."""
+    """Tensor leaves of aten op arguments (tensors, and lists/tuples of them), in argument order."""
+    out = [a for a in args if isinstance(a, torch.Tensor)]
+    if len(out) == len(args) and not kwargs:
+        return out  # the common case: every argument is a Tensor
     out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(x for x in a if isinstance(x, torch.Tensor))
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, torch.Tensor):
-                out.append(a)
-            elif isinstance(a, (list, tuple)):
-                out.extend(x for x in a if isinstance(x, torch.Tensor))
+    for a in (args, kwargs.values()) if kwargs else (args,):
+        for x in a:
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple)):  # plain loops: a generator costs more than these lists
+                for y in x:
+                    if isinstance(y, torch.Tensor):
+                        out.append(y)
     return out
 
 
@@ -223,8 +223,34 @@ class Recorder:
             t0 = _clock_ns()
             out = func(*args, **kwargs)
             duration_us = (_clock_ns() - t0) / 1000.0
-        # Outputs: a single Tensor is by far the common case; skip the list.
-        outputs = (out,) if isinstance(out, torch.Tensor) else _outputs(out)
+        builder = self.builder
+        if isinstance(out, torch.Tensor):
+            # The common case, one Tensor out: the loop below, unrolled.
+            if not is_cuda and out.is_cuda:  # a CPU-argument op that made CUDA tensors (factories)
+                duration_us = 0.0
+            try:
+                st = out.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                st = None
+            if st is None:
+                made = []
+                bytes_written = 0
+            else:
+                key = st._cdata
+                made = [key, st.nbytes(), _DTYPE_NAMES.get(out.dtype) or dtype_name(out.dtype)]
+                if key not in watch:  # a new storage: watch it (_watch_storage, inlined)
+                    ref = _StorageRef(st, self._on_free)
+                    ref.key = key
+                    watch[key] = ref
+                    bytes_written = out.nbytes
+                else:
+                    bytes_written = out.nbytes if mutable else 0
+            flops = flops_of(args, kwargs, out) if flops_of is not None else 0
+            builder.record_op(name, path, phase, used, made, duration_us, flops, bytes_read, bytes_written)
+            if phase is FORWARD and _grad_enabled():
+                bmap._pending.append((weakref.ref(out), path))  # bmap.note_outputs((out,), path), inlined
+            return out
+        outputs = _outputs(out)
         if not is_cuda and outputs and outputs[0].is_cuda:  # a CPU-argument op that made CUDA tensors
             duration_us = 0.0
         made = []  # flat: key, bytes, dtype, key, bytes, dtype, ...
@@ -237,7 +263,7 @@ class Recorder:
                 continue
             key = st._cdata
             made += (key, st.nbytes(), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype))
-            if key not in watch:  # a new storage: watch it (inlined _watch_storage; never closed here)
+            if key not in watch:  # a new storage: watch it (_watch_storage, inlined)
                 ref = _StorageRef(st, on_free)
                 ref.key = key
                 watch[key] = ref
@@ -245,7 +271,7 @@ class Recorder:
             elif mutable:
                 bytes_written += t.nbytes
         flops = flops_of(args, kwargs, out) if flops_of is not None else 0
-        self.builder.record_op(name, path, phase, used, made, duration_us, flops, bytes_read, bytes_written)
+        builder.record_op(name, path, phase, used, made, duration_us, flops, bytes_read, bytes_written)
         if phase is FORWARD and outputs and _grad_enabled():
             bmap.note_outputs(outputs, path)
         return out
