@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 KEY = "memsched_module"
+_current_node = torch._C._current_autograd_node  # the node the engine is running now, or None
 
 
 class BackwardModuleMap:
@@ -65,7 +66,7 @@ class BackwardModuleMap:
         self._pending.clear()
 
     def module_of_current_node(self) -> str:
-        node = torch._C._current_autograd_node()
+        node = _current_node()
         if node is None:
             return self._last
         path = node.metadata.get(KEY)

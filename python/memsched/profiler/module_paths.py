@@ -16,15 +16,17 @@ Forward only: autograd runs backward without module hooks.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch.nn.modules import module as _module
 
 
 class ModulePathStack:
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, named_modules: Optional[list] = None):
+        """named_modules: list(model.named_modules()) already made by the caller, or None."""
         self._model = model
+        self._named_modules = named_modules
         self.stack: List[str] = []           # paths of the modules of `model` running now, innermost last
         self._paths: Dict[int, str] = {}     # id(module) -> path, for the modules of `model`
         self._handles: list = []
@@ -37,7 +39,8 @@ class ModulePathStack:
         if self._handles:
             raise RuntimeError("ModulePathStack.install(): already installed; call remove() first")
         # The modules are held by `model`, so their ids stay theirs while installed.
-        self._paths = {id(m): path for path, m in self._model.named_modules()}
+        named = self._named_modules if self._named_modules is not None else self._model.named_modules()
+        self._paths = {id(m): path for path, m in named}
         paths, stack = self._paths, self.stack
 
         def push(module, args):

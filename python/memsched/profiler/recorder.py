@@ -116,9 +116,11 @@ def _op_info(func) -> tuple:
 class Recorder:
     """State of one profiling pass. Not reusable: make a new one per step."""
 
-    def __init__(self, model: Optional[torch.nn.Module], device: str, named_params: Optional[list] = None):
+    def __init__(self, model: Optional[torch.nn.Module], device: str, named_params: Optional[list] = None,
+                 named_modules: Optional[list] = None):
+        """named_params / named_modules: model.named_parameters() / named_modules() already listed, or None."""
         self.builder = _C.TraceBuilder(device)
-        self.stack = ModulePathStack(model) if model is not None else None
+        self.stack = ModulePathStack(model, named_modules) if model is not None else None
         self.numbering = ActivationNumbering(model)
         self.backward_map = BackwardModuleMap(model, named_params)
         self.timer = OpTimer()

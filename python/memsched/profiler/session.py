@@ -23,6 +23,26 @@ def _device_of(model: Optional[torch.nn.Module]) -> str:
     return "cpu"
 
 
+def _walk(model: torch.nn.Module):
+    """(named modules, named parameters, buffers) of `model` from one walk of its
+    module tree: the same items, in the same order, as model.named_modules(),
+    model.named_parameters() and model.buffers() (each de-duplicated by
+    identity), which walk the tree once each (Note [Profiler overhead])."""
+    modules = list(model.named_modules())
+    named_params, buffers = [], []
+    seen_params, seen_buffers = set(), set()
+    for prefix, module in modules:
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in seen_params:
+                seen_params.add(id(p))
+                named_params.append((prefix + "." + name if prefix else name, p))
+        for b in module._buffers.values():
+            if b is not None and id(b) not in seen_buffers:
+                seen_buffers.add(id(b))
+                buffers.append(b)
+    return modules, named_params, buffers
+
+
 def _register_optimizer_state(rec: Recorder, optimizer, upgrade_only: bool) -> None:
     for state in optimizer.state.values():
         for v in state.values():
@@ -82,10 +102,8 @@ class ProfilerSession:
     def start(self) -> "ProfilerSession":
         if self._exits is not None:
             raise RuntimeError("ProfilerSession.start(): already recording; call stop() or abort() first")
-        # One walk of the module tree for the parameters (it costs tens of
-        # microseconds per walk on a small model; Note [Profiler overhead]).
-        named_params = list(self.model.named_parameters()) if self.model is not None else []
-        rec = Recorder(self.model, self.device, named_params)
+        modules, named_params, buffers = _walk(self.model) if self.model is not None else ([], [], [])
+        rec = Recorder(self.model, self.device, named_params, modules)
         params = self._params(named_params)
         exits = contextlib.ExitStack()
         try:
@@ -94,9 +112,8 @@ class ProfilerSession:
                 rec.register_existing(p, "parameter")
                 if p.grad is not None:
                     rec.register_existing(p.grad, "gradient")
-            if self.model is not None:
-                for buf in self.model.buffers():
-                    rec.register_existing(buf, "parameter")
+            for buf in buffers:
+                rec.register_existing(buf, "parameter")
             if self.optimizer is not None:
                 _register_optimizer_state(rec, self.optimizer, upgrade_only=False)
 
