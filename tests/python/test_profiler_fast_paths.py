@@ -138,3 +138,16 @@ def test_record_op_rejects_malformed_lists():
         b.record_op("aten::mm", "", "forward", (1,), [], 1.0, 0, 0, 0)
     with pytest.raises(memsched.MemschedError, match="flops must be a number"):
         b.record_op("aten::mm", "", "forward", [], [], 1.0, "many", 0, 0)
+
+
+def test_parameter_added_during_the_step_gets_its_gradient_marked():
+    # stop() walks the parameters again rather than reusing start()'s walk.
+    model = torch.nn.Linear(2, 2)
+
+    def step():
+        model.extra = torch.nn.Parameter(torch.ones(3))
+        (model(torch.ones(1, 2)).sum() + model.extra.sum()).backward()
+
+    trace = memsched.profile(step, model=model)
+    grads = sorted(t.bytes for t in trace.tensors if str(t.kind).endswith("gradient"))
+    assert grads == [2 * 4, 3 * 4, 4 * 4]  # bias, extra, weight

@@ -81,7 +81,6 @@ class ProfilerSession:
         self._rec: Optional[Recorder] = None
         self._mode: Optional[RecordingMode] = None
         self._exits: Optional[contextlib.ExitStack] = None
-        self._param_list: Optional[list] = None  # parameters seen at start(), in registration order
 
     @property
     def recording(self) -> bool:
@@ -137,13 +136,12 @@ class ProfilerSession:
             exits.close()
             raise
         self._rec, self._mode, self._exits = rec, mode, exits
-        self._param_list = params
         return self
 
     def abort(self) -> None:
         """Stop recording and drop what was recorded. Safe to call twice."""
         exits, self._exits = self._exits, None
-        self._rec = self._mode = self._param_list = None
+        self._rec = self._mode = None
         if exits is not None:
             exits.close()
 
@@ -151,13 +149,15 @@ class ProfilerSession:
         """Stop recording; return the validated memsched.Trace of what ran since start()."""
         if self._exits is None:
             raise RuntimeError("ProfilerSession.stop(): not recording; call start() first")
-        rec, exits, params = self._rec, self._exits, self._param_list
-        self._exits = self._rec = self._mode = self._param_list = None
+        rec, exits = self._rec, self._exits
+        self._exits = self._rec = self._mode = None
         # Uninstall everything first (the dispatch mode leaves first), so the
         # bookkeeping below records no ops; frees after this point are past the step.
         exits.close()
         rec.in_optimizer = False
-        for p in params:
+        # Walk again: the step may have added parameters (their .grad is a gradient too).
+        named_params = list(self.model.named_parameters()) if self.model is not None else []
+        for p in self._params(named_params):
             if p.grad is not None:
                 rec.register_existing(p.grad, "gradient")
         if self.optimizer is not None:
