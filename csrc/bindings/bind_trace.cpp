@@ -10,22 +10,6 @@
 namespace py = pybind11;
 
 namespace memsched::bindings {
-namespace {
-
-Phase phase_from(const std::string& s) {
-  Phase p;
-  MEMSCHED_CHECK(parse_phase(s, &p), "unknown phase '", s, "'; expected forward, backward or optimizer");
-  return p;
-}
-
-TensorKind kind_from(const std::string& s) {
-  TensorKind k;
-  MEMSCHED_CHECK(parse_tensor_kind(s, &k), "unknown tensor kind '", s,
-                 "'; expected parameter, gradient, activation, optimizer_state or temporary");
-  return k;
-}
-
-}  // namespace
 
 void bind_trace(py::module_& m) {
   py::class_<Op>(m, "Op")
@@ -35,7 +19,7 @@ void bind_trace(py::module_& m) {
       .def_readwrite("module_path", &Op::module_path)
       .def_property(
           "phase", [](const Op& op) { return std::string(to_string(op.phase)); },
-          [](Op& op, const std::string& s) { op.phase = phase_from(s); })
+          [](Op& op, const std::string& s) { op.phase = phase_from_string(s); })
       .def_readwrite("duration_us", &Op::duration_us)
       .def_readwrite("flops", &Op::flops)
       .def_readwrite("bytes_read", &Op::bytes_read)
@@ -52,7 +36,7 @@ void bind_trace(py::module_& m) {
       .def_readwrite("dtype", &TensorRecord::dtype)
       .def_property(
           "kind", [](const TensorRecord& t) { return std::string(to_string(t.kind)); },
-          [](TensorRecord& t, const std::string& s) { t.kind = kind_from(s); })
+          [](TensorRecord& t, const std::string& s) { t.kind = tensor_kind_from_string(s); })
       .def_readwrite("producer_op", &TensorRecord::producer_op)
       .def_readwrite("uses", &TensorRecord::uses)
       .def_readwrite("freed_after_op", &TensorRecord::freed_after_op)
@@ -76,7 +60,7 @@ void bind_trace(py::module_& m) {
              op.id = static_cast<int64_t>(t.ops.size());
              op.name = name;
              op.module_path = module_path;
-             op.phase = phase_from(phase);
+             op.phase = phase_from_string(phase);
              op.duration_us = duration_us;
              op.flops = flops;
              op.bytes_read = bytes_read;
@@ -94,7 +78,7 @@ void bind_trace(py::module_& m) {
              r.id = static_cast<int64_t>(t.tensors.size());
              r.bytes = bytes;
              r.dtype = dtype;
-             r.kind = kind_from(kind);
+             r.kind = tensor_kind_from_string(kind);
              r.producer_op = producer_op;
              r.uses = std::move(uses);
              r.freed_after_op = freed_after_op;
@@ -110,7 +94,7 @@ void bind_trace(py::module_& m) {
       .def("peak_bytes", &Trace::peak_bytes)
       .def("peak_op", &Trace::peak_op)
       .def("activation_bytes", &Trace::activation_bytes)
-      .def("bytes_of_kind", [](const Trace& t, const std::string& kind) { return t.bytes_of_kind(kind_from(kind)); })
+      .def("bytes_of_kind", [](const Trace& t, const std::string& kind) { return t.bytes_of_kind(tensor_kind_from_string(kind)); })
       .def("to_json", [](const Trace& t, const std::string& path) { save_trace(t, path); }, py::arg("path"))
       .def_static("from_json", &load_trace, py::arg("path"))
       .def("to_json_string", [](const Trace& t) { return trace_to_json(t); })

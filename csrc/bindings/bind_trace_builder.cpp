@@ -11,19 +11,6 @@ namespace py = pybind11;
 namespace memsched::bindings {
 namespace {
 
-Phase to_phase(const std::string& s) {
-  Phase p;
-  MEMSCHED_CHECK(parse_phase(s, &p), "unknown phase '", s, "'; expected forward, backward or optimizer");
-  return p;
-}
-
-TensorKind to_kind(const std::string& s) {
-  TensorKind k;
-  MEMSCHED_CHECK(parse_tensor_kind(s, &k), "unknown tensor kind '", s,
-                 "'; expected parameter, gradient, activation, optimizer_state or temporary");
-  return k;
-}
-
 // The profiler's hot path (Note [Profiler overhead]) passes plain Python lists
 // and numbers; reading them with the C API skips pybind11's list and tuple casters.
 std::vector<uint64_t> to_keys(py::handle used) {
@@ -65,7 +52,7 @@ void bind_trace_builder(py::module_& m) {
       .def(py::init<std::string>(), py::arg("device") = "")
       .def("begin_op",
            [](TraceBuilder& b, const std::string& name, const std::string& module_path, const std::string& phase) {
-             return b.begin_op(name, module_path, to_phase(phase));
+             return b.begin_op(name, module_path, phase_from_string(phase));
            },
            py::arg("name"), py::arg("module_path"), py::arg("phase"))
       .def("end_op", &TraceBuilder::end_op, py::arg("duration_us"), py::arg("flops"), py::arg("bytes_read"),
@@ -74,7 +61,7 @@ void bind_trace_builder(py::module_& m) {
            [](TraceBuilder& b, const std::string& name, const std::string& module_path, const std::string& phase,
               py::handle used, py::handle outputs, py::handle duration_us, py::handle flops, int64_t bytes_read,
               int64_t bytes_written) {
-             return b.record_op(name, module_path, to_phase(phase), to_keys(used), to_outputs(outputs),
+             return b.record_op(name, module_path, phase_from_string(phase), to_keys(used), to_outputs(outputs),
                                 to_double(duration_us, "duration_us"), to_double(flops, "flops"), bytes_read,
                                 bytes_written);
            },
@@ -85,17 +72,17 @@ void bind_trace_builder(py::module_& m) {
       .def("set_duration_us", &TraceBuilder::set_duration_us, py::arg("op_id"), py::arg("duration_us"))
       .def("tensor_existing",
            [](TraceBuilder& b, uint64_t key, int64_t bytes, const std::string& dtype, const std::string& kind,
-              const std::string& label) { return b.tensor_existing(key, bytes, dtype, to_kind(kind), label); },
+              const std::string& label) { return b.tensor_existing(key, bytes, dtype, tensor_kind_from_string(kind), label); },
            py::arg("key"), py::arg("bytes"), py::arg("dtype"), py::arg("kind"), py::arg("label") = "")
       .def("tensor_allocated",
            [](TraceBuilder& b, uint64_t key, int64_t bytes, const std::string& dtype, const std::string& kind,
-              const std::string& label) { return b.tensor_allocated(key, bytes, dtype, to_kind(kind), label); },
+              const std::string& label) { return b.tensor_allocated(key, bytes, dtype, tensor_kind_from_string(kind), label); },
            py::arg("key"), py::arg("bytes"), py::arg("dtype"), py::arg("kind") = "temporary", py::arg("label") = "")
       .def("tensor_used", &TraceBuilder::tensor_used, py::arg("key"))
       .def("tensor_freed", &TraceBuilder::tensor_freed, py::arg("key"))
       .def("upgrade_kind",
            [](TraceBuilder& b, uint64_t key, const std::string& kind, const std::string& label) {
-             b.upgrade_kind(key, to_kind(kind), label);
+             b.upgrade_kind(key, tensor_kind_from_string(kind), label);
            },
            py::arg("key"), py::arg("kind"), py::arg("label") = "")
       .def("is_live", &TraceBuilder::is_live, py::arg("key"))

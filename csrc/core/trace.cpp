@@ -42,6 +42,19 @@ bool parse_tensor_kind(const std::string& text, TensorKind* out) {
   return false;
 }
 
+Phase phase_from_string(const std::string& text) {
+  Phase p;
+  MEMSCHED_CHECK(parse_phase(text, &p), "unknown phase '", text, "'; expected forward, backward or optimizer");
+  return p;
+}
+
+TensorKind tensor_kind_from_string(const std::string& text) {
+  TensorKind k;
+  MEMSCHED_CHECK(parse_tensor_kind(text, &k), "unknown tensor kind '", text,
+                 "'; expected parameter, gradient, activation, optimizer_state or temporary");
+  return k;
+}
+
 void Trace::validate() const {
   MEMSCHED_CHECK(version == kTraceVersion, "trace: field 'version' is ", version,
                  " but this memsched reads version ", kTraceVersion, "; re-profile the step");

@@ -30,6 +30,9 @@ const char* to_string(TensorKind kind);
 // Parse the JSON spellings ("forward", "activation", ...); false if unknown.
 bool parse_phase(const std::string& text, Phase* out);
 bool parse_tensor_kind(const std::string& text, TensorKind* out);
+// The same, throwing memsched::Error that lists the accepted spellings.
+Phase phase_from_string(const std::string& text);
+TensorKind tensor_kind_from_string(const std::string& text);
 
 constexpr int64_t kBeforeStep = -1;  // producer_op of a tensor that exists before the step
 constexpr int64_t kAfterStep = -1;   // freed_after_op of a tensor that outlives the step
