@@ -58,7 +58,7 @@ import warnings
 import torch
 
 from memsched import _C
-from memsched.offload.executor import OffloadExecutor
+from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers
 from memsched.offload.report import build_report, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
@@ -139,6 +139,7 @@ class Run:
         self.reprofiles = 0          # COUNT of re-profiles after a mismatch
         self.mismatches = 0          # COUNT of steps that did not match the trace
         self.warned_ = False
+        self.warned_not_profiled_ = False
         self.profile_ = None         # profiler session while profiling
         self.profile_armed_ = False  # the next forward starts a profiler session
         self.profile_failed_ = False # the profiled forward raised: restart at the next forward
@@ -254,8 +255,20 @@ class Run:
         self.in_forward_ = True
         self.profile_failed_ = False
         if self.profile_armed_ and self.profile_ is None:
+            foreign = foreign_hooks_reason(check_dispatch_modes=True)
+            if foreign is not None:
+                # The session's hooks and mode would be pushed inside the caller's context and popped
+                # outside it (Note [Foreign saved-tensor hooks]): profile a later step instead.
+                self._warn_not_profiled(foreign)
+                return
             self.profile_armed_ = False
             self.profile_ = start_profile(self.model, self.optimizer, self.device)
+
+    def _warn_not_profiled(self, why):
+        if not self.warned_not_profiled_:
+            self.warned_not_profiled_ = True
+            warnings.warn(f"memsched.optimize: {why}; this step runs plainly and is not profiled (a later "
+                          "step without them is; this warning is shown once)", RuntimeWarning, stacklevel=4)
 
     def _root_post(self, module, args, output):
         self.in_forward_ = False

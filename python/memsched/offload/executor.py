@@ -22,6 +22,18 @@ Note [Executor hooks and their lifetime]
   Unpack hooks are stored per saved tensor at pack time, so backward works
   whether or not our pair is still pushed.
 
+Note [Foreign saved-tensor hooks]
+  Rationale: our pair is pushed at a step's first forward and popped at
+  run.step(), which is not nested inside a caller's context: with
+  `with save_on_cpu(): out = model(x)` (or checkpoint(model, x)) the caller's
+  exit would pop OUR pair and leave theirs on the stack for good (and a
+  non-reentrant checkpoint's backward then fails); under
+  disable_saved_tensors_hooks the push itself raises.
+  Approach: when a step's first forward starts while any saved-tensor hooks
+  are active (or hooks are disabled), the step runs plainly -- the caller's
+  hooks do what they would do without memsched -- marked "diverged" with the
+  reason, so the Run warns and re-profiles a later step.
+
 Note [What is never offloaded]
   - parameters and buffers of the model (ActivationNumbering gives them no
     ordinal; they are returned as they are);
@@ -92,6 +104,22 @@ class StepStats:
     mismatch: str = ""             # first identity mismatch, "" if none
     samples: list = field(default_factory=list)  # [(t_s, bytes)] memory over the step
     copies: list = field(default_factory=list)   # [(kind, start_s, end_s, bytes)] copy streams
+
+
+def foreign_hooks_reason(check_dispatch_modes=False):
+    """Why memsched must not instrument a forward starting now (None: it may).
+
+    See Note [Foreign saved-tensor hooks]. check_dispatch_modes: also refuse under an active
+    TorchDispatchMode (the profiler enters one from the first forward to run.step()).
+    """
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return "saved-tensor hooks are disabled around the forward (torch.autograd.graph.disable_saved_tensors_hooks)"
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return ("the caller's own saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu, "
+                "a non-reentrant checkpoint) are active around the forward")
+    if check_dispatch_modes and torch._C._len_torch_dispatch_stack() > 0:
+        return "a TorchDispatchMode of the caller is active around the forward"
+    return None
 
 
 class _Offloaded:
@@ -265,6 +293,11 @@ class OffloadExecutor:
             self.in_step_ = False
         if not self.in_step_:
             self._begin_step()
+            foreign = foreign_hooks_reason()
+            if foreign is not None:
+                # See Note [Foreign saved-tensor hooks]: run this step plainly, never push ours.
+                self._diverge(foreign)
+                return
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
             self.pushed_ = True
 
