@@ -31,6 +31,20 @@ Note [One iteration of out-of-order backward]
   after its last contribution, whose dX -- the last reader of the old weight --
   was computed before the contribution was queued.
 
+Note [AccumulateGrad gate]
+  Rationale: a weight used outside its layer (F.linear(x, layer.weight), a
+  regulariser on weight.T) gets an autograd gradient that forward never
+  counted. If the deferred contribution alone made the parameter final, the
+  fused update would step it with part of its gradient before the extra one
+  is seen.
+  Approach: each parameter used in an iteration also expects one contribution
+  from its AccumulateGrad node (the tensor hook, which runs after every
+  backward node that feeds it, with None when every use was deferred). Until
+  that hook ran the parameter is not final; an uncounted autograd gradient
+  arriving there is refused while the parameter is still untouched.
+  Limitations: each parameter is stepped at its own AccumulateGrad, so weight
+  and bias of one layer are stepped one after the other.
+
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
   that queued them, the rest at the end-of-backward flush, on the autograd
@@ -61,6 +75,7 @@ from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from memsched._C import DwScheduler, MemschedError
 from memsched.ooo.fused import ParamStepper
@@ -76,6 +91,14 @@ def _eligible(module: nn.Module) -> bool:
     """Linear and Conv1d/2d/3d whose forward is the stock one (subclasses that
     override forward stay plain), with zero padding given as numbers."""
     t = type(module)
+    # A parametrized weight (torch.nn.utils.parametrize, weight_norm) or one
+    # recomputed by a forward pre-hook (legacy weight_norm/spectral_norm) is no
+    # leaf Parameter of the module: its gradient must flow through autograd.
+    if parametrize.is_parametrized(module):
+        return False
+    for name in ("weight", "bias"):
+        if name not in module._parameters and getattr(module, name, None) is not None:
+            return False
     if isinstance(module, nn.Linear):
         return t.forward is nn.Linear.forward
     for base in _CONV_TYPES:
@@ -153,6 +176,7 @@ class OutOfOrderBackward:
         self._pending: Dict[int, torch.Tensor] = {}
         self._items: Dict[int, DeferredWork] = {}
         self._autograd_expected: Set[int] = set()
+        self._hook_expected: Set[int] = set()  # See Note [AccumulateGrad gate]
         self._autograd_defined: Dict[int, tuple] = {}
         self._stash: Dict[int, Optional[torch.Tensor]] = {}
         self._phase = "idle"
@@ -190,6 +214,7 @@ class OutOfOrderBackward:
         model = self.model
         ddp = model if isinstance(model, DistributedDataParallel) else None
         root = model.module if ddp is not None else model
+        self._root = root
         seen: Set[int] = set()
         for p in root.parameters():
             if p.requires_grad and id(p) not in seen:
@@ -253,26 +278,35 @@ class OutOfOrderBackward:
         b_idx = self._index.get(id(m.bias)) if m.bias is not None else None
         if isinstance(m, nn.Linear):
             def forward(mod, x):
-                if not torch.is_grad_enabled() or (w_idx is None and b_idx is None):
+                if not torch.is_grad_enabled():
+                    return nn.Linear.forward(mod, x)
+                # frozen since install (requires_grad=False): no gradient, like autograd
+                wi = w_idx if w_idx is not None and mod.weight.requires_grad else None
+                bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
+                if wi is None and bi is None:
                     return nn.Linear.forward(mod, x)
                 if torch.is_autocast_enabled(x.device.type):
-                    me._note_autograd_use([i for i in (w_idx, b_idx) if i is not None])
+                    me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return nn.Linear.forward(mod, x)
-                me._note_deferred_use(w_idx, b_idx)
-                return DeferredLinear.apply(x, mod.weight, mod.bias, me, w_idx, b_idx)
+                me._note_deferred_use(wi, bi)
+                return DeferredLinear.apply(x, mod.weight, mod.bias, me, wi, bi)
         else:
             base = next(b for b in _CONV_TYPES if isinstance(m, b))
             nd = _CONV_TYPES[base]
 
             def forward(mod, x):
-                if not torch.is_grad_enabled() or (w_idx is None and b_idx is None):
+                if not torch.is_grad_enabled():
+                    return base.forward(mod, x)
+                wi = w_idx if w_idx is not None and mod.weight.requires_grad else None
+                bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
+                if wi is None and bi is None:
                     return base.forward(mod, x)
                 if torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2:
-                    me._note_autograd_use([i for i in (w_idx, b_idx) if i is not None])
+                    me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return base.forward(mod, x)
-                me._note_deferred_use(w_idx, b_idx)
+                me._note_deferred_use(wi, bi)
                 return DeferredConv.apply(x, mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
-                                          mod.groups, me, w_idx, b_idx)
+                                          mod.groups, me, wi, bi)
         m.forward = types.MethodType(forward, m)
         self._patched.append((m, had, old))
         self._eligible_layers = len(self._patched)
@@ -305,8 +339,15 @@ class OutOfOrderBackward:
         if self._phase == "idle":
             if self._pending or self._items:
                 raise MemschedError("internal: deferred work left over from the previous backward pass")
+            for n, p in self._root.named_parameters():
+                if p.requires_grad and id(p) not in self._index:
+                    raise MemschedError(
+                        f"parameter {n} requires grad but had requires_grad=False when OutOfOrderBackward was "
+                        f"installed, so memsched neither defers nor (fuse_optimizer) updates it. Unfreeze "
+                        f"parameters before install(), or remove() and install() again after unfreezing.")
             self._sched.begin_iteration()
             self._autograd_expected.clear()
+            self._hook_expected.clear()
             self._autograd_defined.clear()
             if self._reducer is not None:
                 self._reducer.begin_iteration()
@@ -323,6 +364,14 @@ class OutOfOrderBackward:
         for i in (w_idx, b_idx):
             if i is not None:
                 self._sched.expect_contribution(i)
+                self._expect_hook(i)
+
+    def _expect_hook(self, i: int) -> None:
+        # See Note [AccumulateGrad gate]: one contribution per parameter for
+        # its AccumulateGrad node, a gradient (autograd uses) or only a signal.
+        if i not in self._hook_expected:
+            self._hook_expected.add(i)
+            self._sched.expect_contribution(i)
 
     def _note_autograd_use(self, ids: Sequence[int]) -> None:
         if not torch.is_grad_enabled():
@@ -331,7 +380,7 @@ class OutOfOrderBackward:
         for i in ids:
             if i not in self._autograd_expected:
                 self._autograd_expected.add(i)
-                self._sched.expect_contribution(i)
+                self._expect_hook(i)
 
     # ------------------------------------------------------------------ backward
     def _backward_started(self) -> None:
@@ -410,6 +459,17 @@ class OutOfOrderBackward:
             p.grad = None
         if grad is not None:
             self._backward_started()
+        elif i in self._hook_expected:
+            # No gradient through autograd: every use of this graph task was
+            # deferred (or reached no loss). Its AccumulateGrad ran, so no
+            # uncounted use can still add to it: the gate opens.
+            with self._lock:
+                self._hook_expected.discard(i)
+                done = self._sched.contribute(i)
+                self._on_completion(done)
+            if self._executor == "inline":
+                self._run_all(self._sched.next_urgent)
+                self._poll_reducer()
 
     def _on_autograd_accumulated(self, i: int) -> None:
         defined, had_none, mixed = self._autograd_defined.pop(i, (False, False, False))
@@ -426,7 +486,8 @@ class OutOfOrderBackward:
                         f"memsched refuses to compute a wrong update. Use it only through its module, or "
                         f"leave that model out of ooo.")
                 self._autograd_expected.add(i)
-                self._sched.expect_contribution(i)
+                self._expect_hook(i)
+            self._hook_expected.discard(i)
             if mixed:
                 e, p.grad = p.grad, self._stash.pop(i)
                 pend = self._pending.get(i)

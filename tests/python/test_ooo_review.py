@@ -1,0 +1,154 @@
+"""Adversarial regression tests for out-of-order backward and the fused update
+(python/memsched/ooo): each case compares parameters and optimizer state
+bitwise with a plain PyTorch loop, or checks that a case memsched refuses is
+refused before any parameter changes."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memsched
+from memsched.ooo import OutOfOrderBackward
+
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def _inputs(n):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(3, 4, generator=g) for _ in range(n)]
+
+
+def _same(a, oa, b, ob):
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+        sa, sb = oa.state.get(p, {}), ob.state.get(q, {})
+        assert sa.keys() == sb.keys(), n
+        for k in sa:
+            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), (n, k)
+
+
+def _compare(make_model, make_opt, loss_fn, steps=3, pre=None):
+    torch.manual_seed(0)
+    a = make_model()
+    b = copy.deepcopy(a)
+    oa, ob = make_opt(a), make_opt(b)
+    xs = _inputs(steps)
+    for k, x in enumerate(xs):
+        if pre is not None:
+            pre(a, k)
+        loss_fn(a, x).backward()
+        oa.step()
+        oa.zero_grad()
+    with OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=True) as ooo:
+        for k, x in enumerate(xs):
+            if pre is not None:
+                pre(b, k)
+            loss_fn(b, x).backward()
+            ooo.step()
+    _same(a, oa, b, ob)
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_weight_used_outside_its_layer_is_refused_before_it_is_updated(before):
+    # Was: the deferred contribution made fc.weight final and the fused update
+    # stepped it with the layer's gradient alone; the regulariser's gradient
+    # only raised afterwards. Now AccumulateGrad must run first (the gate).
+    torch.manual_seed(0)
+    m = Two()
+    w0 = m.l1.weight.detach().clone()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def loss(x):
+        if before:
+            r = F.linear(x, m.l1.weight).sum()
+            return m(x).square().sum() + r
+        return m(x).square().sum() + (m.l1.weight.T @ m.l1.weight).sum()
+
+    with OutOfOrderBackward(m, optimizer=opt, fuse_optimizer=True) as ooo:
+        with pytest.raises(memsched.MemschedError, match="l1.weight.*outside the layer"):
+            loss(_inputs(1)[0]).backward()
+        with pytest.raises(memsched.MemschedError, match="did not finish"):
+            ooo.step()
+    # other parameters may have had their (correct) update before the error
+    assert torch.equal(m.l1.weight, w0)
+    assert opt.state.get(m.l1.weight, {}) == {}
+
+
+def test_parameter_frozen_after_install_is_not_updated():
+    # Was: a layer whose weight got requires_grad=False after install still
+    # computed a deferred dW and the fused update stepped the frozen weight.
+    def pre(m, k):
+        m.l1.weight.requires_grad_(k != 1)
+        m.l2.bias.requires_grad_(k == 0)
+
+    _compare(Two, lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+             lambda m, x: m(x).square().sum(), steps=3, pre=pre)
+
+
+def test_parameter_unfrozen_after_install_is_refused():
+    # Was: silently never updated (not indexed at install, fused update skipped it).
+    torch.manual_seed(0)
+    m = Two()
+    m.l1.weight.requires_grad_(False)
+    w0 = m.l1.weight.detach().clone()
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    with OutOfOrderBackward(m, optimizer=opt, fuse_optimizer=True) as ooo:
+        m(torch.randn(3, 4)).sum().backward()
+        ooo.step()
+        m.l1.weight.requires_grad_(True)
+        with pytest.raises(memsched.MemschedError, match="l1.weight requires grad.*install"):
+            m(torch.randn(3, 4)).sum()
+    assert torch.equal(m.l1.weight, w0)
+
+
+class Sym(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).T
+
+
+def _parametrized():
+    m = Two()
+    nn.utils.parametrize.register_parametrization(m.l1, "weight", Sym())
+    m.l2 = nn.utils.parametrizations.weight_norm(m.l2)
+    return m
+
+
+def test_parametrized_weights_stay_plain_and_train_like_autograd():
+    # Was: the parametrized Linear looked eligible (its class keeps
+    # nn.Linear.forward); its computed weight had no index, so DeferredLinear
+    # returned no gradient for it and the parametrization never trained.
+    _compare(_parametrized, lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
+             lambda m, x: m(x).square().sum())
+    with OutOfOrderBackward(_parametrized()) as ooo:
+        assert ooo.report()["eligible_layers"] == 0
+
+
+def test_legacy_weight_norm_stays_plain():
+    def make():
+        torch.manual_seed(0)
+        m = Two()
+        m.l1 = torch.nn.utils.weight_norm(m.l1)  # weight recomputed by a forward pre-hook
+        return m
+
+    a, b = make(), make()
+    oa, ob = torch.optim.Adam(a.parameters(), lr=0.01), torch.optim.Adam(b.parameters(), lr=0.01)
+    for x in _inputs(3):
+        a(x).square().sum().backward()
+        oa.step()
+        oa.zero_grad()
+    with OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=True) as ooo:
+        assert ooo.report()["eligible_layers"] == 1  # l2 only
+        for x in _inputs(3):
+            b(x).square().sum().backward()
+            ooo.step()
+    _same(a, oa, b, ob)
