@@ -130,3 +130,62 @@ def test_callers_hooks_entered_before_the_step_and_left_after_it_are_kept():
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         assert top is not None and top[0] is pack
     _no_hooks_left()
+
+
+def test_two_chained_models_each_with_a_run_leak_no_hooks():
+    # Before the fix: the second model's pair was pushed above the first's and run.step() of the first
+    # could not pop its own, which stayed on the global stack after both Runs ended.
+    torch.manual_seed(0)
+    m1, m2 = Small(), Small()
+    r1, r2 = copy.deepcopy(m1), copy.deepcopy(m2)
+    o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (m1, m2))
+    q1, q2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (r1, r2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with optimize(m1, o1, budget=1.0, planner="offload_all_prefetch") as run1, \
+                optimize(m2, o2, budget=1.0, planner="offload_all_prefetch") as run2:
+            for step in range(4):
+                x, y = _data(step)
+                F.mse_loss(m2(m1(x)), y).backward()
+                run1.step()
+                run2.step()
+    for step in range(4):
+        x, y = _data(step)
+        F.mse_loss(r2(r1(x)), y).backward()
+        for q in (q1, q2):
+            q.step()
+            q.zero_grad(set_to_none=True)
+    _no_hooks_left()
+    for p, q in zip(list(m1.parameters()) + list(m2.parameters()), list(r1.parameters()) + list(r2.parameters())):
+        assert torch.equal(p, q)
+    assert [s.mode for s in run1.step_stats] == ["planned"] * 3
+    assert all(s.offloaded > 0 for s in run1.step_stats)
+
+
+def test_run_step_inside_the_callers_hooks_leaks_no_hooks():
+    # Before the fix: run.step() found the caller's pair on top, gave up popping ours, and ours stayed
+    # on the global stack for good (still packing after the Run ended).
+    def step_fn(model, step, x, y):
+        out = model(x)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            F.mse_loss(out, y).backward()
+            run_box[0].step()
+
+    run_box = []
+    torch.manual_seed(0)
+    model = Small()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with optimize(model, opt, budget=1.0, planner="offload_all_prefetch") as run:
+        run_box.append(run)
+        for step in range(4):
+            step_fn(model, step, *_data(step))
+    for step in range(4):
+        _plain_step(ref, step, *_data(step))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    _no_hooks_left()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert [s.mode for s in run.step_stats] == ["planned"] * 3

@@ -32,7 +32,11 @@ Note [Foreign saved-tensor hooks]
   Approach: when a step's first forward starts while any saved-tensor hooks
   are active (or hooks are disabled), the step runs plainly -- the caller's
   hooks do what they would do without memsched -- marked "diverged" with the
-  reason, so the Run warns and re-profiles a later step.
+  reason, so the Run warns and re-profiles a later step. The other way round
+  -- the caller enters hooks after our push and run.step() runs inside them --
+  our pair cannot be popped from under theirs: it is marked buried, passes
+  every pack through untouched (no step is active), and is popped as soon as
+  it is on top again (the next forward, or remove()).
 
 Note [What is never offloaded]
   - parameters and buffers of the model (ActivationNumbering gives them no
@@ -178,6 +182,7 @@ class OffloadExecutor:
         self.active = True                       # False: forward runs untouched (e.g. while profiling)
         self.handles_ = []                       # hook handles on the root module
         self.pushed_ = False                     # our saved-tensor hooks are on the hook stack
+        self.buried_ = False                     # popped by us but under the caller's hooks: pop when on top
         self.in_step_ = False                    # a step has started (first forward seen)
         self.forward_failed_ = False             # the last forward raised: restart numbering
         self.in_forward_ = False                 # between the root's forward pre-hook and forward hook
@@ -199,6 +204,10 @@ class OffloadExecutor:
     def remove(self):
         """Remove every hook, pop our saved-tensor hooks if still pushed, wait for copies."""
         self._pop_hooks()
+        if self.buried_:
+            warnings.warn("memsched: the caller's saved-tensor hooks pushed after memsched's are still active "
+                          "when the Run ends, so memsched's (now pass-through) pair under them cannot be popped",
+                          RuntimeWarning, stacklevel=3)
         for h in self.handles_:
             h.remove()
         self.handles_ = []
@@ -279,6 +288,7 @@ class OffloadExecutor:
 
     # -- forward hooks on the root module -----------------------------------------------------------
     def _forward_pre(self, module, args):
+        self._reap_buried()
         if self.in_forward_ or self.stack.depth > 1:
             # The previous forward was interrupted by a BaseException (KeyboardInterrupt), which skips
             # always_call hooks -- ours and ModuleStack's. Restart both.
@@ -310,16 +320,24 @@ class OffloadExecutor:
             self.forward_failed_ = True
 
     def _pop_hooks(self):
-        if not self.pushed_:
+        if self.pushed_:
+            self.pushed_ = False
+            self.buried_ = True
+        self._reap_buried()
+
+    def _reap_buried(self):
+        """Pop our pair once it is on top again. While the caller's hooks sit above it (entered after
+        our push, still open at run.step()) it stays buried and packs pass through untouched."""
+        if not self.buried_:
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is not None and top[0] == self._pack:
             torch._C._autograd._pop_saved_tensors_default_hooks()
-        self.pushed_ = False
+            self.buried_ = False
 
     # -- pack / unpack -----------------------------------------------------------------------------
     def _pack(self, t):
-        if self.forward_failed_:
+        if self.forward_failed_ or not self.in_step_:
             return t if t.grad_fn is None else t.detach()  # an abandoned step: PyTorch's behaviour
         self.engine.poll()
         alias = self.fetched_.get(storage_key(t))
