@@ -152,3 +152,36 @@ def test_legacy_weight_norm_stays_plain():
             b(x).square().sum().backward()
             ooo.step()
     _same(a, oa, b, ob)
+
+
+@pytest.mark.parametrize("case", ["shared_segments", "inside_and_outside"])
+def test_reentrant_checkpoint_with_fused_update_is_refused_before_any_update(case):
+    # Was: the later use finished l1.weight, the fused update stepped it, and
+    # the earlier segment's recomputation only then raised (a wrong update).
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    m = Two()
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    x = torch.randn(3, 4, requires_grad=True)
+    with OutOfOrderBackward(m, optimizer=opt, fuse_optimizer=True):
+        with pytest.raises(memsched.MemschedError, match="use_reentrant=True.*use_reentrant=False"):
+            h = checkpoint(m.l1, x, use_reentrant=True)
+            h = checkpoint(m.l1, h, use_reentrant=True) if case == "shared_segments" else m.l1(h)
+            m.l2(h).sum().backward()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+    assert opt.state == {}
+
+
+def test_weight_used_inside_and_outside_a_nonreentrant_checkpoint_is_refused_clearly():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    m = Two()
+    w0 = m.l1.weight.detach().clone()
+    with OutOfOrderBackward(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), fuse_optimizer=True):
+        with pytest.raises(memsched.MemschedError, match="l1.weight is used by a forward that runs during backward"):
+            h = checkpoint(m.l1, torch.randn(3, 4), use_reentrant=False)
+            m.l2(m.l1(h)).sum().backward()
+    assert torch.equal(m.l1.weight, w0)

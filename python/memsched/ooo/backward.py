@@ -67,6 +67,7 @@ Note [Executors]
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import types
@@ -106,6 +107,28 @@ def _eligible(module: nn.Module) -> bool:
             return (t.forward is base.forward and module.padding_mode == "zeros"
                     and not isinstance(module.padding, str) and not module.transposed)
     return False
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """True inside the forward of torch.utils.checkpoint(..., use_reentrant=True)."""
+    ckpt = sys.modules.get("torch.utils.checkpoint")
+    fn = getattr(ckpt, "CheckpointFunction", None)
+    if fn is None:
+        return False
+    code = fn.forward.__code__
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
+_REENTRANT_MESSAGE = (
+    "torch.utils.checkpoint(..., use_reentrant=True) cannot be combined with fuse_optimizer=True: its "
+    "segments run forward under no_grad and recompute it as a separate backward pass, so a parameter used "
+    "there is not counted before backward starts and could be updated before all of its gradient arrived. "
+    "Use checkpoint(..., use_reentrant=False), or fuse_optimizer=False.")
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:
@@ -279,6 +302,7 @@ class OutOfOrderBackward:
         if isinstance(m, nn.Linear):
             def forward(mod, x):
                 if not torch.is_grad_enabled():
+                    me._check_no_grad_use()
                     return nn.Linear.forward(mod, x)
                 # frozen since install (requires_grad=False): no gradient, like autograd
                 wi = w_idx if w_idx is not None and mod.weight.requires_grad else None
@@ -296,6 +320,7 @@ class OutOfOrderBackward:
 
             def forward(mod, x):
                 if not torch.is_grad_enabled():
+                    me._check_no_grad_use()
                     return base.forward(mod, x)
                 wi = w_idx if w_idx is not None and mod.weight.requires_grad else None
                 bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
@@ -363,8 +388,17 @@ class OutOfOrderBackward:
         self._begin_if_idle()
         for i in (w_idx, b_idx):
             if i is not None:
+                self._check_late_use(i)
                 self._sched.expect_contribution(i)
                 self._expect_hook(i)
+
+    def _check_late_use(self, i: int) -> None:
+        if self._phase == "backward" and self._sched.received(i) > 0:
+            raise MemschedError(
+                f"parameter {self._name(i)} is used by a forward that runs during backward (activation "
+                f"checkpointing recomputes it) after it already received gradient in this backward pass: its "
+                f"use inside the checkpointed region is counted too late. Use that layer either only inside or "
+                f"only outside checkpointed regions, or leave it out of ooo.")
 
     def _expect_hook(self, i: int) -> None:
         # See Note [AccumulateGrad gate]: one contribution per parameter for
@@ -373,12 +407,19 @@ class OutOfOrderBackward:
             self._hook_expected.add(i)
             self._sched.expect_contribution(i)
 
+    def _check_no_grad_use(self) -> None:
+        # See _REENTRANT_MESSAGE; the stack walk runs only with a fused update.
+        if self._stepper is not None and _in_reentrant_checkpoint():
+            raise MemschedError(_REENTRANT_MESSAGE)
+
     def _note_autograd_use(self, ids: Sequence[int]) -> None:
         if not torch.is_grad_enabled():
+            self._check_no_grad_use()
             return
         self._begin_if_idle()
         for i in ids:
             if i not in self._autograd_expected:
+                self._check_late_use(i)
                 self._autograd_expected.add(i)
                 self._expect_hook(i)
 
