@@ -185,3 +185,36 @@ def test_weight_used_inside_and_outside_a_nonreentrant_checkpoint_is_refused_cle
             h = checkpoint(m.l1, torch.randn(3, 4), use_reentrant=False)
             m.l2(m.l1(h)).sum().backward()
     assert torch.equal(m.l1.weight, w0)
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv1d(2, 3, 3, padding=1)
+        self.l = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.l(torch.tanh(self.c(x)))
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_graph_recorded_inside_and_run_backward_after_exit_is_plain(drop):
+    # Was: backward after remove() still deferred and ran the fused update
+    # (the parameters moved without optimizer.step()); with the
+    # OutOfOrderBackward collected, backward raised ReferenceError.
+    torch.manual_seed(0)
+    a = ConvNet()
+    b = copy.deepcopy(a)
+    ob = torch.optim.Adam(b.parameters(), lr=0.01)
+    x = torch.randn(5, 2, 4)
+    a(x).square().sum().backward()
+    ooo = OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=True).install()
+    loss = b(x).square().sum()
+    ooo.remove()
+    if drop:
+        del ooo
+    loss.backward()
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n  # not updated
+        assert torch.equal(p.grad, q.grad), n  # plain autograd's gradient
+    assert ob.state == {}

@@ -57,6 +57,21 @@ class DeferredWork:
         return out
 
 
+def _sink_live(sink) -> bool:
+    """False once the OutOfOrderBackward that recorded this node was removed
+    (or collected): a graph recorded inside the context and run backward after
+    it then gets plain autograd gradients, no deferral, no fused update."""
+    try:
+        return bool(sink._installed)
+    except ReferenceError:
+        return False
+
+
+def _split(grads: List[torch.Tensor], want_w: bool, want_b: bool):
+    it = iter(grads)
+    return (next(it) if want_w else None), (next(it) if want_b else None)
+
+
 def _linear_dw(weight_idx: Optional[int], bias_idx: Optional[int]):
     def fn(x: torch.Tensor, grad: torch.Tensor) -> List[torch.Tensor]:
         grad2d = grad.reshape(-1, grad.shape[-1])
@@ -88,6 +103,11 @@ class DeferredLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         weight_idx, bias_idx = ctx.idx
         dx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        if not _sink_live(ctx.sink):
+            want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+            fn = _linear_dw(0 if want_w else None, 0 if want_b else None)
+            dw, db = _split(fn(x, grad), want_w, want_b)
+            return dx, dw, db, None, None, None
         indices = [i for i in (weight_idx, bias_idx) if i is not None]
         if indices:
             ctx.sink.defer(DeferredWork(indices, (x, grad), _linear_dw(weight_idx, bias_idx)))
@@ -138,6 +158,11 @@ class DeferredConv(torch.autograd.Function):
             dx = torch.ops.aten.convolution_backward(
                 grad, x, weight, [weight.shape[0]] if has_bias else None, list(stride), list(padding),
                 list(dilation), False, [0] * nd, groups, [True, False, False])[0]
+        if not _sink_live(ctx.sink):
+            want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+            fn = _conv_dw(weight, want_b, want_w, list(stride), list(padding), list(dilation), groups)
+            dw, db = _split(fn(x, grad), want_w, want_b)
+            return (dx, dw, db) + (None,) * 7
         indices = [i for i in (weight_idx, bias_idx) if i is not None]
         if indices:
             fn = _conv_dw(weight, bias_idx is not None, weight_idx is not None, list(stride), list(padding),
