@@ -189,3 +189,23 @@ def test_run_step_inside_the_callers_hooks_leaks_no_hooks():
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
     assert [s.mode for s in run.step_stats] == ["planned"] * 3
+
+
+class SparseActivation(nn.Module):
+    """Saves a sparse COO tensor (no storage) as an activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(torch.sparse.mm(x.to_sparse(), torch.tanh(self.a.weight)))
+
+
+def test_a_sparse_saved_activation_is_kept_and_the_step_still_runs_its_plan():
+    # Before the fix: the executor's first pack of a storage-less tensor raised NotImplementedError
+    # ("Cannot access storage of SparseTensorImpl") where plain PyTorch runs.
+    run, caught = _compare(SparseActivation, _plain_step)
+    assert [s.mode for s in run.step_stats] == ["planned"] * 3, caught
+    assert all(s.offloaded > 0 for s in run.step_stats)
+    _no_hooks_left()

@@ -350,14 +350,17 @@ class OffloadExecutor:
             return (-1, t, t._version)  # parameter or buffer: a leaf (no cycle); kept, version-checked
         k = act.ordinal
         if act.is_first_pack:
-            nbytes = t.untyped_storage().nbytes()
-            self.stats.activations += 1
+            # A tensor without a storage (sparse, mkldnn) counts 0 bytes and is never offloaded.
+            # The trace has no record (so no label) for it, and the step-end count is of storages.
+            has_storage = storage_key(t) is not None
+            nbytes = t.untyped_storage().nbytes() if has_storage else 0
+            self.stats.activations += int(has_storage)
             self.stats.activation_bytes += nbytes
-            if t.device == self.device:
+            if nbytes > 0 and t.device == self.device:
                 self._track(t, nbytes)
             if self.schedule is not None and not self.diverged_:
                 expected = self.schedule.labels.get(k)
-                if expected != act.label:
+                if expected != act.label and (has_storage or expected is not None):
                     self._diverge(f"activation {k}: trace has {expected!r}, this step has {act.label!r}")
                 elif k in self.schedule.offload and self._offloadable(t, nbytes):
                     self._offload(k, t, nbytes)
