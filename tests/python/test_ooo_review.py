@@ -218,3 +218,32 @@ def test_graph_recorded_inside_and_run_backward_after_exit_is_plain(drop):
         assert torch.equal(p, q), n  # not updated
         assert torch.equal(p.grad, q.grad), n  # plain autograd's gradient
     assert ob.state == {}
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_autograd_grad_inside_the_context_is_plain_and_leaves_grad_alone(fuse):
+    # Was: torch.autograd.grad(out, x) ran the deferred dW into .grad and (fused)
+    # stepped the parameters in place; without fusion the next backward raised.
+    torch.manual_seed(0)
+    a = ConvNet()
+    b = copy.deepcopy(a)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(b.parameters(), lr=0.1,
+                                                                                    momentum=0.9)
+
+    def step(m, opt, ooo):
+        x = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        out = m(x).square().sum()
+        gx, gw, gb = torch.autograd.grad(out, (x, m.c.weight, m.l.bias), retain_graph=True)
+        (out + gx.square().sum().detach()).backward()
+        if ooo is None or ooo.step():
+            opt.step()
+            opt.zero_grad()
+        return gx, gw, gb
+
+    plain = [step(a, oa, None) for _ in range(2)]
+    with OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=fuse) as ooo:
+        got = [step(b, ob, ooo) for _ in range(2)]
+    for p_, g_ in zip(plain, got):
+        for u, v in zip(p_, g_):
+            assert torch.equal(u, v)
+    _same(a, oa, b, ob)

@@ -80,7 +80,7 @@ from torch.nn.utils import parametrize
 
 from memsched._C import DwScheduler, MemschedError
 from memsched.ooo.fused import ParamStepper
-from memsched.ooo.functions import DeferredConv, DeferredLinear, DeferredWork
+from memsched.ooo.functions import DeferredConv, DeferredLinear, DeferredWork, engine_runs
 from memsched.units import parse_bytes
 
 DEFAULT_MAX_DEFERRED_BYTES = 64 * 1024 * 1024
@@ -193,6 +193,7 @@ class OutOfOrderBackward:
         self._patched: List[tuple] = []  # (module, had_instance_forward, old)
         self._eligible_layers = 0
         self._handles: List = []
+        self._acc_nodes: List = []
         self._params: List[nn.Parameter] = []
         self._index: Dict[int, int] = {}
         self._deferred_only: Set[int] = set()
@@ -290,6 +291,8 @@ class OutOfOrderBackward:
                 ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
                 self._handles.append(m.register_forward_pre_hook(
                     lambda mod, args, ids=ids: me._note_autograd_use(ids)))
+        with torch.enable_grad():  # each parameter's AccumulateGrad node (one per leaf, reused)
+            self._acc_nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in self._params]
         for i, p in enumerate(self._params):
             self._handles.append(p.register_hook(lambda g, i=i: me._on_autograd_grad(i, g)))
             self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: me._on_autograd_accumulated(i)))
@@ -347,6 +350,7 @@ class OutOfOrderBackward:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._acc_nodes = []
         self._stop_worker()
         if self._reducer is not None and self._ddp_saved_sync is not None:
             self.model.require_backward_grad_sync = self._ddp_saved_sync
@@ -492,6 +496,8 @@ class OutOfOrderBackward:
         # gradient alone; _on_autograd_accumulated moves it into the pending sum
         # and restores .grad. The sum is then G + (h + e), autograd's order
         # (See Note [One iteration of out-of-order backward]).
+        if engine_runs(self._acc_nodes[i]) is None:
+            return  # torch.autograd.grad() asking for this parameter: plain, .grad untouched
         p = self._params[i]
         mixed = grad is not None and i in self._autograd_expected and self._sched.expected(i) > 1
         self._autograd_defined[i] = (grad is not None, p.grad is None, mixed)

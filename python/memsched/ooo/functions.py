@@ -18,6 +18,12 @@ Note [Same kernels, same order]
   tests/python/test_ooo_functions.py checks bitwise equality with plain autograd
   on CPU for 2-D/3-D/4-D Linear inputs (contiguous or not, with and without
   bias) and Conv1d/2d/3d (groups, stride, padding, dilation).
+  Which backward passes defer: only one that runs the parameter's
+  AccumulateGrad (loss.backward()) while the executor is installed. Inside
+  torch.autograd.grad() asking for the parameter, or after remove(), the
+  gradient is returned to autograd at once (plain); a pass that does not want
+  the parameter (backward(inputs=...), autograd.grad for other tensors) gets
+  None for it.
   Limitations: on CUDA, cuBLAS/cuDNN may choose another algorithm for a
   separate dW call than for the fused one (workspace, split-K): equal up to
   floating-point rounding, not bitwise.
@@ -67,6 +73,41 @@ def _sink_live(sink) -> bool:
         return False
 
 
+def engine_runs(node) -> Optional[bool]:
+    """For a parameter's AccumulateGrad node, inside backward: True when this
+    backward pass accumulates into .grad (loss.backward()), False when it
+    skips the parameter (backward(inputs=...) without it, or autograd.grad not
+    asking for it), None inside torch.autograd.grad asking for the parameter
+    (its gradient must be returned, not deferred)."""
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # a leaf's node during autograd.grad(): captured there
+        return None
+
+
+def _plain_or_defer(ctx, x, grad, fn_for) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], List[int]]:
+    """Decides per parameter (weight, bias) of a Deferred* node: defer (the
+    pass accumulates into .grad and the executor is live), return the gradient
+    now (autograd.grad asks for it, or the executor was removed), or nothing
+    (the pass does not want it). Returns (dw, db, indices to defer)."""
+    live = _sink_live(ctx.sink)
+    defer, now = [], [False, False]
+    for k, idx in enumerate(ctx.idx):
+        if not ctx.needs_input_grad[1 + k]:
+            continue
+        runs = engine_runs(ctx.next_functions[1 + k][0])
+        if live and runs and idx is not None:
+            defer.append(idx)
+        elif runs is None or (runs and (not live or idx is None)):
+            now[k] = True
+    dw = db = None
+    if now[0] or now[1]:
+        dw, db = _split(fn_for(now[0], now[1])(x, grad), now[0], now[1])
+    return dw, db, defer
+
+
 def _split(grads: List[torch.Tensor], want_w: bool, want_b: bool):
     it = iter(grads)
     return (next(it) if want_w else None), (next(it) if want_b else None)
@@ -103,15 +144,13 @@ class DeferredLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         weight_idx, bias_idx = ctx.idx
         dx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        if not _sink_live(ctx.sink):
-            want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-            fn = _linear_dw(0 if want_w else None, 0 if want_b else None)
-            dw, db = _split(fn(x, grad), want_w, want_b)
-            return dx, dw, db, None, None, None
-        indices = [i for i in (weight_idx, bias_idx) if i is not None]
+        dw, db, indices = _plain_or_defer(
+            ctx, x, grad, lambda w, b: _linear_dw(0 if w else None, 0 if b else None))
         if indices:
-            ctx.sink.defer(DeferredWork(indices, (x, grad), _linear_dw(weight_idx, bias_idx)))
-        return dx, None, None, None, None, None
+            w_i = weight_idx if weight_idx in indices else None
+            b_i = bias_idx if bias_idx in indices else None
+            ctx.sink.defer(DeferredWork(indices, (x, grad), _linear_dw(w_i, b_i)))
+        return dx, dw, db, None, None, None
 
 
 def _conv_dw(weight: torch.Tensor, has_bias: bool, want_weight: bool, stride, padding, dilation,
@@ -158,14 +197,10 @@ class DeferredConv(torch.autograd.Function):
             dx = torch.ops.aten.convolution_backward(
                 grad, x, weight, [weight.shape[0]] if has_bias else None, list(stride), list(padding),
                 list(dilation), False, [0] * nd, groups, [True, False, False])[0]
-        if not _sink_live(ctx.sink):
-            want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-            fn = _conv_dw(weight, want_b, want_w, list(stride), list(padding), list(dilation), groups)
-            dw, db = _split(fn(x, grad), want_w, want_b)
-            return (dx, dw, db) + (None,) * 7
-        indices = [i for i in (weight_idx, bias_idx) if i is not None]
+        conf = (list(stride), list(padding), list(dilation), groups)
+        dw, db, indices = _plain_or_defer(ctx, x, grad, lambda w, b: _conv_dw(weight, b, w, *conf))
         if indices:
-            fn = _conv_dw(weight, bias_idx is not None, weight_idx is not None, list(stride), list(padding),
-                          list(dilation), groups)
+            fn = _conv_dw(weight, bias_idx is not None and bias_idx in indices,
+                          weight_idx is not None and weight_idx in indices, *conf)
             ctx.sink.defer(DeferredWork(indices, (x, grad), fn))
-        return dx, None, None, None, None, None, None, None, None, None
+        return (dx, dw, db) + (None,) * 7
