@@ -140,6 +140,9 @@ class Run:
         self.mismatches = 0          # COUNT of steps that did not match the trace
         self.warned_ = False
         self.warned_not_profiled_ = False
+        self.warned_not_profiled_why_ = ""
+        self.not_profiled_why_ = ""  # why this step's forward could not be profiled ("" if it could)
+        self.steps_not_profiled = 0  # COUNT of steps run plainly because profiling them was unsafe
         self.profile_ = None         # profiler session while profiling
         self.profile_armed_ = False  # the next forward starts a profiler session
         self.profile_failed_ = False # the profiled forward raised: restart at the next forward
@@ -191,7 +194,11 @@ class Run:
             self.steps_profiled += 1
             self._adopt_trace(trace)
         elif self.profile_armed_:
-            pass  # no forward since the last step: nothing recorded, nothing executed
+            # no forward since the last step, or its forward could not be profiled (foreign hooks):
+            # nothing recorded, nothing executed
+            if self.not_profiled_why_:
+                self.steps_not_profiled += 1
+                self.not_profiled_why_ = ""
         else:
             stats = self.executor.end_step()
             if stats is not None:
@@ -265,8 +272,10 @@ class Run:
             self.profile_ = start_profile(self.model, self.optimizer, self.device)
 
     def _warn_not_profiled(self, why):
+        self.not_profiled_why_ = why
         if not self.warned_not_profiled_:
             self.warned_not_profiled_ = True
+            self.warned_not_profiled_why_ = why
             warnings.warn(f"memsched.optimize: {why}; this step runs plainly and is not profiled (a later "
                           "step without them is; this warning is shown once)", RuntimeWarning, stacklevel=4)
 
@@ -363,6 +372,9 @@ class Run:
         if self.mismatches:
             notes.append(f"{self.mismatches} step(s) did not match the profiled trace and ran without "
                          f"offloading from the mismatch on; {self.reprofiles} re-profile(s)")
+        if self.steps_not_profiled:
+            notes.append(f"{self.steps_not_profiled} step(s) ran plainly without being profiled: "
+                         f"{self.warned_not_profiled_why_}")
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes)
