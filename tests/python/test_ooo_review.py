@@ -247,3 +247,14 @@ def test_autograd_grad_inside_the_context_is_plain_and_leaves_grad_alone(fuse):
         for u, v in zip(p_, g_):
             assert torch.equal(u, v)
     _same(a, oa, b, ob)
+
+
+def test_second_backward_over_one_graph_is_refused_with_a_clear_message():
+    # Was: "enqueue: call begin_iteration() before the forward pass" from the scheduler.
+    torch.manual_seed(0)
+    m = Two()
+    with OutOfOrderBackward(m):
+        loss = m(torch.randn(3, 4)).sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(memsched.MemschedError, match="second backward pass.*own forward"):
+            loss.backward()

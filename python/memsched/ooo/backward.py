@@ -368,9 +368,10 @@ class OutOfOrderBackward:
         if self._phase == "idle":
             if self._pending or self._items:
                 raise MemschedError("internal: deferred work left over from the previous backward pass")
-            for n, p in self._root.named_parameters():
-                if p.requires_grad and id(p) not in self._index:
-                    raise MemschedError(
+            index = self._index
+            if not all(id(p) in index for p in self._root.parameters() if p.requires_grad):
+                n = next(n for n, p in self._root.named_parameters() if p.requires_grad and id(p) not in index)
+                raise MemschedError(
                         f"parameter {n} requires grad but had requires_grad=False when OutOfOrderBackward was "
                         f"installed, so memsched neither defers nor (fuse_optimizer) updates it. Unfreeze "
                         f"parameters before install(), or remove() and install() again after unfreezing.")
@@ -441,6 +442,12 @@ class OutOfOrderBackward:
 
     def defer(self, work: DeferredWork) -> None:
         """Called by DeferredLinear/DeferredConv backward with one dW item."""
+        if self._phase == "idle":
+            raise MemschedError(
+                "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
+                "backward(inputs=...) first) is not supported by OutOfOrderBackward: each backward pass needs "
+                "its own forward, and with fuse_optimizer the parameters it read were already updated. Run "
+                "forward again, or use grad_accumulation_steps with one forward per backward.")
         self._backward_started()
         with self._lock:
             wid = self._sched.enqueue(work.param_indices, work.held_bytes)
