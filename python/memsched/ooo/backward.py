@@ -519,6 +519,10 @@ class OutOfOrderBackward:
             # uncounted use can still add to it: the gate opens.
             with self._lock:
                 self._hook_expected.discard(i)
+                if p.is_cuda and self._executor == "stream" and p.device in self._side_streams:
+                    # the pending sum was made on the side stream; finalization and
+                    # the fused update run here, on the current stream
+                    torch.cuda.current_stream(p.device).wait_stream(self._side_streams[p.device])
                 done = self._sched.contribute(i)
                 self._on_completion(done)
             if self._executor == "inline":
