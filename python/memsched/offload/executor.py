@@ -68,6 +68,11 @@ Note [Version checks]
   of each forward and at its own unpack while that object lives; a
   change raises at unpack. Limitation: an in-place change made only through
   another view, after the packed tensor's Python object died, goes unseen.
+  Limitation: a change that bumps no version (`h.data.mul_(2)`, a tensor
+  aliasing the storage via set_) after the save is seen by plain PyTorch's
+  backward but not by an offloaded copy taken at pack time (as with
+  torch.autograd.graph.save_on_cpu): the gradient then uses the values at the
+  save. PyTorch documents such changes as untracked by autograd.
 
 Note [Packing without reference cycles]
   A pack hook that returns the tensor it was given (or a tuple holding it)
