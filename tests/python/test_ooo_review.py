@@ -258,3 +258,21 @@ def test_second_backward_over_one_graph_is_refused_with_a_clear_message():
         loss.backward(retain_graph=True)
         with pytest.raises(memsched.MemschedError, match="second backward pass.*own forward"):
             loss.backward()
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        return self.enc(self.inp(x.reshape(1, 3, 4)))
+
+
+def test_multihead_attention_out_proj_used_functionally_trains_like_autograd():
+    # Was refused: MultiheadAttention passes out_proj.weight/bias to
+    # F.multi_head_attention_forward and never calls out_proj, whose only owner
+    # is an eligible Linear. With no counted use there is no deferred part.
+    _compare(Encoder, lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
+             lambda m, x: m(x).square().sum())

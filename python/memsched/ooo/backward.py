@@ -536,7 +536,12 @@ class OutOfOrderBackward:
         p = self._params[i]
         with self._lock:
             if i not in self._autograd_expected:
-                if self._phase == "idle" or self._sched.expected(i) > 0 or i in self._deferred_only:
+                # No use of it was counted this iteration (e.g. MultiheadAttention reads
+                # out_proj.weight functionally, never calling out_proj): no deferred
+                # contribution exists, so this gradient is all of it -- count it now.
+                # A deferred use counted later (checkpoint recompute) is refused by
+                # _check_late_use.
+                if self._phase == "idle" or self._sched.expected(i) > 0:
                     raise MemschedError(
                         f"parameter {self._name(i)} received a gradient through autograd that memsched did not "
                         f"count during forward (it is used outside the layer that owns it, e.g. in a "
