@@ -39,6 +39,12 @@ Note [What a Run changes while it is active]
     executed step (the measured peak is per step).
   Parameters, buffers, gradients and optimizer state are never touched except
   by optimizer.step() / zero_grad(set_to_none=True) in run.step().
+  A step whose first forward starts under the caller's own saved-tensor hooks
+  (save_on_cpu, checkpoint(model, ...), disable_saved_tensors_hooks) -- or,
+  for a step to be profiled, a TorchDispatchMode -- runs plainly: ours would
+  be pushed inside their context and popped outside it. One warning; counted
+  in run.steps_not_profiled / as a mismatch, and in run.report(). See Note
+  [Foreign saved-tensor hooks] in offload/executor.py.
 
 Note [Budgets]
   budget=None: "as fast as possible within the device's memory": keep_all when
