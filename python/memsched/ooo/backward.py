@@ -79,6 +79,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from memsched._C import DwScheduler, MemschedError
+from memsched.ooo import grad_scaler_guard
 from memsched.ooo.fused import ParamStepper
 from memsched.ooo.functions import DeferredConv, DeferredLinear, DeferredWork, engine_runs
 from memsched.units import parse_bytes
@@ -276,6 +277,7 @@ class OutOfOrderBackward:
             self._sched.add_param(_nbytes(p), bucket)
         if self.optimizer is not None and self.fuse_optimizer:
             self._stepper = ParamStepper(self.optimizer)
+            grad_scaler_guard.guard(self)  # See Note [GradScaler and fused updates]
 
         if executor == "stream" and not any(p.is_cuda for p in self._params):
             raise MemschedError("executor='stream' needs the model on a CUDA device; use 'inline' or 'thread'")
@@ -350,6 +352,7 @@ class OutOfOrderBackward:
         for h in self._handles:
             h.remove()
         self._handles = []
+        grad_scaler_guard.unguard(self)
         self._acc_nodes = []
         self._stop_worker()
         if self._reducer is not None and self._ddp_saved_sync is not None:
