@@ -22,6 +22,9 @@ void bind_torch(pybind11::module_& m) {
       pybind11::arg("tensor"),
       "(key, nbytes) of the tensor's storage: views of one storage share the key. "
       "See Note [Storage identity].");
+  m.def("version_counter_key", &version_counter_key, pybind11::arg("tensor"),
+        "Identity of the tensor's autograd version counter (0 if disabled): detach() and views share "
+        "it, unsafe_chunk outputs and .data do not. See Note [Version counter identity].");
 
   // --- allocator (issue 4): pooled host tensors and the pluggable-allocator hooks.
   namespace py = pybind11;

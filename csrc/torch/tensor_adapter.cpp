@@ -13,4 +13,17 @@ StorageRef storage_ref(const at::Tensor& tensor) {
   return ref;
 }
 
+// See Note [Version counter identity].
+static_assert(sizeof(c10::VariableVersion) == sizeof(void*),
+              "c10::VariableVersion is no longer one intrusive_ptr; revisit version_counter_key");
+static_assert(sizeof(c10::intrusive_ptr<c10::intrusive_ptr_target>) == sizeof(void*),
+              "c10::intrusive_ptr is no longer one raw pointer; revisit version_counter_key");
+
+uintptr_t version_counter_key(const at::Tensor& tensor) {
+  if (!tensor.defined()) return 0;
+  const c10::VariableVersion& version = tensor.unsafeGetTensorImpl()->version_counter();
+  if (!version.enabled()) return 0;
+  return reinterpret_cast<uintptr_t>(*reinterpret_cast<void* const*>(&version));
+}
+
 }  // namespace memsched

@@ -23,4 +23,23 @@ struct StorageRef {
 
 StorageRef storage_ref(const at::Tensor& tensor);
 
+// Note [Version counter identity]
+//   Rationale: autograd detects an in-place change to a saved tensor by its
+//   version counter, which views share with their base -- but not every alias
+//   shares it: unsafe_chunk/unsafe_split outputs (ATen's GRU/LSTM cells use
+//   them), `.data` and set_ make tensors over the same storage with counters
+//   of their own. The offload executor copies a whole storage at its first
+//   save and reuses that copy for later saves of the same storage only while
+//   the bytes are provably unchanged: same counter AND same version. Equal
+//   version numbers on two different counters prove nothing.
+//   Approach: the counter's address identifies it. c10::VariableVersion holds
+//   exactly one c10::intrusive_ptr to its (private) counter, and intrusive_ptr
+//   holds exactly one raw pointer, so the first word of the VariableVersion is
+//   the address (static_asserts in the .cpp check both sizes; a test checks
+//   that detach() shares the key and unsafe_chunk outputs do not).
+//   Limitations: 0 for tensors whose counter is disabled (inference tensors);
+//   a key may be reused after every tensor using the counter died, so callers
+//   hold the tensor (or a weak reference to it) while they compare keys.
+uintptr_t version_counter_key(const at::Tensor& tensor);
+
 }  // namespace memsched

@@ -51,6 +51,14 @@ Note [What is never offloaded]
   - a second save of an offloaded storage after it was modified in place
     (different _version): that save keeps the device tensor, since the host
     copy holds the older values.
+  A second save of an offloaded storage through a tensor with another version
+  counter (unsafe_chunk/unsafe_split outputs, as in ATen's GRU and LSTM cells:
+  `a, b = gates.unsafe_chunk(2, 1); a.sigmoid_(); b.sigmoid_()`) gets a host
+  copy of its own, taken at that save: the first copy may predate an in-place
+  change made through the other counter, and equal version numbers on two
+  counters prove nothing (See Note [Version counter identity] in
+  csrc/torch/tensor_adapter.h). Each counter's copy is reused only by saves
+  through that counter at the version it was copied at.
   Every offload is an exact byte copy of the whole storage; unpack rebuilds the
   view (dtype, size, stride, storage offset) on the fetched storage. Values are
   therefore bitwise those PyTorch would have used -- a wrong plan costs time or
@@ -89,6 +97,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memsched import _C
 from memsched.offload.copy_engine import CopyEngine
 from memsched.saved_tensors import ActivationNumbering, ModuleStack, storage_key
 
@@ -134,13 +143,14 @@ def foreign_hooks_reason(check_dispatch_modes=False):
 class _Offloaded:
     """One offloaded storage: its host copy and, during backward, its device copy."""
 
-    __slots__ = ("ordinal", "nbytes", "version", "d2h", "h2d", "device_bytes", "packs", "unpacks", "source",
-                 "tensor", "modified_to", "label")
+    __slots__ = ("ordinal", "nbytes", "version", "counter", "d2h", "h2d", "device_bytes", "packs", "unpacks",
+                 "source", "tensor", "modified_to", "label", "others")
 
-    def __init__(self, ordinal, nbytes, version, d2h, source):
+    def __init__(self, ordinal, nbytes, version, counter, d2h, source):
         self.ordinal = ordinal        # activation ordinal
         self.nbytes = nbytes          # storage bytes
         self.version = version        # tensor._version when copied
+        self.counter = counter        # version_counter_key of the tensor copied (0: unknown, never reused)
         self.d2h = d2h                # CopyTicket of the host copy (dst = flat uint8 host tensor)
         self.h2d = None               # CopyTicket of the prefetch, None until issued
         self.device_bytes = None      # flat uint8 device tensor once fetched, until the last unpack
@@ -150,6 +160,11 @@ class _Offloaded:
         self.tensor = None            # weakref to the packed Python tensor: reads its _version while alive
         self.modified_to = None       # version seen after an in-place change (See Note [Version checks])
         self.label = ""               # activation label, for errors
+        self.others = None            # {counter: _Offloaded}: copies for saves through other counters
+
+    def copies(self):
+        """This copy and those of the same storage taken for saves through other version counters."""
+        return (self,) if not self.others else (self, *self.others.values())
 
 
 def _modified_error(what, version, expected):
@@ -371,11 +386,13 @@ class OffloadExecutor:
                     self._offload(k, t, nbytes)
             self._sample()
         h = self.offloaded_.get(k)
-        if h is not None and t._version == h.version:
-            h.packs += 1
-            if h.label == "":
-                h.label = act.label
-            return _View(h, t)
+        if h is not None:
+            h = self._copy_for(h, t)
+            if h is not None and t._version == h.version:
+                h.packs += 1
+                if h.label == "":
+                    h.label = act.label
+                return _View(h, t)
         return (k, t.detach(), t._version)  # See Notes [Packing without reference cycles], [Version checks]
 
     def _unpack(self, packed):
@@ -415,20 +432,43 @@ class OffloadExecutor:
                 and not t.is_conj() and not t.is_neg() and not t.is_quantized)
 
     def _offload(self, k, t, nbytes):
+        self.offloaded_[k] = self._copy(k, t, nbytes)
+
+    def _copy(self, k, t, nbytes):
         storage = t.untyped_storage()
         flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
         ticket = self.engine.offload(flat)
-        h = _Offloaded(k, nbytes, t._version, ticket, StorageWeakRef(storage))
+        h = _Offloaded(k, nbytes, t._version, _C.version_counter_key(t), ticket, StorageWeakRef(storage))
         h.tensor = weakref.ref(t)
-        self.offloaded_[k] = h
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += nbytes
+        return h
+
+    def _copy_for(self, h, t):
+        """The host copy of h's storage that a later save of `t` may use, or None (keep t on the device).
+
+        See Note [What is never offloaded]: a copy serves saves through the version counter it was
+        taken from; a save through another counter gets a copy of its own, taken now.
+        """
+        counter = _C.version_counter_key(t)
+        if counter == 0:
+            return None
+        if counter == h.counter:
+            return h
+        other = h.others.get(counter) if h.others else None
+        if other is None and self._offloadable(t, h.nbytes):
+            other = self._copy(h.ordinal, t, h.nbytes)
+            if h.others is None:
+                h.others = {}
+            h.others[counter] = other
+        return other
 
     def _check_versions(self):
         """Note in-place changes to offloaded tensors whose Python objects are still alive (O(n):
         once per forward)."""
-        for h in self.offloaded_.values():
-            self._check_version(h)
+        for first in self.offloaded_.values():
+            for h in first.copies():
+                self._check_version(h)
 
     @staticmethod
     def _check_version(h):
@@ -448,11 +488,12 @@ class OffloadExecutor:
             return
         for q in s.triggers_through(op, self.fired_upto_):
             for j in s.prefetch_at[q]:
-                h = self.offloaded_.get(j)
-                if h is not None and h.h2d is None and h.device_bytes is None:
-                    h.h2d = self.engine.fetch(h.d2h.dst, after=h.d2h)
-                    self._track(h.h2d.dst, h.nbytes)
-                    self.stats.prefetched += 1
+                first = self.offloaded_.get(j)
+                for h in first.copies() if first is not None else ():
+                    if h.h2d is None and h.device_bytes is None:
+                        h.h2d = self.engine.fetch(h.d2h.dst, after=h.d2h)
+                        self._track(h.h2d.dst, h.nbytes)
+                        self.stats.prefetched += 1
         self.fired_upto_ = op
 
     def _materialize(self, h):
@@ -517,8 +558,9 @@ class OffloadExecutor:
 
     def check_invariants(self):
         self.engine.check_invariants()
-        for k, h in self.offloaded_.items():
-            assert h.ordinal == k and h.unpacks <= max(h.packs, h.unpacks)
-            assert h.h2d is None or h.device_bytes is None, "a fetched tensor has no prefetch in flight"
+        for k, first in self.offloaded_.items():
+            for h in first.copies():
+                assert h.ordinal == k and h.unpacks <= max(h.packs, h.unpacks)
+                assert h.h2d is None or h.device_bytes is None, "a fetched tensor has no prefetch in flight"
         if self.schedule is not None:
             assert set(self.offloaded_) <= self.schedule.offload or self.diverged_
