@@ -508,6 +508,10 @@ class OutOfOrderBackward:
         # (See Note [One iteration of out-of-order backward]).
         if engine_runs(self._acc_nodes[i]) is None:
             return  # torch.autograd.grad() asking for this parameter: plain, .grad untouched
+        # A forward that called no module owning a parameter (nn.ParameterList / ParameterDict
+        # entries read directly, nothing else trainable) counted no use and so never began the
+        # iteration: begin it now, before this gradient is recorded.
+        self._begin_if_idle()
         p = self._params[i]
         mixed = grad is not None and i in self._autograd_expected and self._sched.expected(i) > 1
         self._autograd_defined[i] = (grad is not None, p.grad is None, mixed)

@@ -1,0 +1,37 @@
+"""Out-of-order backward with parameters that no called module owns (nn.ParameterList read directly)."""
+import copy
+
+import torch
+import torch.nn as nn
+
+import memsched
+
+
+class Scaled(nn.Module):
+    """Its only parameters live in a ParameterList whose own forward is never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales = nn.ParameterList([nn.Parameter(torch.randn(3, 4))])
+        self.pool = nn.AdaptiveAvgPool1d(2)
+
+    def forward(self, x):
+        return self.pool(x * self.scales[0])
+
+
+def test_parameter_list_read_directly_gets_the_fused_update_bitwise():
+    torch.manual_seed(0)
+    model = Scaled()
+    twin = copy.deepcopy(model)
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    opt = torch.optim.AdamW(twin.parameters(), lr=0.1)
+    for x in xs:
+        twin(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with memsched.OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=True) as ooo:
+        for x in xs:
+            model(x).pow(2).sum().backward()
+            assert not ooo.step()
+    assert torch.equal(model.scales[0], twin.scales[0])
