@@ -86,6 +86,7 @@ TensorRecord tensor_from_json(const json& j, size_t index) {
 }  // namespace
 
 std::string trace_to_json(const Trace& trace, int indent) {
+  trace.validate();  // write nothing that trace_from_json would refuse (See Note [Trace value bounds])
   json j;
   j["version"] = trace.version;
   j["device"] = trace.device;
