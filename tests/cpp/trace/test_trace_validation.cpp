@@ -230,9 +230,30 @@ std::string with_raw(const std::function<void(nlohmann::json&, int64_t)>& set, c
   return text.replace(at, std::to_string(kSentinel).size(), raw);
 }
 
+TEST(TraceValidationJson, FlopsBeyondADoubleNamesRecordAndField) {
+  const std::string text = with_raw([](nlohmann::json& j, int64_t s) { j["ops"][2]["flops"] = s; }, "1e400");
+  expect_words(json_error(text), {"ops[2]", "field 'flops'", "out of range", "finite"});
+}
+
+TEST(TraceValidationJson, NegativeDurationBeyondADoubleNamesRecordAndField) {
+  const std::string text = with_raw([](nlohmann::json& j, int64_t s) { j["ops"][1]["duration_us"] = s; }, "-1e999");
+  expect_words(json_error(text), {"ops[1]", "field 'duration_us'", "out of range"});
+}
+
+TEST(TraceValidationJson, UseBeyondADoubleNamesTheIndex) {
+  const std::string text = with_raw([](nlohmann::json& j, int64_t s) { j["tensors"][1]["uses"] = {1, s}; }, "1e500");
+  expect_words(json_error(text), {"tensors[1]", "field 'uses[1]'", "out of range"});
+}
+
 TEST(TraceValidationJson, FlopsAboveTheBoundNamesRecordAndField) {
   const std::string text = with_raw([](nlohmann::json& j, int64_t s) { j["ops"][3]["flops"] = s; }, "1e300");
   expect_words(json_error(text), {"ops[3]", "'flops'", "bound"});
+}
+
+TEST(TraceValidationJson, IntegerBeyondInt64IsNotWrappedNegative) {
+  const std::string text =
+      with_raw([](nlohmann::json& j, int64_t s) { j["tensors"][2]["bytes"] = s; }, "18446744073709551615");
+  expect_words(json_error(text), {"tensors[2]", "'bytes'", "18446744073709551615", "64-bit"});
 }
 
 TEST(TraceValidationJson, BytesOverflowingTheSumAreRefused) {
@@ -242,6 +263,32 @@ TEST(TraceValidationJson, BytesOverflowingTheSumAreRefused) {
   j["tensors"][0]["bytes"] = int64_t{1} << 62;
   j["tensors"][1]["bytes"] = int64_t{1} << 62;
   expect_words(json_error(j.dump()), {"tensors[1]", "'bytes'", "overflow"});
+}
+
+TEST(TraceValidationJson, InvalidUtf8NameNamesRecordAndField) {
+  const std::string text = with_raw([](nlohmann::json& j, int64_t s) { j["ops"][1]["name"] = s; }, "\"op\xff\"");
+  const std::string message = json_error(text);
+  expect_words(message, {"ops[1]", "field 'name'", "UTF-8"});
+  EXPECT_TRUE(is_valid_utf8(message)) << "the message quotes the bad bytes";
+}
+
+TEST(TraceValidationJson, LoneSurrogateEscapeNamesRecordAndField) {
+  const std::string text =
+      with_raw([](nlohmann::json& j, int64_t s) { j["ops"][3]["name"] = s; }, "\"op\\ud800\"");
+  const std::string message = json_error(text);
+  expect_words(message, {"ops[3]", "field 'name'"});
+}
+
+TEST(TraceValidationJson, OtherSyntaxErrorsSayWhere) {
+  const std::string text =
+      with_raw([](nlohmann::json& j, int64_t s) { j["ops"][2]["name"] = s; }, "op2");  // an unquoted name
+  expect_words(json_error(text), {"not valid JSON", "ops[2]", "'name'"});
+}
+
+TEST(TraceValidationJson, VersionBeyondIntIsNotTruncated) {
+  nlohmann::json j = nlohmann::json::parse(good_json());
+  j["version"] = (int64_t{1} << 32) + 1;  // truncates to 1 in an int
+  expect_words(json_error(j.dump()), {"version", "4294967297"});
 }
 
 }  // namespace
