@@ -10,13 +10,36 @@
 namespace py = pybind11;
 
 namespace memsched::bindings {
+namespace {
+
+// Names cross into Python decoded with errors='replace': a name that is not
+// UTF-8 (set from Python bytes) reads as text with U+FFFD instead of raising
+// UnicodeDecodeError from inside pybind; validate() names the field
+// (See Note [Trace value bounds]).
+py::str text(const std::string& s) {
+  PyObject* obj = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "replace");
+  if (obj == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(obj);
+}
+
+template <typename T>
+auto text_getter(std::string T::*member) {
+  return [member](const T& self) { return text(self.*member); };
+}
+
+template <typename T>
+auto text_setter(std::string T::*member) {
+  return [member](T& self, const std::string& value) { self.*member = value; };
+}
+
+}  // namespace
 
 void bind_trace(py::module_& m) {
   py::class_<Op>(m, "Op")
       .def(py::init<>())
       .def_readwrite("id", &Op::id)
-      .def_readwrite("name", &Op::name)
-      .def_readwrite("module_path", &Op::module_path)
+      .def_property("name", text_getter(&Op::name), text_setter(&Op::name))
+      .def_property("module_path", text_getter(&Op::module_path), text_setter(&Op::module_path))
       .def_property(
           "phase", [](const Op& op) { return std::string(to_string(op.phase)); },
           [](Op& op, const std::string& s) { op.phase = phase_from_string(s); })
@@ -25,22 +48,22 @@ void bind_trace(py::module_& m) {
       .def_readwrite("bytes_read", &Op::bytes_read)
       .def_readwrite("bytes_written", &Op::bytes_written)
       .def("__repr__", [](const Op& op) {
-        return "Op(id=" + std::to_string(op.id) + ", name='" + op.name + "', module_path='" +
-               op.module_path + "', phase='" + to_string(op.phase) + "')";
+        return text("Op(id=" + std::to_string(op.id) + ", name='" + op.name + "', module_path='" +
+                    op.module_path + "', phase='" + to_string(op.phase) + "')");
       });
 
   py::class_<TensorRecord>(m, "TensorRecord")
       .def(py::init<>())
       .def_readwrite("id", &TensorRecord::id)
       .def_readwrite("bytes", &TensorRecord::bytes)
-      .def_readwrite("dtype", &TensorRecord::dtype)
+      .def_property("dtype", text_getter(&TensorRecord::dtype), text_setter(&TensorRecord::dtype))
       .def_property(
           "kind", [](const TensorRecord& t) { return std::string(to_string(t.kind)); },
           [](TensorRecord& t, const std::string& s) { t.kind = tensor_kind_from_string(s); })
       .def_readwrite("producer_op", &TensorRecord::producer_op)
       .def_readwrite("uses", &TensorRecord::uses)
       .def_readwrite("freed_after_op", &TensorRecord::freed_after_op)
-      .def_readwrite("label", &TensorRecord::label)
+      .def_property("label", text_getter(&TensorRecord::label), text_setter(&TensorRecord::label))
       .def("__repr__", [](const TensorRecord& t) {
         return "TensorRecord(id=" + std::to_string(t.id) + ", bytes=" + std::to_string(t.bytes) +
                ", kind='" + to_string(t.kind) + "', producer_op=" + std::to_string(t.producer_op) +
@@ -50,7 +73,7 @@ void bind_trace(py::module_& m) {
   py::class_<Trace>(m, "Trace")
       .def(py::init<>())
       .def_readwrite("version", &Trace::version)
-      .def_readwrite("device", &Trace::device)
+      .def_property("device", text_getter(&Trace::device), text_setter(&Trace::device))
       .def_readwrite("ops", &Trace::ops, "list of Op (a copy; use add_op to append)")
       .def_readwrite("tensors", &Trace::tensors, "list of TensorRecord (a copy; use add_tensor)")
       .def("add_op",
@@ -97,11 +120,11 @@ void bind_trace(py::module_& m) {
       .def("bytes_of_kind", [](const Trace& t, const std::string& kind) { return t.bytes_of_kind(tensor_kind_from_string(kind)); })
       .def("to_json", [](const Trace& t, const std::string& path) { save_trace(t, path); }, py::arg("path"))
       .def_static("from_json", &load_trace, py::arg("path"))
-      .def("to_json_string", [](const Trace& t) { return trace_to_json(t); })
+      .def("to_json_string", [](const Trace& t) { return text(trace_to_json(t)); })
       .def_static("from_json_string", &trace_from_json, py::arg("text"))
       .def("__repr__", [](const Trace& t) {
-        return "Trace(device='" + t.device + "', ops=" + std::to_string(t.ops.size()) +
-               ", tensors=" + std::to_string(t.tensors.size()) + ")";
+        return text("Trace(device='" + t.device + "', ops=" + std::to_string(t.ops.size()) +
+                    ", tensors=" + std::to_string(t.tensors.size()) + ")");
       });
 }
 

@@ -14,6 +14,30 @@
 //   live_bytes[i] = sum of bytes of the tensors live during op i; the step's
 //   peak is max_i live_bytes[i]. Storage de-duplication happens before a
 //   TensorRecord is made: views of one storage are one record.
+//
+// Note [Trace value bounds]
+//   Rationale: the derived views sum bytes (the memory curve, the peak, the
+//   bytes of a kind), the planners add and subtract those sums, and the
+//   simulator sums op times. A trace whose sums overflow int64 gave a negative
+//   peak (signed overflow: undefined behaviour), and an op id out of range read
+//   outside the curve (a segfault). Bounding the inputs once, in validate(),
+//   keeps every consumer on plain arithmetic instead of checked arithmetic in
+//   each of them.
+//   Approach: validate() requires
+//     - the bytes of all tensors together <= kMaxTraceBytes (2^62 = 4 EiB, far
+//       beyond any device). Every sum of tensor bytes then fits in int64 with a
+//       factor 2 to spare for derived values (bytes moved out and back, a curve
+//       plus a budget); each op's bytes_read + bytes_written too;
+//     - duration_us in [0, kMaxOpDurationUs] and flops in [0, kMaxOpFlops],
+//       finite, so that sums of op times stay finite (no inf - inf = NaN);
+//     - names (op name, module_path, dtype, label, device) to be UTF-8, the
+//       text JSON and Python exchange.
+//   Every derived view (live_bytes, peak_bytes, peak_op, activation_bytes,
+//   bytes_of_kind) and every consumer (analyze_offload, so every planner and
+//   the simulator; trace replay; the placement planner; JSON writing)
+//   validates first, so a trace built field by field (the Python
+//   Trace.add_op/add_tensor API, or C++) cannot reach code that indexes out of
+//   range or overflows: it gets the error naming the record and the field.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +61,13 @@ TensorKind tensor_kind_from_string(const std::string& text);
 constexpr int64_t kBeforeStep = -1;  // producer_op of a tensor that exists before the step
 constexpr int64_t kAfterStep = -1;   // freed_after_op of a tensor that outlives the step
 constexpr int kTraceVersion = 1;
+// See Note [Trace value bounds].
+constexpr int64_t kMaxTraceBytes = int64_t{1} << 62;  // all tensors' bytes together (4 EiB)
+constexpr double kMaxOpDurationUs = 1e15;             // about 32 years
+constexpr double kMaxOpFlops = 1e30;
+
+// True when `text` is well-formed UTF-8 (no overlong forms, no surrogates).
+bool is_valid_utf8(const std::string& text);
 
 struct Op {
   int64_t id = 0;               // == index in Trace::ops (execution order)
@@ -69,14 +100,17 @@ struct Trace {
   // Throws memsched::Error naming the record and field on the first problem:
   // ids not equal to their index (duplicates), op ids out of range, negative
   // bytes or durations, uses not ascending, a use before the producer, a free
-  // before the producer or before the last use.
+  // before the producer or before the last use, a number that is not finite or
+  // beyond Note [Trace value bounds], byte sums that could overflow, names
+  // that are not UTF-8.
   void validate() const;
 
   // First and last op index during which tensor `t` is live (See Note
-  // [Tensor lifetime convention]). Requires at least one op.
+  // [Tensor lifetime convention]). Require at least one op and a valid trace.
   int64_t live_start(const TensorRecord& t) const;
   int64_t live_end(const TensorRecord& t) const;
 
+  // The views below validate() first (See Note [Trace value bounds]).
   // live_bytes()[i]: bytes live during op i -- the memory curve. O(ops + tensors).
   std::vector<int64_t> live_bytes() const;
   int64_t peak_bytes() const;       // max of live_bytes(); 0 for an empty trace

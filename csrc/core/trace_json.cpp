@@ -1,8 +1,10 @@
 // trace_json.cpp -- JSON reading and writing of a Trace (see trace_json.h).
 #include "core/trace_json.h"
 
+#include <cstdint>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -23,11 +25,17 @@ const json& field(const json& rec, const std::string& where, const char* name) {
   return *it;
 }
 
-int64_t get_int(const json& rec, const std::string& where, const char* name) {
-  const json& v = field(rec, where, name);
-  MEMSCHED_CHECK(v.is_number_integer(), "trace: ", where, " field '", name,
-                 "' must be an integer, got ", type_name(v));
+// An integer above int64's range parses as unsigned; get<int64_t> would wrap it negative.
+int64_t to_int64(const json& v, const std::string& where, const std::string& name) {
+  MEMSCHED_CHECK(v.is_number_integer(), "trace: ", where, " field '", name, "' must be an integer, got ",
+                 type_name(v));
+  MEMSCHED_CHECK(!v.is_number_unsigned() || v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX), "trace: ", where,
+                 " field '", name, "' is ", v.get<uint64_t>(), ", beyond the range of a 64-bit signed integer");
   return v.get<int64_t>();
+}
+
+int64_t get_int(const json& rec, const std::string& where, const char* name) {
+  return to_int64(field(rec, where, name), where, name);
 }
 
 double get_number(const json& rec, const std::string& where, const char* name) {
@@ -76,16 +84,97 @@ TensorRecord tensor_from_json(const json& j, size_t index) {
   for (size_t u = 0; u < uses.size(); ++u) {
     MEMSCHED_CHECK(uses[u].is_number_integer(), "trace: ", where, " field 'uses[", u,
                    "]' must be an integer op id, got ", type_name(uses[u]));
-    t.uses.push_back(uses[u].get<int64_t>());
+    t.uses.push_back(to_int64(uses[u], where, "uses[" + std::to_string(u) + "]"));
   }
   t.freed_after_op = get_int(j, where, "freed_after_op");
   if (j.contains("label")) t.label = get_string(j, where, "label");
   return t;
 }
 
+// Note [Where a JSON parse error is]
+//   nlohmann's own errors give a byte offset ("number overflow parsing
+//   '1e400'", "ill-formed UTF-8 byte"), not the record. When the plain parse
+//   fails, a second parse with a callback keeps the path to the value being
+//   parsed -- "ops[2] field 'flops'" -- so that those errors name the record
+//   and field like every other trace error. The callback costs only on the
+//   error path.
+class JsonPath {
+ public:
+  bool on_event(json::parse_event_t event, const json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start: frames_.push_back({false, 0, ""}); break;
+      case json::parse_event_t::array_start: frames_.push_back({true, 0, ""}); break;
+      case json::parse_event_t::key: frames_.back().key = parsed.is_string() ? parsed.get<std::string>() : ""; break;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        frames_.pop_back();
+        [[fallthrough]];
+      case json::parse_event_t::value:
+        if (!frames_.empty() && frames_.back().is_array) ++frames_.back().index;
+        break;
+    }
+    return true;
+  }
+
+  // "ops[2] field 'flops'", "the top level field 'device'", or "" outside any object.
+  std::string where() const {
+    // The record is the path up to the innermost object's key; the field is that key and any indices after it.
+    size_t last_object = frames_.size();
+    for (size_t i = frames_.size(); i-- > 0;)
+      if (!frames_[i].is_array) { last_object = i; break; }
+    if (last_object == frames_.size()) return "";
+    std::string record;
+    for (size_t i = 0; i < last_object; ++i) record += step(i);
+    std::string field = frames_[last_object].key;
+    for (size_t i = last_object + 1; i < frames_.size(); ++i) field += step(i);
+    return (record.empty() ? "the top level" : record) + " field '" + field + "'";
+  }
+
+ private:
+  struct Frame {
+    bool is_array;
+    size_t index;     // arrays: the element being parsed
+    std::string key;  // objects: the key being parsed
+  };
+  std::string step(size_t i) const {
+    const Frame& f = frames_[i];
+    if (f.is_array) return "[" + std::to_string(f.index) + "]";
+    return i == 0 ? f.key : "." + f.key;
+  }
+  std::vector<Frame> frames_;
+};
+
+json parse_located(const std::string& text) {
+  try {
+    return json::parse(text);  // the fast path: no callback
+  } catch (const json::exception&) {
+  }
+  JsonPath path;  // parse again, keeping the path, to say where the error is
+  try {
+    return json::parse(text, [&path](int, json::parse_event_t event, json& parsed) {
+      return path.on_event(event, parsed);
+    });
+  } catch (const json::exception& e) {
+    const std::string where = path.where();
+    const std::string what = e.what();
+    if (what.find("number overflow") != std::string::npos)
+      MEMSCHED_CHECK(false, "trace: ", where.empty() ? "a number" : where, " is out of range of a double (", what,
+                     "); write a finite number");
+    if (what.find("UTF-8") != std::string::npos) {  // nlohmann's message quotes the bad bytes: leave it out
+      const auto* parse = dynamic_cast<const json::parse_error*>(&e);
+      MEMSCHED_CHECK(false, "trace: ", where.empty() ? "a string" : where, " is not valid UTF-8",
+                     parse ? " (byte " + std::to_string(parse->byte) + ")" : std::string(),
+                     "; names must be UTF-8 text");
+    }
+    MEMSCHED_CHECK(false, "trace: not valid JSON", where.empty() ? "" : " at " + where, " (", what, ")");
+  }
+  return json();
+}
+
 }  // namespace
 
 std::string trace_to_json(const Trace& trace, int indent) {
+  trace.validate();  // write nothing that trace_from_json would refuse (See Note [Trace value bounds])
   json j;
   j["version"] = trace.version;
   j["device"] = trace.device;
@@ -118,17 +207,13 @@ std::string trace_to_json(const Trace& trace, int indent) {
 }
 
 Trace trace_from_json(const std::string& text) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    MEMSCHED_CHECK(false, "trace: not valid JSON (", e.what(), ")");
-  }
+  const json j = parse_located(text);
   MEMSCHED_CHECK(j.is_object(), "trace: the top level must be an object, got ", type_name(j));
   Trace trace;
-  trace.version = static_cast<int>(get_int(j, "the top level", "version"));
-  MEMSCHED_CHECK(trace.version == kTraceVersion, "trace: field 'version' is ", trace.version,
+  const int64_t version = get_int(j, "the top level", "version");
+  MEMSCHED_CHECK(version == kTraceVersion, "trace: field 'version' is ", version,
                  " but this memsched reads version ", kTraceVersion, "; re-profile the step");
+  trace.version = kTraceVersion;
   if (j.contains("device")) trace.device = get_string(j, "the top level", "device");
   const json& ops = field(j, "the top level", "ops");
   MEMSCHED_CHECK(ops.is_array(), "trace: field 'ops' must be an array, got ", type_name(ops));

@@ -64,6 +64,10 @@ int64_t pack(const std::vector<Item>& items, const std::vector<size_t>& order,
 Placement plan_placement(const Trace& trace, const PlacementOptions& options) {
   MEMSCHED_CHECK(options.alignment_bytes > 0, "plan_placement: options.alignment_bytes must be > 0, got ",
                  options.alignment_bytes);
+  // Rounding a size up adds at most alignment - 1 to at most kMaxTraceBytes:
+  // with this bound it fits in int64 (See Note [Trace value bounds]).
+  MEMSCHED_CHECK(options.alignment_bytes <= kMaxTraceBytes, "plan_placement: options.alignment_bytes is ",
+                 options.alignment_bytes, ", above the bound ", kMaxTraceBytes, " (2^62); use an alignment such as 512");
   trace.validate();
   const int64_t align = options.alignment_bytes;
   Placement result;
@@ -74,9 +78,14 @@ Placement plan_placement(const Trace& trace, const PlacementOptions& options) {
   if (trace.ops.empty()) return result;
 
   std::vector<Item> items;
+  int64_t total_size = 0;  // bounds the arena: every offset + size fits in int64 when this does
   for (const TensorRecord& t : trace.tensors) {
     if (t.bytes <= 0) continue;
     const int64_t size = (t.bytes + align - 1) / align * align;
+    MEMSCHED_CHECK(size <= std::numeric_limits<int64_t>::max() - total_size, "plan_placement: the tensors' sizes "
+                   "rounded up to alignment_bytes (", align, ") overflow int64 at tensor ", t.id,
+                   "; use a smaller alignment");
+    total_size += size;
     result.sizes[t.id] = size;
     items.push_back(Item{t.id, size, trace.live_start(t), trace.live_end(t)});
   }
@@ -117,6 +126,8 @@ Placement plan_placement(const Trace& trace, const PlacementOptions& options) {
 }
 
 void Placement::check_invariants(const Trace& trace, int64_t alignment_bytes) const {
+  MEMSCHED_CHECK(alignment_bytes > 0, "Placement::check_invariants: alignment_bytes must be > 0, got ", alignment_bytes);
+  trace.validate();
   MEMSCHED_CHECK(offsets.size() == trace.tensors.size() && sizes.size() == trace.tensors.size(),
                  "Placement invariant: one offset and size per tensor expected");
   std::vector<const TensorRecord*> placed;
