@@ -49,14 +49,20 @@ Note [What a Run changes while it is active]
 Note [Budgets]
   budget=None: "as fast as possible within the device's memory": keep_all when
   the profiled peak fits the device (always on CPU), else `planner` at 90% of
-  the device's total memory. An int or a string ("6GiB"): a device-memory
+  the device's total memory. Every other budget means what it means to
+  memsched.plan (Note [Budget forms] in planning.py; one shared
+  parse_budget / resolve_budget): an int or a string ("6GiB"): a device-memory
   budget in bytes for the whole step (parameters, gradients and optimizer
-  state included). A string "50%": that share of the profiled step's peak (as
-  memsched.plan reads it). A float f in (0, 1]: the profiled peak minus (1 - f)
-  times the activation peak (the most saved-activation bytes live at one op,
-  keeping everything), i.e. "f of plain's activation memory" -- the budgets of
-  the benchmark. A budget below what any plan can reach raises the planner's
-  MemschedError (naming the least budget) from the first run.step().
+  state included); a string "50%": that share of the profiled step's peak; a
+  float f in (0, 1]: "f of plain's activation memory" -- the step's peak if its
+  saved activations never exceeded f times their keep-all peak (the budgets
+  of the benchmark). Where the step's peak lies outside the saved activations
+  (gradients in backward, optimizer state: what offload cannot lower), that
+  peak bounds the budget rather than a byte count below it that no plan can
+  reach, and run.report() names the op and phase. The budget is checked in
+  optimize() (ValueError naming budget and the forms); a budget below what any
+  plan can reach raises the planner's MemschedError (naming the least budget)
+  from the first run.step().
 """
 import time
 import warnings
@@ -68,7 +74,8 @@ from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers
 from memsched.offload.report import build_report, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
-from memsched.units import parse_bytes
+from memsched.planning import fraction_budget, parse_budget, resolve_budget
+from memsched.units import format_bytes
 
 __all__ = ["optimize", "Run"]
 
@@ -113,13 +120,8 @@ class Run:
         self.optimizer = optimizer
         self.planner = planner
         self.device = torch.device(device) if device is not None else self._model_device(model)
-        self.budget_spec = budget
-        if isinstance(budget, str) and budget.strip().endswith("%"):
-            pass  # a percentage of the profiled keep-all peak, resolved by memsched.plan
-        elif budget is not None and not isinstance(budget, float):
-            self.budget_spec = parse_bytes(budget, name="budget")
-        elif isinstance(budget, float) and not 0.0 < budget <= 1.0:
-            raise ValueError(f"budget: a float is a fraction of the activation memory in (0, 1], got {budget}")
+        self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
+        self.budget_note_ = ""                   # how a fraction was resolved, when run.report() should say
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
         self.device_model = device_model if device_model is not None else ("cpu" if self.device.type == "cpu"
@@ -313,12 +315,25 @@ class Run:
                 return None, None
             return int(_DEVICE_MEMORY_FRACTION * total), self.planner
         if isinstance(spec, float):
-            act_peak = max(planned_activation_curve(trace, None), default=0)
-            return int(trace.peak_bytes() - (1.0 - spec) * act_peak), self.planner
-        if isinstance(spec, str):
-            from memsched.planning import resolve_budget
-            return resolve_budget(spec, trace), self.planner
-        return spec, self.planner
+            budget_bytes, op_id = fraction_budget(trace, spec)
+            self.budget_note_ = self._fraction_note(trace, spec, budget_bytes, op_id)
+            return budget_bytes, self.planner
+        return resolve_budget(spec, trace), self.planner
+
+    @staticmethod
+    def _fraction_note(trace, fraction, budget_bytes, op_id):
+        """The report's line when a fraction's budget is set where activation offload cannot lower."""
+        act = planned_activation_curve(trace, None)
+        act_peak = max(act, default=0)
+        if op_id < 0 or act_peak == 0 or act[op_id] > fraction * act_peak:
+            return ""  # the budget bounds the saved activations at op_id: the fraction holds there
+        op = trace.ops[op_id]
+        return (f"budget {fraction:g} of the activation memory: the step's peak lies outside the saved "
+                f"activations, at op {op.id} {op.name} ({op.phase}, module '{op.module_path}', "
+                f"{format_bytes(budget_bytes)} live, {format_bytes(act[op_id])} of them saved activations), "
+                f"which activation offload cannot lower; the planner was asked for that peak "
+                f"({format_bytes(budget_bytes)}), so saved activations may stay above {fraction:g} of plain's "
+                f"({format_bytes(act_peak)}) where that does not raise the step's peak")
 
     def _on_mismatch(self, why):
         if not self.warned_:
@@ -381,6 +396,8 @@ class Run:
         if self.steps_not_profiled:
             notes.append(f"{self.steps_not_profiled} step(s) ran plainly without being profiled: "
                          f"{self.warned_not_profiled_why_}")
+        if self.budget_note_:
+            notes.append(self.budget_note_)
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes)
