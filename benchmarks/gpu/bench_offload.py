@@ -10,7 +10,8 @@ bf16 autocast, AdamW.
 Rows: plain PyTorch; torch.autograd.graph.save_on_cpu(pin_memory=True); offload-all with one-step
 prefetch (memsched planner offload_all_prefetch, torchtune's OffloadActivations behaviour);
 torch.utils.checkpoint per block; memsched dp keeping 30%, 50% and 70% of plain's activation memory
-(budget = profiled peak - (1 - f) * activation peak; See Note [Budgets] in optimize.py), and memsched
+(budget = the step's peak with saved activations capped at f of theirs: profiled peak - (1 - f) *
+activation peak where the step peaks at the activation peak; See Note [Budget forms] in planning.py), and memsched
 greedy at 50% (the planner that reaches the least budget; dp's model can need more).
 A budget no plan of that planner meets is a row "infeasible: needs at least N B" (full text in the JSON).
 Columns: median step time and its ratio to plain, peak allocated memory, bytes moved; for memsched rows

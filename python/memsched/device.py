@@ -8,6 +8,7 @@ Entry points:
 See Note [Op time model] in csrc/core/device_model.h for what the fields mean.
 """
 import json
+import math
 import os
 
 from memsched import _C
@@ -34,21 +35,47 @@ def _read_preset(name_or_path):
             raise ValueError(f"device: unknown preset {name_or_path!r}; known presets: "
                              f"{', '.join(device_presets())} (aliases: {', '.join(sorted(_ALIASES))}), "
                              f"or a path to a JSON file with fields {', '.join(_FIELDS)}")
-    with open(path) as f:
-        spec = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"device file {path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                         f"a device file is a JSON object with fields {', '.join(_FIELDS)}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"device file {path}: not UTF-8 text ({e.reason} at byte {e.start}); a device file "
+                         f"is a JSON object with fields {', '.join(_FIELDS)}") from None
+    except OSError as e:
+        raise ValueError(f"device file {path}: cannot read it ({e.strerror or e})") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"device file {path}: expected a JSON object with fields {', '.join(_FIELDS)}, got a "
+                         f"JSON {type(spec).__name__}")
     return spec
 
 
 def _model_from_spec(spec, where):
+    """DeviceModel from a parsed preset; errors name the file (`where`), the field and the fix."""
     d = DeviceModel()
-    d.name = str(spec.get("name", where))
+    for field in ("name", "source", "kind"):
+        if field in spec and not isinstance(spec[field], str):
+            raise ValueError(f"device preset {where}: field '{field}' must be a string, got "
+                             f"{json.dumps(spec[field])}")
+    d.name = spec.get("name", where)
     for field in _FIELDS:
         if field not in spec:
-            raise ValueError(f"device preset {where}: field '{field}' is missing")
+            raise ValueError(f"device preset {where}: field '{field}' is missing; add it (fields: "
+                             f"{', '.join(_FIELDS)})")
         value = spec[field]
-        setattr(d, field, int(value) if field == "memory_bytes" else float(value))
-    d.source = str(spec.get("source", ""))
-    d.validate()
+        whole = field == "memory_bytes"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or (whole and value != int(value)) or value < 0 or (whole and value > 2**63 - 1):
+            kind = "a whole number of bytes in [0, 2**63 - 1]" if whole else "a finite number >= 0"
+            raise ValueError(f"device preset {where}: field '{field}' must be {kind}, got {json.dumps(value)}")
+        setattr(d, field, int(value) if whole else float(value))
+    d.source = spec.get("source", "")
+    try:
+        d.validate()
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"device preset {where}: {e}") from None
     return d
 
 

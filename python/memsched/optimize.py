@@ -46,17 +46,35 @@ Note [What a Run changes while it is active]
   in run.steps_not_profiled / as a mismatch, and in run.report(). See Note
   [Foreign saved-tensor hooks] in offload/executor.py.
 
+Note [Compiled modules run plainly]
+  A model that is, or holds, a compiled module (torch.compile(m) -- an
+  OptimizedModule -- or m.compile(), which sets m._compiled_call_impl) is
+  found in optimize(): the compiled graph (AOTAutograd) saves other tensors
+  for backward than the eager forward -- fused, recomputed, functionalized --
+  and under dynamo the profile would not see the graph's own, so no step
+  would match a plan: each mismatched, was re-profiled twice and then ran
+  plainly, with a warning that did not say why. Instead the Run warns once
+  at optimize(), installs no hook (no profile, plan, offload or ooo), lets
+  run.step() step the optimizer, and run.report() says so. Offload needs the
+  module before torch.compile().
+
 Note [Budgets]
   budget=None: "as fast as possible within the device's memory": keep_all when
   the profiled peak fits the device (always on CPU), else `planner` at 90% of
-  the device's total memory. An int or a string ("6GiB"): a device-memory
+  the device's total memory. Every other budget means what it means to
+  memsched.plan (Note [Budget forms] in planning.py; one shared
+  parse_budget / resolve_budget): an int or a string ("6GiB"): a device-memory
   budget in bytes for the whole step (parameters, gradients and optimizer
-  state included). A string "50%": that share of the profiled step's peak (as
-  memsched.plan reads it). A float f in (0, 1]: the profiled peak minus (1 - f)
-  times the activation peak (the most saved-activation bytes live at one op,
-  keeping everything), i.e. "f of plain's activation memory" -- the budgets of
-  the benchmark. A budget below what any plan can reach raises the planner's
-  MemschedError (naming the least budget) from the first run.step().
+  state included); a string "50%": that share of the profiled step's peak; a
+  float f in (0, 1]: "f of plain's activation memory" -- the step's peak if its
+  saved activations never exceeded f times their keep-all peak (the budgets
+  of the benchmark). Where the step's peak lies outside the saved activations
+  (gradients in backward, optimizer state: what offload cannot lower), that
+  peak bounds the budget rather than a byte count below it that no plan can
+  reach, and run.report() names the op and phase. The budget is checked in
+  optimize() (ValueError naming budget and the forms); a budget below what any
+  plan can reach raises the planner's MemschedError (naming the least budget)
+  from the first run.step().
 """
 import time
 import warnings
@@ -64,11 +82,13 @@ import warnings
 import torch
 
 from memsched import _C
+from memsched.device import resolve_device
 from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers
 from memsched.offload.report import build_report, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
-from memsched.units import parse_bytes
+from memsched.planning import fraction_budget, parse_budget, planner_names, resolve_budget
+from memsched.units import format_bytes, parse_bytes
 
 __all__ = ["optimize", "Run"]
 
@@ -107,29 +127,38 @@ class Run:
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not hasattr(optimizer, "step"):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
-        if not isinstance(planner, str) or not planner:
-            raise ValueError(f"planner: expected a planner name such as 'dp', got {planner!r}")
+        known = planner_names()
+        if not isinstance(planner, str) or planner not in known:
+            raise ValueError(f"planner: unknown planner {planner!r}; known planners: {', '.join(known)}")
         self.model = model
         self.optimizer = optimizer
         self.planner = planner
-        self.device = torch.device(device) if device is not None else self._model_device(model)
-        self.budget_spec = budget
-        if isinstance(budget, str) and budget.strip().endswith("%"):
-            pass  # a percentage of the profiled keep-all peak, resolved by memsched.plan
-        elif budget is not None and not isinstance(budget, float):
-            self.budget_spec = parse_bytes(budget, name="budget")
-        elif isinstance(budget, float) and not 0.0 < budget <= 1.0:
-            raise ValueError(f"budget: a float is a fraction of the activation memory in (0, 1], got {budget}")
+        self.device = self._check_device(device) if device is not None else self._model_device(model)
+        self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
+        self.budget_note_ = ""                   # how a fraction was resolved, when run.report() should say
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
+        if device_model is not None:
+            resolve_device(device_model)  # a ValueError naming the preset, file or field, before any step
         self.device_model = device_model if device_model is not None else ("cpu" if self.device.type == "cpu"
                                                                             else None)
         if min_offload_bytes is None:
             min_offload_bytes = _DEFAULT_MIN_BYTES_CUDA if self.device.type == "cuda" else 0
-        self.min_offload_bytes = int(min_offload_bytes)
-        self.max_reprofiles = int(max_reprofiles)
+        self.min_offload_bytes = parse_bytes(min_offload_bytes, name="min_offload_bytes")
+        if isinstance(max_reprofiles, bool) or not isinstance(max_reprofiles, int) or max_reprofiles < 0:
+            raise ValueError(f"max_reprofiles: expected an int >= 0 (re-profiles after a mismatching step), "
+                             f"got {max_reprofiles!r}")
+        self.max_reprofiles = max_reprofiles
+        # Note [Compiled modules run plainly]
+        self.compiled_why_ = compiled_module_reason(model)
+        if self.compiled_why_:
+            warnings.warn(f"memsched.optimize: {self.compiled_why_}; compiled modules run plainly under "
+                          "memsched (no profile, no plan, no offload, no out-of-order backward): the compiled "
+                          "graph saves other tensors for backward than the eager forward a profile sees, so no "
+                          "step would match the plan. Pass the module before torch.compile() to offload its "
+                          "activations", RuntimeWarning, stacklevel=3)
         self.ooo_ = None
-        if ooo or fuse_optimizer:
+        if (ooo or fuse_optimizer) and not self.compiled_why_:
             self.ooo_ = self._make_ooo(fuse_optimizer)
         self.fuse_optimizer = bool(fuse_optimizer)
         self.host = HostBuffers(pinned=self.device.type == "cuda")
@@ -161,6 +190,8 @@ class Run:
         if self.entered_:
             raise RuntimeError("memsched.optimize(): this Run is already active; create a new one")
         self.entered_ = True
+        if self.compiled_why_:
+            return self  # Note [Compiled modules run plainly]: nothing installed; run.step() steps the optimizer
         try:
             self.handles_ = [self.model.register_forward_pre_hook(self._root_pre),
                              self.model.register_forward_hook(self._root_post, always_call=True)]
@@ -313,12 +344,25 @@ class Run:
                 return None, None
             return int(_DEVICE_MEMORY_FRACTION * total), self.planner
         if isinstance(spec, float):
-            act_peak = max(planned_activation_curve(trace, None), default=0)
-            return int(trace.peak_bytes() - (1.0 - spec) * act_peak), self.planner
-        if isinstance(spec, str):
-            from memsched.planning import resolve_budget
-            return resolve_budget(spec, trace), self.planner
-        return spec, self.planner
+            budget_bytes, op_id = fraction_budget(trace, spec)
+            self.budget_note_ = self._fraction_note(trace, spec, budget_bytes, op_id)
+            return budget_bytes, self.planner
+        return resolve_budget(spec, trace), self.planner
+
+    @staticmethod
+    def _fraction_note(trace, fraction, budget_bytes, op_id):
+        """The report's line when a fraction's budget is set where activation offload cannot lower."""
+        act = planned_activation_curve(trace, None)
+        act_peak = max(act, default=0)
+        if op_id < 0 or act_peak == 0 or act[op_id] > fraction * act_peak:
+            return ""  # the budget bounds the saved activations at op_id: the fraction holds there
+        op = trace.ops[op_id]
+        return (f"budget {fraction:g} of the activation memory: the step's peak lies outside the saved "
+                f"activations, at op {op.id} {op.name} ({op.phase}, module '{op.module_path}', "
+                f"{format_bytes(budget_bytes)} live, {format_bytes(act[op_id])} of them saved activations), "
+                f"which activation offload cannot lower; the planner was asked for that peak "
+                f"({format_bytes(budget_bytes)}), so saved activations may stay above {fraction:g} of plain's "
+                f"({format_bytes(act_peak)}) where that does not raise the step's peak")
 
     def _on_mismatch(self, why):
         if not self.warned_:
@@ -335,6 +379,19 @@ class Run:
             raise _C.MemschedError("optimize(ooo=True / fuse_optimizer=True) needs memsched.ooo (the out-of-order "
                                    f"backward component), which this build does not have ({e}); pass ooo=False") from e
         return OutOfOrderBackward(self.model, self.optimizer, fuse_optimizer=fuse_optimizer)
+
+    @staticmethod
+    def _check_device(device):
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device: expected a torch device such as 'cpu', 'cuda' or 'cuda:0' (or None: the "
+                             f"model's), got {device!r}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} but torch.cuda.is_available() is False; use 'cpu' or None")
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: memsched.optimize runs on 'cpu' or 'cuda' devices, got {device!r}")
+        return dev
 
     @staticmethod
     def _model_device(model):
@@ -381,6 +438,11 @@ class Run:
         if self.steps_not_profiled:
             notes.append(f"{self.steps_not_profiled} step(s) ran plainly without being profiled: "
                          f"{self.warned_not_profiled_why_}")
+        if self.compiled_why_:
+            notes.append(f"{self.compiled_why_}: every step ran plainly (compiled modules are not profiled or "
+                         "offloaded; pass the module before torch.compile() to offload)")
+        if self.budget_note_:
+            notes.append(self.budget_note_)
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes)
@@ -423,12 +485,36 @@ class Run:
         return pts, []
 
 
+_OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model")
+
+
+def compiled_module_reason(model):
+    """Why `model` runs plainly because it (or a submodule) is compiled, or None. See Note [Compiled
+    modules run plainly]."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch without dynamo compiles nothing
+        OptimizedModule = ()
+    for name, m in model.named_modules():
+        if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None:
+            where = "the model" if not name else f"submodule '{name}'"
+            how = "torch.compile(module)" if isinstance(m, OptimizedModule) else "module.compile()"
+            return f"{where} is compiled ({how})"
+    return None
+
+
 def optimize(model, optimizer=None, budget=None, planner="dp", device=None, ooo=False, fuse_optimizer=False,
              **options):
     """Train `model` under a memory budget: see the module docstring and Note [Budgets].
 
     Options: min_offload_bytes (size floor; default 1 MiB on CUDA, 0 on CPU),
     max_reprofiles (default 2), device_model (passed to plan/simulate).
+    Every argument is checked here, before any step: a ValueError (TypeError for an unknown option)
+    names the argument and what it accepts.
     """
+    unknown = [k for k in options if k not in _OPTIONS]
+    if unknown:
+        raise TypeError(f"optimize(): unknown option {unknown[0]!r}; known options: {', '.join(_OPTIONS)} "
+                        "(and model, optimizer, budget, planner, device, ooo, fuse_optimizer)")
     return Run(model, optimizer=optimizer, budget=budget, planner=planner, device=device, ooo=ooo,
                fuse_optimizer=fuse_optimizer, **options)

@@ -7,9 +7,29 @@ Entry points:
   simulate(trace, plan, device=None, durations="auto") -> SimResult
   compare(trace, budget, planners="all", device=None) -> list of rows (one per planner)
   format_table(rows), save_timeline(trace, result, path, title)
-  planner_names(), resolve_budget(budget, trace)
+  planner_names(), parse_budget(budget), resolve_budget(budget, trace), fraction_budget(trace, f)
+
+Note [Budget forms]
+  One meaning for memsched.plan, memsched.optimize and `python -m memsched plan --budget`; a budget
+  is always the device memory of the whole step (parameters, gradients, optimizer state included):
+  - an int, or a string with a unit ("6GiB", "512MiB", "4096"): bytes, in [0, 2**63 - 1]. A float
+    that is a whole number > 1 (6e9) is bytes too.
+  - a string "P%": P percent of the trace's keep_all peak, P in (0, 1000].
+  - a float f in (0, 1] (or a string reading as one, "0.5"): f of plain's activation memory: the
+    step's peak if its saved activations never exceeded f times their keep-all peak (the most
+    saved-activation bytes live at one op, planned_activation_curve in offload/report.py), i.e.
+    max over ops of live bytes - max(0, saved activations - f * activation peak). Where the step's
+    peak lies at the activation peak this is peak - (1 - f) * activation peak (the budgets of the
+    benchmark). Where it lies elsewhere (gradients in backward, optimizer state, temporaries: what
+    activation offload cannot lower) that op's live bytes bound the budget instead, so a fraction is
+    never refused for a peak that offload could not have lowered; fraction_budget() names the op.
+    Until this Note, plan(budget=0.5) read 0.5 as 0 bytes while optimize read it as a fraction.
+  - anything else -- a float > 1 that is not whole, NaN, infinities, negative or out-of-range
+    numbers, 0.0, booleans -- is a ValueError naming budget and these forms, before any work.
+  - None: no budget.
 """
 import math
+import numbers
 
 from memsched import _C
 from memsched.device import resolve_device
@@ -26,21 +46,91 @@ def planner_names():
     return list(_C.planner_names())
 
 
-def resolve_budget(budget, trace):
-    """Bytes from an int, a string like "6GiB", a percentage string like "50%" (of the trace's
-    keep_all peak), or None (no budget)."""
+BUDGET_FORMS = ("bytes (an int in [0, 2**63 - 1], or a string like '6GiB'), a percentage of keep_all's "
+                "peak ('50%'), a fraction of the activation memory (a float in (0, 1], e.g. 0.5), or None "
+                "(no limit)")
+
+
+def parse_budget(budget):
+    """Check a budget without a trace; return it normalised: None, int bytes, float fraction in (0, 1],
+    or a percentage string "P%" with P in (0, 1000]. See Note [Budget forms].
+
+    Raises ValueError naming budget, the accepted forms and the range.
+    """
     if budget is None:
-        return _NO_BUDGET
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        text = budget.strip()[:-1]
+        return None
+    if isinstance(budget, bool):
+        raise ValueError(f"budget: expected {BUDGET_FORMS}; got {budget!r}")
+    if isinstance(budget, str):
+        text = budget.strip()
+        if text.endswith("%"):
+            try:
+                pct = float(text[:-1])
+            except ValueError:
+                raise ValueError(f"budget: cannot read {budget!r} as a percentage; write e.g. '50%'") from None
+            if not 0 < pct <= 1000:  # also refuses nan% and inf%
+                raise ValueError(f"budget: a percentage of keep_all's peak must be in (0, 1000], got {budget!r}")
+            return f"{pct!r}%"
         try:
-            pct = float(text)
+            number = float(text)
         except ValueError:
-            raise ValueError(f"budget: cannot read {budget!r} as a percentage; write e.g. '50%'") from None
-        if not 0 < pct <= 1000:
-            raise ValueError(f"budget: percentage must be in (0, 1000], got {budget!r}")
-        return int(trace.peak_bytes() * pct / 100.0)
-    return parse_bytes(budget, name="budget")
+            return parse_bytes(budget, name="budget")  # a size with a unit, or a clear error
+        if text.isdigit():
+            return parse_bytes(budget, name="budget")
+        return parse_budget(number)  # "0.5" reads like 0.5, "1e9" like 1e9
+    if isinstance(budget, numbers.Integral):
+        return parse_bytes(int(budget), name="budget")
+    if isinstance(budget, numbers.Real):
+        f = float(budget)
+        if math.isfinite(f) and 0.0 < f <= 1.0:
+            return f
+        if math.isfinite(f) and f > 1.0 and f == int(f):
+            return parse_bytes(f, name="budget")  # a whole number of bytes written as a float (6e9)
+        raise ValueError(f"budget: a float is a fraction of the activation memory in (0, 1] (or a whole number "
+                         f"of bytes such as 6e9), got {budget!r}; accepted: {BUDGET_FORMS}")
+    raise ValueError(f"budget: expected {BUDGET_FORMS}; got {type(budget).__name__}")
+
+
+def activation_peak_bytes(trace):
+    """The most saved-activation bytes live at one op when every activation is kept."""
+    from memsched.offload.report import planned_activation_curve
+    return max(planned_activation_curve(trace, None), default=0)
+
+
+def fraction_budget(trace, fraction):
+    """(bytes, op id) for budget `fraction` of the activation memory; see Note [Budget forms].
+
+    bytes: the step's peak if its saved activations never exceed `fraction` of their keep-all
+    peak; op: the op where that peak lies (-1 for a trace without ops). Where that op's saved
+    activations are within the fraction already (the step's peak lies outside what activation offload
+    lowers: gradients, optimizer state, temporaries), bytes is that op's live bytes.
+    """
+    from memsched.offload.report import planned_activation_curve
+    live = trace.live_bytes()
+    act = planned_activation_curve(trace, None)
+    if not live:
+        return trace.peak_bytes(), -1
+    cap = fraction * max(act, default=0)
+    best, best_op = None, -1
+    for i, (b, a) in enumerate(zip(live, act)):
+        bound = int(b - max(0.0, a - cap))
+        if best is None or bound > best:
+            best, best_op = bound, i
+    return best, best_op
+
+
+def resolve_budget(budget, trace):
+    """Bytes for `budget` on `trace`: an int or a string like "6GiB" as is; "50%": that share of the
+    trace's keep_all peak; a float f in (0, 1]: fraction_budget(); None: no budget.
+    See Note [Budget forms]."""
+    spec = parse_budget(budget)
+    if spec is None:
+        return _NO_BUDGET
+    if isinstance(spec, float):
+        return fraction_budget(trace, spec)[0]
+    if isinstance(spec, str):
+        return min(int(trace.peak_bytes() * float(spec[:-1]) / 100.0), _NO_BUDGET)
+    return spec
 
 
 def _check_trace(trace):
@@ -52,7 +142,8 @@ def _check_trace(trace):
 def plan(trace, budget=None, planner="dp", device=None, durations="auto"):
     """Plan which activations leave the device under `budget`.
 
-    budget: bytes, "6GiB", "50%" (of keep_all's peak) or None (no limit). planner: one of
+    budget: bytes, "6GiB", "50%" (of keep_all's peak), a float in (0, 1] (that fraction of the
+    activation memory; Note [Budget forms]) or None (no limit). planner: one of
     planner_names(). device: None (default preset), a preset name, or a memsched.DeviceModel.
     Raises memsched.MemschedError when the budget is below what the planner can reach (the message
     states that least budget).

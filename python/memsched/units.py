@@ -1,4 +1,6 @@
 """Byte quantities as users write them: 6GiB, 512MiB, 1.5GB, 4096."""
+import math
+import numbers
 import re
 
 _UNITS = {
@@ -10,29 +12,46 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value, *, name="budget"):
-    """Return a byte count from an int, a float or a string such as "6GiB".
+MAX_BYTES = 2**63 - 1   # the largest byte count the core's int64 fields hold
 
-    Raises ValueError naming `name` and the accepted forms on anything else.
+
+def parse_bytes(value, *, name="budget"):
+    """Return a byte count from an int, a whole-valued float or a string such as "6GiB".
+
+    Raises ValueError naming `name`, the accepted forms and the range [0, 2**63 - 1] on anything
+    else (NaN, infinities, fractions of a byte, counts that do not fit an int64).
     """
+    forms = ("write bytes (4096) or a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB "
+             "(e.g. '6GiB')")
     if isinstance(value, bool):
-        raise ValueError(f"{name}: expected a byte count, got {value!r}")
-    if isinstance(value, int):
-        result = value
-    elif isinstance(value, float):
+        raise ValueError(f"{name}: expected a byte count, got {value!r}; {forms}")
+    if isinstance(value, numbers.Integral):
         result = int(value)
+    elif isinstance(value, numbers.Real):
+        value_f = float(value)
+        if not math.isfinite(value_f):
+            raise ValueError(f"{name}: {value!r} is not a byte count; {forms}")
+        if value_f != int(value_f):
+            raise ValueError(f"{name}: {value!r} is not a whole number of bytes; {forms}")
+        result = int(value_f)
     elif isinstance(value, str):
         m = _PATTERN.match(value)
         unit = m.group(2).lower() if m else None
         if not m or unit not in _UNITS:
-            raise ValueError(
-                f"{name}: cannot read {value!r} as a size; write bytes (4096) or a number "
-                f"with a unit: B, KB, MB, GB, KiB, MiB, GiB (e.g. '6GiB')")
-        result = int(float(m.group(1)) * _UNITS[unit])
+            raise ValueError(f"{name}: cannot read {value!r} as a size; {forms}")
+        text = m.group(1)
+        number = int(text) if text.isdigit() else float(text)  # digits only: exact, also near 2**63
+        if not math.isfinite(number) or number * _UNITS[unit] > MAX_BYTES:
+            raise ValueError(f"{name}: {value!r} is out of range; a size must be at most 2**63 - 1 bytes "
+                             f"(8 EiB)")
+        result = int(number * _UNITS[unit])
     else:
         raise ValueError(f"{name}: expected bytes or a string like '6GiB', got {type(value).__name__}")
     if result < 0:
         raise ValueError(f"{name}: must not be negative, got {value!r}")
+    if result > MAX_BYTES:
+        raise ValueError(f"{name}: {value!r} is out of range; a byte count must be in [0, 2**63 - 1] "
+                         f"(8 EiB)")
     return result
 
 

@@ -5,20 +5,24 @@ Writes DIR/trace.json and DIR/memory_curve.png (matplotlib, Agg backend).
 """
 import argparse
 import os
+import sys
+
+from memsched.commands.args import fraction, int_at_least, output_dir, torch_device
 
 HELP = "profile a small transformer step: print a table and write the memory curve as a PNG"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default="demo_out", help="output folder (default demo_out)")
-    parser.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--batch", type=int_at_least(1), default=8, help="batch size (default 8)")
+    parser.add_argument("--device", type=torch_device, default="cpu", help="torch device (default cpu)")
     parser.add_argument("--no-compare", dest="compare", action="store_false",
                         help="skip the side-by-side training run (plain vs memsched at --budget)")
-    parser.add_argument("--steps", type=int, default=5, help="training steps per run of the comparison (default 5)")
-    parser.add_argument("--budget", type=float, default=0.5,
+    parser.add_argument("--steps", type=int_at_least(2, " (a memsched run's first step is profiled, not timed)"),
+                        default=5, help="training steps per run of the comparison, at least 2 (default 5)")
+    parser.add_argument("--budget", type=fraction, default=0.5,
                         help="comparison budget, as a share of plain's activation memory (default 0.5)")
-    parser.add_argument("--warmup", type=int, default=1,
+    parser.add_argument("--warmup", type=int_at_least(0), default=1,
                         help="plain steps before the profiled one, to keep one-time setup out of op times (default 1)")
 
 
@@ -76,7 +80,10 @@ def run(args) -> int:
     import memsched
     from memsched import models
 
-    os.makedirs(args.out_dir, exist_ok=True)
+    error = output_dir(args.out_dir, "--out-dir")  # created before the work (Note [Command-line input ...])
+    if error is not None:
+        print(f"memsched demo: {error}", file=sys.stderr)
+        return 2
     model = models.build_model("transformer", "small", device=args.device)
     step = models.make_step_fn(model, "transformer", args.batch, device=args.device)
     for _ in range(args.warmup):

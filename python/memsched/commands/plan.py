@@ -2,13 +2,16 @@
 trace with each planner, print one table, write the best plan's simulated timeline as a PNG."""
 import sys
 
+from memsched.commands.args import budget, output_file
+
 HELP = "plan a saved trace under a memory budget and compare planners in the simulator"
 
 
 def add_arguments(p):
     p.add_argument("trace", help="trace JSON (from `python -m memsched profile` or Trace.to_json)")
-    p.add_argument("--budget", required=True,
-                   help="device memory budget: bytes, a size like 4GiB, or a percentage of keep_all's peak like 50%%")
+    p.add_argument("--budget", required=True, type=budget,
+                   help="device memory budget: bytes, a size like 4GiB, a percentage of keep_all's peak like 50%%, "
+                        "or a fraction of the activation memory like 0.5")
     p.add_argument("--planner", default="all", help="a planner name or 'all' (default: all)")
     p.add_argument("--device", default=None,
                    help="device preset (h100-pcie [default], h100-sxm, cpu; aliases h100, h100-pcie5) or a JSON path")
@@ -26,6 +29,10 @@ def run(args):
         trace = memsched.Trace.from_json(args.trace)
     except memsched.MemschedError as e:
         print(f"memsched plan: cannot read {args.trace}: {e}", file=sys.stderr)
+        return 2
+    error = output_file(args.out, "--out", "timeline.png")  # before the work (Note [Command-line input is checked ...])
+    if error is not None:
+        print(f"memsched plan: {error}", file=sys.stderr)
         return 2
     names = "all" if args.planner == "all" else [args.planner]
     if names != "all" and args.planner not in planning.planner_names():

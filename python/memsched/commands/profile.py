@@ -1,6 +1,9 @@
 """python -m memsched profile: profile one step of a built-in example model and
 write its Trace as JSON (memsched.models, memsched.profile)."""
 import argparse
+import sys
+
+from memsched.commands.args import int_at_least, output_file, torch_device
 
 HELP = "profile one training step of a built-in example model and write its Trace as JSON"
 
@@ -10,11 +13,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", choices=MODEL_NAMES, default="transformer", help="example model (default transformer)")
     parser.add_argument("--size", choices=SIZES, default="small", help="model size (default small)")
-    parser.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    parser.add_argument("--batch", type=int_at_least(1), default=8, help="batch size (default 8)")
+    parser.add_argument("--device", type=torch_device, default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     parser.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
                         help="also profile an optimizer step (default none)")
-    parser.add_argument("--warmup", type=int, default=1,
+    parser.add_argument("--warmup", type=int_at_least(0), default=1,
                         help="plain steps before the profiled one, to keep one-time setup out of op times (default 1)")
     parser.add_argument("--out", default="trace.json", help="where to write the trace (default trace.json)")
 
@@ -25,8 +28,10 @@ def run(args) -> int:
     import memsched
     from memsched import models
 
-    if args.batch < 1:
-        raise SystemExit(f"memsched profile: --batch must be >= 1, got {args.batch}")
+    error = output_file(args.out, "--out", "trace.json")  # before the work (Note [Command-line input is checked ...])
+    if error is not None:
+        print(f"memsched profile: {error}", file=sys.stderr)
+        return 2
     model = models.build_model(args.model, args.size, device=args.device)
     step = models.make_step_fn(model, args.model, args.batch, args.size, device=args.device)
     optimizer = None

@@ -1,0 +1,65 @@
+"""memsched.optimize() checks every argument when called, before any step (issue 9): an unknown planner,
+device, option or a bad number is refused there, naming the argument and what it accepts."""
+import pytest
+import torch
+import torch.nn as nn
+
+import memsched
+from memsched import planning
+from memsched.optimize import optimize
+
+
+@pytest.fixture
+def model():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("budget", [None, "1GiB", 0.5])
+def test_unknown_planner_is_refused_at_optimize(model, budget):
+    # was: accepted, and failed only after the profiled step (never with budget=None)
+    with pytest.raises(ValueError, match=r"planner: unknown planner 'foo'; known planners: ") as info:
+        optimize(model, budget=budget, planner="foo")
+    assert all(name in str(info.value) for name in planning.planner_names())
+
+
+def test_every_known_planner_is_accepted(model):
+    for name in planning.planner_names():
+        assert optimize(model, planner=name).planner == name
+
+
+@pytest.mark.parametrize("device,words", [("tpu:0", "device: "), ("nonsense", "device: "), (3.5, "device: ")])
+def test_bad_device_is_named(model, device, words):
+    with pytest.raises(ValueError, match=words):
+        optimize(model, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_device_without_cuda_is_named(model):
+    with pytest.raises(ValueError, match=r"device: 'cuda'.*is_available"):
+        optimize(model, device="cuda")
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(min_offload_bytes=-1), "min_offload_bytes: must not be negative"),
+    (dict(min_offload_bytes="lots"), "min_offload_bytes: cannot read 'lots'"),
+    (dict(min_offload_bytes=float("nan")), "min_offload_bytes: "),
+    (dict(max_reprofiles=-1), "max_reprofiles: expected an int >= 0"),
+    (dict(max_reprofiles=1.5), "max_reprofiles: expected an int >= 0"),
+    (dict(max_reprofiles="2"), "max_reprofiles: expected an int >= 0"),
+    (dict(device_model="tpu-v9"), "device: unknown preset 'tpu-v9'"),
+])
+def test_bad_options_are_named(model, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        optimize(model, **kwargs)
+
+
+def test_unknown_option_is_a_type_error_naming_it(model):
+    with pytest.raises(TypeError, match=r"optimize\(\): unknown option 'max_reprofile'; known options: "
+                                        r"min_offload_bytes, max_reprofiles, device_model"):
+        optimize(model, max_reprofile=3)
+
+
+def test_sizes_as_strings_are_read(model):
+    run = optimize(model, min_offload_bytes="1MiB", max_reprofiles=0, device_model="cpu")
+    assert run.min_offload_bytes == 2**20 and run.max_reprofiles == 0
+    assert isinstance(memsched.load_device(run.device_model), memsched.DeviceModel)
