@@ -9,6 +9,7 @@
 #include "core/alloc/pool_json.h"
 
 #include <torch/csrc/Dtype.h>
+#include <ATen/SequenceNumber.h>
 
 namespace memsched::bindings {
 
@@ -22,6 +23,9 @@ void bind_torch(pybind11::module_& m) {
       pybind11::arg("tensor"),
       "(key, nbytes) of the tensor's storage: views of one storage share the key. "
       "See Note [Storage identity].");
+  m.def("autograd_sequence_peek", &at::sequence_number::peek,
+        "This thread's next autograd Node sequence number: it changes when an op that records a "
+        "Node starts, not between the saves of one op. See Note [Copy after the op].");
   m.def("version_counter_key", &version_counter_key, pybind11::arg("tensor"),
         "Identity of the tensor's autograd version counter (0 if disabled): detach() and views share "
         "it, unsafe_chunk outputs and .data do not. See Note [Version counter identity].");

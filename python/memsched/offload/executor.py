@@ -82,6 +82,21 @@ Note [Version checks]
   torch.autograd.graph.save_on_cpu): the gradient then uses the values at the
   save. PyTorch documents such changes as untracked by autograd.
 
+Note [Copy after the op]
+  Rationale: autograd saves an op's inputs before its kernel runs, and some
+  kernels then write a saved input without bumping its version:
+  rrelu_with_noise saves `noise` (fresh from empty_like) and fills it
+  afterwards. A copy taken at pack time holds the bytes from before the kernel
+  (torch.autograd.graph.save_on_cpu has the same defect). On CUDA the D2H
+  stream would wait on an event recorded before the kernel was even launched.
+  Approach: a pack only queues its D2H copy; the queue is issued at the first
+  pack of a later op -- the thread's autograd sequence number
+  (_C.autograd_sequence_peek) changes when an op records its Node, before its
+  saves, and not between the saves of one op -- and at the end of the forward,
+  at the first unpack and at the end of the step. By then every kernel of the
+  op has run (CPU) or been launched on the compute stream (CUDA).
+  Limitations: a storage waits on the device for one more op than planned.
+
 Note [Packing without reference cycles]
   A pack hook that returns the tensor it was given (or a tuple holding it)
   leaks when the tensor is the node's own output: tensor -> grad_fn -> saved
@@ -247,6 +262,8 @@ class OffloadExecutor:
     def _reset_step(self):
         self.stats = StepStats()
         self.offloaded_ = {}        # ordinal -> _Offloaded
+        self.queued_ = []           # (_Offloaded, flat device bytes) whose D2H copy is not issued yet
+        self.queued_op_ = -1        # autograd sequence number when they were queued
         self.fetched_ = {}          # storage key of a fetched copy -> (StorageWeakRef, ordinal)
         self.stall_events_ = []     # CUDA: (before, after) events around each compute-stream wait
         self.generation_ = getattr(self, "generation_", 0) + 1  # invalidates last step's callbacks
@@ -279,6 +296,7 @@ class OffloadExecutor:
         stats = self.stats
         if not self.in_step_:
             return None
+        self._issue_copies()
         log, (d2h, h2d) = self.engine.finish()
         stats.d2h_bytes, stats.h2d_bytes = d2h, h2d
         if self.engine.is_cuda:
@@ -333,6 +351,8 @@ class OffloadExecutor:
 
     def _forward_post(self, module, args, output):
         self.in_forward_ = False
+        if self.queued_:
+            self._issue_copies()
         if self.in_step_:
             self._check_versions()
         if output is None and self.in_step_:
@@ -359,6 +379,8 @@ class OffloadExecutor:
     def _pack(self, t):
         if self.forward_failed_ or not self.in_step_:
             return t if t.grad_fn is None else t.detach()  # an abandoned step: PyTorch's behaviour
+        if self.queued_ and _C.autograd_sequence_peek() != self.queued_op_:
+            self._issue_copies()  # See Note [Copy after the op]
         self.engine.poll()
         alias = self.fetched_.get(storage_key(t))
         if alias is not None and not alias[0].expired():
@@ -398,6 +420,8 @@ class OffloadExecutor:
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
+        if self.queued_:
+            self._issue_copies()
         self.engine.poll()
         if isinstance(packed, tuple):
             k, t, version = packed
@@ -435,14 +459,21 @@ class OffloadExecutor:
         self.offloaded_[k] = self._copy(k, t, nbytes)
 
     def _copy(self, k, t, nbytes):
+        """A host copy of t's whole storage, queued until its op has run (See Note [Copy after the op])."""
         storage = t.untyped_storage()
         flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
-        ticket = self.engine.offload(flat)
-        h = _Offloaded(k, nbytes, t._version, _C.version_counter_key(t), ticket, StorageWeakRef(storage))
+        h = _Offloaded(k, nbytes, t._version, _C.version_counter_key(t), None, StorageWeakRef(storage))
         h.tensor = weakref.ref(t)
+        self.queued_.append((h, flat))
+        self.queued_op_ = _C.autograd_sequence_peek()
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += nbytes
         return h
+
+    def _issue_copies(self):
+        queued, self.queued_ = self.queued_, []
+        for h, flat in queued:
+            h.d2h = self.engine.offload(flat)
 
     def _copy_for(self, h, t):
         """The host copy of h's storage that a later save of `t` may use, or None (keep t on the device).
