@@ -30,6 +30,7 @@ Note [Same kernels, same order]
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -115,10 +116,11 @@ def _split(grads: List[torch.Tensor], want_w: bool, want_b: bool):
 
 def _linear_dw(weight_idx: Optional[int], bias_idx: Optional[int]):
     def fn(x: torch.Tensor, grad: torch.Tensor) -> List[torch.Tensor]:
-        grad2d = grad.reshape(-1, grad.shape[-1])
+        rows = math.prod(grad.shape[:-1])  # not -1: a layer with 0 features (or rows) has 0 elements
+        grad2d = grad.reshape(rows, grad.shape[-1])
         out = []
         if weight_idx is not None:
-            out.append(grad2d.t().mm(x.reshape(-1, x.shape[-1])))
+            out.append(grad2d.t().mm(x.reshape(rows, x.shape[-1])))
         if bias_idx is not None:
             out.append(grad2d.sum(0))
         return out
