@@ -87,7 +87,7 @@ from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers
 from memsched.offload.report import build_report, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
-from memsched.planning import fraction_budget, parse_budget, planner_names, resolve_budget
+from memsched.planning import fraction_budget, fraction_refusal, parse_budget, planner_names, resolve_budget
 from memsched.units import format_bytes, parse_bytes
 
 __all__ = ["optimize", "Run"]
@@ -327,7 +327,12 @@ class Run:
         if planner is None:
             self.plan = None
         else:
-            self.plan = make_plan(trace, self.budget_bytes, planner, self.device_model)
+            try:
+                self.plan = make_plan(trace, self.budget_bytes, planner, self.device_model)
+            except _C.MemschedError as err:
+                if isinstance(self.budget_spec, float) and "least budget" in str(err):
+                    raise fraction_refusal(trace, self.budget_spec, err) from None
+                raise
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
         self.schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes)
         self.executor.set_schedule(self.schedule)

@@ -119,6 +119,30 @@ def fraction_budget(trace, fraction):
     return best, best_op
 
 
+def least_fraction(trace):
+    """The least budget fraction (of the activation memory) that activation offload can reach on
+    `trace`, to two decimals rounded up; None when even 1.0 is below the least byte budget."""
+    least = _C.least_budget_bytes(trace)
+    if fraction_budget(trace, 1.0)[0] < least:
+        return None
+    lo, hi = 0.0, 1.0  # fraction_budget grows with the fraction
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fraction_budget(trace, mid)[0] >= least else (mid, hi)
+    return math.ceil(hi * 100) / 100
+
+
+def fraction_refusal(trace, fraction, err):
+    """A MemschedError for a fraction budget the planner refused, in the user's terms (fractions)."""
+    budget = fraction_budget(trace, fraction)[0]
+    least = least_fraction(trace)
+    fix = (f"use budget={least:g} or more" if least is not None else
+           "activation offload cannot lower this step's peak enough: the least byte budget is above the "
+           "peak with every activation kept; give a byte budget or lower the batch")
+    return _C.MemschedError(f"budget: {fraction:g} of the activation memory is {format_bytes(budget)} on this "
+                            f"step, below what any plan can reach ({err}); {fix}")
+
+
 def resolve_budget(budget, trace):
     """Bytes for `budget` on `trace`: an int or a string like "6GiB" as is; "50%": that share of the
     trace's keep_all peak; a float f in (0, 1]: fraction_budget(); None: no budget.
@@ -152,7 +176,13 @@ def plan(trace, budget=None, planner="dp", device=None, durations="auto"):
     if not isinstance(planner, str) or planner not in planner_names():
         raise ValueError(f"planner: unknown planner {planner!r}; known planners: {', '.join(planner_names())}")
     model = resolve_device(device, trace, durations)
-    return _C.make_plan(trace, model, resolve_budget(budget, trace), planner)
+    spec = parse_budget(budget)
+    try:
+        return _C.make_plan(trace, model, resolve_budget(spec, trace), planner)
+    except _C.MemschedError as err:
+        if isinstance(spec, float) and "least budget" in str(err):
+            raise fraction_refusal(trace, spec, err) from None
+        raise
 
 
 def simulate(trace, plan, device=None, durations="auto"):

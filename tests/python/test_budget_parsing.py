@@ -1,6 +1,8 @@
 """Budgets (Note [Budget forms] in planning.py): one meaning for memsched.plan and memsched.optimize,
 out-of-range and non-numbers refused with a ValueError naming budget and the forms (issue 9), and a
 fraction that is not refused when the step's peak lies outside the saved activations."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -104,3 +106,28 @@ def test_fraction_is_not_refused_when_the_peak_lies_outside_the_activations(caps
     report = run.report()
     text = "\n".join(report.notes)
     assert f"op {peak.id} {peak.name} (backward" in text and "cannot lower" in text
+
+
+def test_an_unreachable_fraction_is_refused_with_the_least_fraction_that_works():
+    """optimize(budget=0.5) on a step where offload cannot reach half the activations: the error names
+    the least fraction that works, and that fraction then trains."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Sigmoid())
+
+    x = torch.randn(3, 5)
+    model = make()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(memsched.MemschedError, match=r"0.5 of the activation memory .* use budget=") as info:
+        with optimize(model, opt, budget=0.5, planner="dp") as run:
+            model(x).sum().backward()
+            run.step()
+    least = float(re.search(r"use budget=([0-9.]+)", str(info.value)).group(1))
+    assert 0.5 < least <= 1.0
+    model = make()
+    opt = torch.optim.AdamW(model.parameters())
+    with optimize(model, opt, budget=least, planner="dp") as run:
+        for _ in range(3):
+            model(x).sum().backward()
+            run.step()
+    assert run.plan is not None and run.step_stats
