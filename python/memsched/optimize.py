@@ -82,6 +82,7 @@ import warnings
 import torch
 
 from memsched import _C
+from memsched.copy_inert import inert_on_copy
 from memsched.device import resolve_device
 from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers
@@ -193,8 +194,9 @@ class Run:
         if self.compiled_why_:
             return self  # Note [Compiled modules run plainly]: nothing installed; run.step() steps the optimizer
         try:
-            self.handles_ = [self.model.register_forward_pre_hook(self._root_pre),
-                             self.model.register_forward_hook(self._root_post, always_call=True)]
+            # See Note [Copies of a model under memsched] (copy_inert.py)
+            self.handles_ = [self.model.register_forward_pre_hook(inert_on_copy(self._root_pre)),
+                             self.model.register_forward_hook(inert_on_copy(self._root_post), always_call=True)]
             self.executor.install()
             if self.ooo_ is not None:
                 self.ooo_.install()

@@ -41,6 +41,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memsched.copy_inert import inert_on_copy
+
 __all__ = ["ModuleStack", "ActivationNumbering", "Activation", "storage_key", "activation_label", "dtype_name"]
 
 
@@ -106,8 +108,10 @@ class ModuleStack:
             raise RuntimeError("ModuleStack.install(): already installed; call remove() first")
         try:
             for path, module in self._model.named_modules():
-                self._handles.append(module.register_forward_pre_hook(self._make_push(path)))
-                self._handles.append(module.register_forward_hook(self._make_pop(path), always_call=True))
+                # See Note [Copies of a model under memsched] (copy_inert.py)
+                self._handles.append(module.register_forward_pre_hook(inert_on_copy(self._make_push(path))))
+                self._handles.append(module.register_forward_hook(inert_on_copy(self._make_pop(path)),
+                                                                  always_call=True))
         except BaseException:
             self.remove()
             raise

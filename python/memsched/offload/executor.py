@@ -113,6 +113,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memsched import _C
+from memsched.copy_inert import inert_on_copy
 from memsched.offload.copy_engine import CopyEngine
 from memsched.saved_tensors import ActivationNumbering, ModuleStack, storage_key
 
@@ -229,8 +230,10 @@ class OffloadExecutor:
             raise RuntimeError("OffloadExecutor.install(): already installed")
         try:
             self.stack.install()
-            self.handles_.append(self.model.register_forward_pre_hook(self._forward_pre))
-            self.handles_.append(self.model.register_forward_hook(self._forward_post, always_call=True))
+            # See Note [Copies of a model under memsched] (copy_inert.py)
+            self.handles_.append(self.model.register_forward_pre_hook(inert_on_copy(self._forward_pre)))
+            self.handles_.append(self.model.register_forward_hook(inert_on_copy(self._forward_post),
+                                                                  always_call=True))
         except BaseException:
             self.remove()
             raise

@@ -70,7 +70,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import types
 import weakref
 from typing import Dict, List, Optional, Sequence, Set
 
@@ -79,6 +78,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from memsched._C import DwScheduler, MemschedError
+from memsched.copy_inert import PatchedForward, inert_on_copy
 from memsched.ooo import grad_scaler_guard
 from memsched.ooo.fused import ParamStepper
 from memsched.ooo.functions import DeferredConv, DeferredLinear, DeferredWork, engine_runs
@@ -292,7 +292,7 @@ class OutOfOrderBackward:
             elif any(id(p) in self._index for p in m.parameters(recurse=False)):
                 ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
                 self._handles.append(m.register_forward_pre_hook(
-                    lambda mod, args, ids=ids: me._note_autograd_use(ids)))
+                    inert_on_copy(lambda mod, args, ids=ids: me._note_autograd_use(ids))))
         with torch.enable_grad():  # each parameter's AccumulateGrad node (one per leaf, reused)
             self._acc_nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in self._params]
         for i, p in enumerate(self._params):
@@ -337,7 +337,7 @@ class OutOfOrderBackward:
                 me._note_deferred_use(wi, bi)
                 return DeferredConv.apply(x, mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
                                           mod.groups, me, wi, bi)
-        m.forward = types.MethodType(forward, m)
+        m.forward = PatchedForward(forward, m, had, old)  # See Note [Copies of a model under memsched]
         self._patched.append((m, had, old))
         self._eligible_layers = len(self._patched)
 
