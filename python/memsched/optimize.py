@@ -123,7 +123,8 @@ class Run:
     """A memsched.optimize() session; see the module docstring."""
 
     def __init__(self, model, optimizer=None, budget=None, planner="dp", device=None, ooo=False,
-                 fuse_optimizer=False, min_offload_bytes=None, max_reprofiles=2, device_model=None):
+                 fuse_optimizer=False, min_offload_bytes=None, max_reprofiles=2, device_model=None,
+                 grad_accumulation_steps=1):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not hasattr(optimizer, "step"):
@@ -150,6 +151,11 @@ class Run:
             raise ValueError(f"max_reprofiles: expected an int >= 0 (re-profiles after a mismatching step), "
                              f"got {max_reprofiles!r}")
         self.max_reprofiles = max_reprofiles
+        if isinstance(grad_accumulation_steps, bool) or not isinstance(grad_accumulation_steps, int) \
+                or grad_accumulation_steps < 1:
+            raise ValueError(f"grad_accumulation_steps: expected an int >= 1 (backward passes per run.step()), "
+                             f"got {grad_accumulation_steps!r}")
+        self.grad_accumulation_steps = grad_accumulation_steps
         # Note [Compiled modules run plainly]
         self.compiled_why_ = compiled_module_reason(model)
         if self.compiled_why_:
@@ -385,7 +391,8 @@ class Run:
         except ImportError as e:
             raise _C.MemschedError("optimize(ooo=True / fuse_optimizer=True) needs memsched.ooo (the out-of-order "
                                    f"backward component), which this build does not have ({e}); pass ooo=False") from e
-        return OutOfOrderBackward(self.model, self.optimizer, fuse_optimizer=fuse_optimizer)
+        return OutOfOrderBackward(self.model, self.optimizer, fuse_optimizer=fuse_optimizer,
+                                  grad_accumulation_steps=self.grad_accumulation_steps)
 
     @staticmethod
     def _check_device(device):
@@ -492,7 +499,7 @@ class Run:
         return pts, []
 
 
-_OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model")
+_OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumulation_steps")
 
 
 def compiled_module_reason(model):
@@ -515,7 +522,10 @@ def optimize(model, optimizer=None, budget=None, planner="dp", device=None, ooo=
     """Train `model` under a memory budget: see the module docstring and Note [Budgets].
 
     Options: min_offload_bytes (size floor; default 1 MiB on CUDA, 0 on CPU),
-    max_reprofiles (default 2), device_model (passed to plan/simulate).
+    max_reprofiles (default 2), device_model (passed to plan/simulate), grad_accumulation_steps
+    (with ooo/fuse_optimizer: backward passes per optimizer step, default 1; run.step() may follow
+    each of them or only the last -- See Note [Fused update and gradient accumulation] in
+    ooo/backward.py).
     Every argument is checked here, before any step: a ValueError (TypeError for an unknown option)
     names the argument and what it accepts.
     """

@@ -45,6 +45,20 @@ Note [AccumulateGrad gate]
   Limitations: each parameter is stepped at its own AccumulateGrad, so weight
   and bias of one layer are stepped one after the other.
 
+Note [Fused update and gradient accumulation]
+  Rationale: with fuse_optimizer a parameter is stepped inside the backward
+  pass that completes its gradient: on every backward pass when
+  grad_accumulation_steps is 1. A caller who accumulates over two backward
+  passes per step() without saying so got two updates, each with half the
+  gradient -- parameters silently unlike plain PyTorch's.
+  Approach: a backward pass that begins after a fused update and before the
+  next step() is refused (MemschedError naming grad_accumulation_steps) at
+  its first forward use of a parameter, before anything of it is counted.
+  memsched.optimize passes its grad_accumulation_steps through; its
+  run.step() may follow every backward pass or only every K-th.
+  Limitations: the refusal comes after the first, early update: the caller
+  learns at the first accumulated step, not before it.
+
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
   that queued them, the rest at the end-of-backward flush, on the autograd
@@ -207,6 +221,8 @@ class OutOfOrderBackward:
         self._phase = "idle"
         self._callback_queued = False
         self._micro_step = 0
+        self._backwards_since_step = 0   # backward passes since the last step()
+        self._updated_since_step = False # a fused update ran since the last step()
         self._iterations = 0
         self._fused_steps = 0
         self._grad_bytes = 0
@@ -369,6 +385,8 @@ class OutOfOrderBackward:
     # ------------------------------------------------------------------ forward
     def _begin_if_idle(self) -> None:
         if self._phase == "idle":
+            if self._updated_since_step:
+                self._refuse_extra_backward()
             if self._pending or self._items:
                 raise MemschedError("internal: deferred work left over from the previous backward pass")
             index = self._index
@@ -665,7 +683,10 @@ class OutOfOrderBackward:
         self._timeline.append(("backward_end", time.perf_counter()))
         self._last_timeline = list(self._timeline) + (list(self._reducer.trace) if self._reducer else [])
         self._last_peak_grad_bytes = self._peak_grad_bytes
+        if self._stepper is not None and self._last_micro_step():
+            self._updated_since_step = True
         self._micro_step += 1
+        self._backwards_since_step += 1
         self._iterations += 1
 
     # ------------------------------------------------------------------ executors
@@ -721,6 +742,23 @@ class OutOfOrderBackward:
             self._worker = None
 
     # ------------------------------------------------------------------ user API
+    def _refuse_extra_backward(self) -> None:
+        # See Note [Fused update and gradient accumulation].
+        n = self._backwards_since_step
+        raise MemschedError(
+            f"a backward pass began after {n} backward pass(es) since the last step(), the last of which "
+            f"already applied the fused optimizer update (grad_accumulation_steps={self.grad_accumulation_steps}): "
+            f"with fuse_optimizer each parameter is stepped during the backward that completes its "
+            f"accumulation. To accumulate gradients over K backward passes per optimizer step, pass "
+            f"grad_accumulation_steps=K (memsched.optimize(..., grad_accumulation_steps=K) or "
+            f"OutOfOrderBackward(..., grad_accumulation_steps=K)) and call step() after every backward pass "
+            f"(run.step() once per K backward passes under memsched.optimize).")
+
+    @property
+    def backward_passes_since_step(self) -> int:
+        """Backward passes that ended since the last step()."""
+        return self._backwards_since_step
+
     def step(self) -> bool:
         """Marks the end of one micro-step. Returns True when the caller should
         now run ``optimizer.step()`` (no fusion, last micro-step); with
@@ -732,6 +770,8 @@ class OutOfOrderBackward:
             raise MemschedError("step(): the last backward pass did not finish (it raised part way); its "
                                 "deferred weight gradients were dropped and parameters not yet updated keep "
                                 "their old values. Zero the gradients and run the step again.")
+        self._backwards_since_step = 0
+        self._updated_since_step = False
         completed = self._micro_step % self.grad_accumulation_steps == 0 and self._micro_step > 0
         if self.fuse_optimizer or not completed:
             return False
