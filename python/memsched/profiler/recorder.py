@@ -191,12 +191,15 @@ class Recorder:
         act = self.numbering.number(t, stack[-1] if stack else "")
         if act is not None and act.is_first_pack:
             key = storage_key(t)
-            if key is None:
-                return t
-            if key not in self._watch:  # never seen made: it existed before the step
-                self.register_existing(t, "activation")
-            self.builder.upgrade_kind(key, "activation", act.label)
-        return t
+            if key is not None:
+                if key not in self._watch:  # never seen made: it existed before the step
+                    self.register_existing(t, "activation")
+                self.builder.upgrade_kind(key, "activation", act.label)
+        # WARNING: never return a tensor with a grad_fn. When t is the output of the node saving it,
+        # t -> grad_fn -> saved variable -> t is a cycle through C++ that gc cannot see: a graph
+        # that is never run backward (the step raised) would keep every activation of the step
+        # alive for good. See Note [Packing without reference cycles] in offload/executor.py.
+        return t if t.grad_fn is None else t.detach()
 
     @staticmethod
     def unpack(t):
