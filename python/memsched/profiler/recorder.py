@@ -145,6 +145,7 @@ class Recorder:
         self.timer = OpTimer()
         self.in_optimizer = False
         self.closed = False
+        self.backward_open = False  # a backward pass has run ops and not ended (it may have raised)
         self._watch: Dict[int, _StorageRef] = {}  # storage key -> weakref with free callback; == builder's live keys
         self._on_free: Callable = self._make_free_callback()
         self._stack_list = self.stack.stack if self.stack is not None else []
@@ -216,6 +217,8 @@ class Recorder:
             phase, path = OPTIMIZER, ""
         elif _graph_task_id() != -1:
             phase = BACKWARD
+            if not self.backward_open:
+                self._open_backward()
             if bmap._pending:
                 bmap.tag_pending()
             path = bmap.module_of_current_node()
@@ -299,6 +302,17 @@ class Recorder:
         if phase is FORWARD and outputs and _grad_enabled():
             bmap.note_outputs(outputs, path)
         return out
+
+    def _open_backward(self):
+        # The engine runs this pass's final callbacks only when it completes: a backward_open
+        # still set when the next forward starts means the pass raised (memsched.optimize then
+        # records a fresh step; See Note [A step that raises] in optimize.py).
+        self.backward_open = True
+
+        def closed():
+            self.backward_open = False
+
+        torch.autograd.Variable._execution_engine.queue_callback(closed)
 
     # ---- end of step --------------------------------------------------------
     def close(self):
