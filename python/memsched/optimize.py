@@ -58,6 +58,43 @@ Note [Compiled modules run plainly]
   run.step() step the optimizer, and run.report() says so. Offload needs the
   module before torch.compile().
 
+Note [A step that raises]
+  Rationale: batch-size finders (Hugging Face auto_find_batch_size,
+  Lightning's BatchSizeFinder) catch torch.OutOfMemoryError, drop it and
+  retry with a smaller batch, in the same loop or by running it again. If
+  anything of ours still holds a tensor of the failed step, its memory stays
+  allocated and every retry fails too.
+  Approach: per-step state is owned by the step's autograd graph, and we keep
+  only weak references to it, so it dies when the caller drops the exception
+  (whose traceback frames hold the graph):
+  - the profiler's pack hook stores a detached alias, never a tensor with a
+    grad_fn: an output saved by its own node made a cycle through C++ that gc
+    cannot see, and a graph never run backward stayed alive for good;
+  - the executor's handles of offloaded activations (host copies, fetched and
+    prefetched device copies) are held by the graph's packed objects; its own
+    table is weak. When the last dies outside the engine, copies in flight are
+    waited for and released (Note [Offload copy ordering]);
+  - the out-of-order backward's nodes keep a per-iteration token: when all of
+    them die outside the engine before their backward pass ended, the
+    iteration is abandoned -- deferred work and partial gradient sums dropped,
+    parked gradients restored (Note [A failed backward] in ooo/backward.py).
+  A forward that raises is seen by the always-called hooks on the root: the
+  executor pops its hooks and drops the step; ooo abandons the iteration; the
+  profiler session is aborted at the next forward (which is recorded
+  instead), run.step() or __exit__ -- torch iterates the module's hooks while
+  calling ours, so the session's cannot be removed there. A backward pass that raised during the profiled
+  step is seen at the next forward (the engine never ran the callback queued
+  at its first op): that step is recorded afresh. __exit__ removes
+  everything, abandoning a half-run iteration.
+  Limitations: after a backward or a loss that raised, and after a profiled
+  forward that raised, our saved-tensor hooks (and, while profiling, the
+  dispatch mode) stay until run.step(), the next forward or __exit__, as
+  within any step -- they hold no tensor. A loss that raised in the
+  profiled step cannot be told from a second forward of the same step, so the
+  retry is recorded into the same trace (the plan may then mismatch and
+  re-profile). Parameters the fused update stepped before a backward raised
+  keep their update, as documented in ooo.
+
 Note [Budgets]
   budget=None: "as fast as possible within the device's memory": keep_all when
   the profiled peak fits the device (always on CPU), else `planner` at 90% of
@@ -298,9 +335,11 @@ class Run:
                 pass  # a half-recorded step has no valid trace; drop it
 
     def _root_pre(self, module, args):
-        if self.in_forward_ or (self.profile_ is not None and self.profile_failed_):
-            # The profiled forward raised (or a KeyboardInterrupt skipped our forward hook): that
-            # step's recording is incomplete. Record this one instead.
+        if self.in_forward_ or (self.profile_ is not None and (
+                self.profile_failed_ or getattr(self.profile_, "backward_failed", False))):
+            # The profiled forward raised (or a KeyboardInterrupt skipped our forward hook), or a
+            # backward pass of the profiled step raised: that step's recording is incomplete.
+            # Record this one instead.
             if self.profile_ is not None:
                 self._abort_profile()
                 self.profile_armed_ = True
@@ -326,8 +365,15 @@ class Run:
 
     def _root_post(self, module, args, output):
         self.in_forward_ = False
-        if output is None and self.profile_ is not None:
-            self.profile_failed_ = True
+        if output is None:
+            # always_call hook after an exception: the step is abandoned (Note [A step that
+            # raises]). The executor's own forward hook drops its part; ooo drops the iteration.
+            # WARNING: the profiler session is aborted at the next forward, run.step() or
+            # __exit__, not here: its module hooks cannot be removed while torch iterates them.
+            if self.profile_ is not None:
+                self.profile_failed_ = True
+            if self.ooo_ is not None:
+                self.ooo_.abandon_forward()
 
     def _adopt_trace(self, trace):
         self.trace = trace

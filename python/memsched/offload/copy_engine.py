@@ -159,6 +159,13 @@ class CopyEngine:
     def pending_count(self):
         return len(self.pending_)
 
+    def release(self):
+        """Wait for every copy and drop what the copies held; the log and byte counts stay."""
+        if self.is_cuda:
+            self.d2h_stream.synchronize()
+            self.h2d_stream.synchronize()
+        self.pending_ = []
+
     def finish(self):
         """Wait for every copy, release everything held; returns (copy log, (d2h bytes, h2d bytes)).
 

@@ -20,7 +20,9 @@ Note [Executor hooks and their lifetime]
   forward notices (`in_forward_` still set, ModuleStack unbalanced) and
   restarts both; remove() pops our pair after checking it is on top.
   Unpack hooks are stored per saved tensor at pack time, so backward works
-  whether or not our pair is still pushed.
+  whether or not our pair is still pushed. A forward that raises pops our
+  pair at once and drops the step; what a step that raised later leaves is
+  owned by its graph (See Note [A step that raises] in optimize.py).
 
 Note [Foreign saved-tensor hooks]
   Rationale: our pair is pushed at a step's first forward and popped at
@@ -160,9 +162,9 @@ class _Offloaded:
     """One offloaded storage: its host copy and, during backward, its device copy."""
 
     __slots__ = ("ordinal", "nbytes", "version", "counter", "d2h", "h2d", "device_bytes", "packs", "unpacks",
-                 "source", "tensor", "modified_to", "label", "others")
+                 "source", "tensor", "modified_to", "label", "others", "step", "__weakref__")
 
-    def __init__(self, ordinal, nbytes, version, counter, d2h, source):
+    def __init__(self, ordinal, nbytes, version, counter, d2h, source, step):
         self.ordinal = ordinal        # activation ordinal
         self.nbytes = nbytes          # storage bytes
         self.version = version        # tensor._version when copied
@@ -177,10 +179,18 @@ class _Offloaded:
         self.modified_to = None       # version seen after an in-place change (See Note [Version checks])
         self.label = ""               # activation label, for errors
         self.others = None            # {counter: _Offloaded}: copies for saves through other counters
+        self.step = step              # the step's _StepGraph: alive while any handle of the step is
 
     def copies(self):
         """This copy and those of the same storage taken for saves through other version counters."""
         return (self,) if not self.others else (self, *self.others.values())
+
+
+class _StepGraph:
+    """Referenced by every _Offloaded of one step (which the step's autograd graph owns): its death
+    tells the executor that the step's graph is gone. See Note [A step that raises]."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _modified_error(what, version, expected):
@@ -264,7 +274,9 @@ class OffloadExecutor:
     # -- step bookkeeping -------------------------------------------------------------------------
     def _reset_step(self):
         self.stats = StepStats()
-        self.offloaded_ = {}        # ordinal -> _Offloaded
+        self.offloaded_ = weakref.WeakValueDictionary()  # ordinal -> _Offloaded; the graph owns them
+        self.graph_ = None          # weakref to this step's _StepGraph (None: nothing offloaded yet)
+        self.dropped_ = set()       # ordinals offloaded in this step (their handles may have died)
         self.queued_ = []           # (_Offloaded, flat device bytes) whose D2H copy is not issued yet
         self.queued_op_ = -1        # autograd sequence number when they were queued
         self.fetched_ = {}          # storage key of a fetched copy -> (StorageWeakRef, ordinal)
@@ -315,12 +327,8 @@ class OffloadExecutor:
         else:
             stats.copies = [(kind, issued - self.t0_, finished - self.t0_, nbytes)
                             for kind, nbytes, issued, finished, _, _ in log]
-        self.offloaded_ = {}
-        self.fetched_ = {}
-        self.stall_events_ = []
-        self.watch_ = {}
+        self._reset_step()
         self.in_step_ = False
-        self.stats = StepStats()
         return stats
 
     @property
@@ -340,8 +348,7 @@ class OffloadExecutor:
         if not self.active:
             return
         if self.in_step_ and self.forward_failed_:
-            self._pop_hooks()
-            self.in_step_ = False
+            self._abandon_step()
         if not self.in_step_:
             self._begin_step()
             foreign = foreign_hooks_reason()
@@ -359,8 +366,18 @@ class OffloadExecutor:
         if self.in_step_:
             self._check_versions()
         if output is None and self.in_step_:
-            # always_call hook after an exception (forward returned nothing): abandon the step.
+            # always_call hook after an exception (forward returned nothing): abandon the step now,
+            # holding nothing of it (See Note [A step that raises]).
             self.forward_failed_ = True
+            self._abandon_step()
+
+    def _abandon_step(self):
+        """Drop the running step: pop our hooks, wait for its copies and release what they held.
+        What its graph holds (host copies, fetched copies) dies with the graph."""
+        self._pop_hooks()
+        self.engine.finish()
+        self._reset_step()
+        self.in_step_ = False
 
     def _pop_hooks(self):
         if self.pushed_:
@@ -394,6 +411,7 @@ class OffloadExecutor:
         if act is None:
             return (-1, t, t._version)  # parameter or buffer: a leaf (no cycle); kept, version-checked
         k = act.ordinal
+        h = None
         if act.is_first_pack:
             # A tensor without a storage (sparse, mkldnn) counts 0 bytes and is never offloaded.
             # The trace has no record (so no label) for it, and the step-end count is of storages.
@@ -408,16 +426,23 @@ class OffloadExecutor:
                 if expected != act.label and (has_storage or expected is not None):
                     self._diverge(f"activation {k}: trace has {expected!r}, this step has {act.label!r}")
                 elif k in self.schedule.offload and self._offloadable(t, nbytes):
-                    self._offload(k, t, nbytes)
+                    h = self._offload(k, t, nbytes)  # held here: the table's reference is weak
             self._sample()
-        h = self.offloaded_.get(k)
-        if h is not None:
-            h = self._copy_for(h, t)
-            if h is not None and t._version == h.version:
-                h.packs += 1
-                if h.label == "":
-                    h.label = act.label
-                return _View(h, t)
+        if h is None:
+            h = self.offloaded_.get(k)
+            if h is None and k in self.dropped_ and not self.diverged_ and storage_key(t) is not None:
+                # Offloaded earlier in this step, and every save of it has died since (a first
+                # micro-batch's graph): saved again, it is copied again.
+                nbytes = t.untyped_storage().nbytes()
+                if self._offloadable(t, nbytes):
+                    h = self._offload(k, t, nbytes)
+            elif h is not None:
+                h = self._copy_for(h, t)
+        if h is not None and t._version == h.version:
+            h.packs += 1
+            if h.label == "":
+                h.label = act.label
+            return _View(h, t)
         return (k, t.detach(), t._version)  # See Notes [Packing without reference cycles], [Version checks]
 
     def _unpack(self, packed):
@@ -459,13 +484,20 @@ class OffloadExecutor:
                 and not t.is_conj() and not t.is_neg() and not t.is_quantized)
 
     def _offload(self, k, t, nbytes):
-        self.offloaded_[k] = self._copy(k, t, nbytes)
+        h = self._copy(k, t, nbytes)
+        self.offloaded_[k] = h   # weak: the caller holds h until a packed _View does
+        self.dropped_.add(k)
+        return h
 
     def _copy(self, k, t, nbytes):
         """A host copy of t's whole storage, queued until its op has run (See Note [Copy after the op])."""
         storage = t.untyped_storage()
         flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
-        h = _Offloaded(k, nbytes, t._version, _C.version_counter_key(t), None, StorageWeakRef(storage))
+        graph = self.graph_() if self.graph_ is not None else None
+        if graph is None:
+            graph = _StepGraph()
+            self.graph_ = weakref.ref(graph, self._graph_gone)
+        h = _Offloaded(k, nbytes, t._version, _C.version_counter_key(t), None, StorageWeakRef(storage), graph)
         h.tensor = weakref.ref(t)
         self.queued_.append((h, flat))
         self.queued_op_ = _C.autograd_sequence_peek()
@@ -497,10 +529,18 @@ class OffloadExecutor:
             h.others[counter] = other
         return other
 
+    def _graph_gone(self, ref):
+        """Every handle of the step died: its graph is gone. Inside backward that is the normal end
+        (end_step() finishes the copies); outside it the step raised (or its graph was dropped
+        unused): copies still in flight hold its memory -- wait for them and release it."""
+        if ref is not self.graph_ or torch._C._current_graph_task_id() != -1:
+            return
+        self.engine.release()
+
     def _check_versions(self):
         """Note in-place changes to offloaded tensors whose Python objects are still alive (O(n):
         once per forward)."""
-        for first in self.offloaded_.values():
+        for first in list(self.offloaded_.values()):
             for h in first.copies():
                 self._check_version(h)
 

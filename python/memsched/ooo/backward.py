@@ -59,6 +59,19 @@ Note [Fused update and gradient accumulation]
   Limitations: the refusal comes after the first, early update: the caller
   learns at the first accumulated step, not before it.
 
+Note [A failed backward]
+  Rationale: a backward pass that raises (out of memory) never runs the
+  end-of-backward callback, so queued work (layer inputs, output gradients),
+  partial gradient sums and parked .grad tensors would stay here, and the
+  next forward would count its uses as late uses of a running backward.
+  Approach: every Deferred* node of an iteration keeps one _IterationGraph
+  object in its ctx; a weak reference with a callback sees it die. When it
+  dies outside the engine while the phase is still "backward", the caller has
+  dropped the failed step: _abandon() runs. A forward outside the engine that
+  finds the phase "backward" (the failed graph still referenced) abandons it
+  too, and so does remove(). memsched.optimize abandons an iteration whose
+  root forward raised (abandon_forward()).
+
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
   that queued them, the rest at the end-of-backward flush, on the autograd
@@ -144,6 +157,12 @@ _REENTRANT_MESSAGE = (
     "segments run forward under no_grad and recompute it as a separate backward pass, so a parameter used "
     "there is not counted before backward starts and could be updated before all of its gradient arrived. "
     "Use checkpoint(..., use_reentrant=False), or fuse_optimizer=False.")
+
+
+class _IterationGraph:
+    """Kept by every Deferred* node of one iteration; dies with the last of them."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:
@@ -236,6 +255,7 @@ class OutOfOrderBackward:
         self._side_streams: Dict = {}
         self._lock = threading.RLock()
         self._worker = None
+        self._graph: Optional[weakref.ref] = None  # to this iteration's _IterationGraph (Note [A failed backward])
 
     def install(self) -> "OutOfOrderBackward":
         if self._installed:
@@ -358,7 +378,10 @@ class OutOfOrderBackward:
         self._eligible_layers = len(self._patched)
 
     def remove(self) -> None:
-        """Restores every patched forward and removes every hook (safe to call twice)."""
+        """Restores every patched forward and removes every hook (safe to call twice). An
+        iteration still running (its forward or backward raised) is abandoned."""
+        if self._phase != "idle":
+            self._abandon()
         for m, had, old in reversed(self._patched):
             if had:
                 m.__dict__["forward"] = old
@@ -384,9 +407,14 @@ class OutOfOrderBackward:
 
     # ------------------------------------------------------------------ forward
     def _begin_if_idle(self) -> None:
+        if self._phase == "backward" and torch._C._current_graph_task_id() == -1:
+            # A forward outside the engine while a backward pass is unfinished: that pass raised
+            # (its end-of-backward callback never runs) and its graph is still referenced.
+            self._abandon()
         if self._phase == "idle":
             if self._updated_since_step:
                 self._refuse_extra_backward()
+            self._failed_backward = False
             if self._pending or self._items:
                 raise MemschedError("internal: deferred work left over from the previous backward pass")
             index = self._index
@@ -406,6 +434,32 @@ class OutOfOrderBackward:
             self._peak_grad_bytes = self._grad_bytes
             self._timeline = []
             self._phase = "forward"
+            graph = _IterationGraph()
+            self._graph = weakref.ref(graph, self._graph_gone)
+            self._graph_obj = graph  # handed to the iteration's nodes by graph_token(), then dropped
+
+    def graph_token(self):
+        """The object every Deferred* node of this iteration keeps in its ctx: it dies with the
+        iteration's last node (Note [A failed backward])."""
+        graph = self.__dict__.pop("_graph_obj", None)
+        if graph is None and self._graph is not None:
+            graph = self._graph()
+        return graph
+
+    def _graph_gone(self, ref) -> None:
+        # Every node of the iteration died, outside the engine, while its backward pass was
+        # unfinished: that pass raised and the caller dropped it. Drop its deferred work, partial
+        # sums and parked gradients now. (A forward that raised holds nothing here yet; under
+        # memsched.optimize the root's hook abandons it at once.)
+        if ref is self._graph and self._phase == "backward" and torch._C._current_graph_task_id() == -1:
+            self._abandon()
+            self._failed_backward = True  # step() still says so
+
+    def abandon_forward(self) -> None:
+        """The root forward raised (memsched.optimize's always-called hook): abandon an iteration
+        that has not started its backward pass."""
+        if self._phase == "forward":
+            self._abandon()
 
     def _note_deferred_use(self, w_idx: Optional[int], b_idx: Optional[int]) -> None:
         # A use during backward is legal: activation checkpointing recomputes
@@ -653,6 +707,8 @@ class OutOfOrderBackward:
         self._sched = sched
         self._callback_queued = False
         self._phase = "idle"
+        self._graph = None
+        self.__dict__.pop("_graph_obj", None)
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
@@ -764,7 +820,7 @@ class OutOfOrderBackward:
         now run ``optimizer.step()`` (no fusion, last micro-step); with
         max_grad_norm set that clipping has been applied. With fuse_optimizer the
         updates already happened during backward and this returns False."""
-        if self._phase == "backward":
+        if self._phase == "backward" or self.__dict__.pop("_failed_backward", False):
             # The end-of-backward callback never ran: backward raised part way.
             self._abandon()
             raise MemschedError("step(): the last backward pass did not finish (it raised part way); its "

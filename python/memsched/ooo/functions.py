@@ -138,6 +138,7 @@ class DeferredLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, sink, weight_idx, bias_idx):
         ctx.save_for_backward(x, weight)
         ctx.sink = sink
+        ctx.graph = sink.graph_token()  # See Note [A failed backward] in backward.py
         ctx.idx = (weight_idx, bias_idx)
         return F.linear(x, weight, bias)
 
@@ -184,6 +185,7 @@ class DeferredConv(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.conf = (tuple(stride), tuple(padding), tuple(dilation), groups, bias is not None)
         ctx.sink = sink
+        ctx.graph = sink.graph_token()  # See Note [A failed backward] in backward.py
         ctx.idx = (weight_idx, bias_idx)
         nd = weight.dim() - 2
         return _CONV_FUNCTIONAL[nd](x, weight, bias, stride, padding, dilation, groups)

@@ -145,6 +145,7 @@ class Recorder:
         self.timer = OpTimer()
         self.in_optimizer = False
         self.closed = False
+        self.backward_open = False  # a backward pass has run ops and not ended (it may have raised)
         self._watch: Dict[int, _StorageRef] = {}  # storage key -> weakref with free callback; == builder's live keys
         self._on_free: Callable = self._make_free_callback()
         self._stack_list = self.stack.stack if self.stack is not None else []
@@ -191,12 +192,15 @@ class Recorder:
         act = self.numbering.number(t, stack[-1] if stack else "")
         if act is not None and act.is_first_pack:
             key = storage_key(t)
-            if key is None:
-                return t
-            if key not in self._watch:  # never seen made: it existed before the step
-                self.register_existing(t, "activation")
-            self.builder.upgrade_kind(key, "activation", act.label)
-        return t
+            if key is not None:
+                if key not in self._watch:  # never seen made: it existed before the step
+                    self.register_existing(t, "activation")
+                self.builder.upgrade_kind(key, "activation", act.label)
+        # WARNING: never return a tensor with a grad_fn. When t is the output of the node saving it,
+        # t -> grad_fn -> saved variable -> t is a cycle through C++ that gc cannot see: a graph
+        # that is never run backward (the step raised) would keep every activation of the step
+        # alive for good. See Note [Packing without reference cycles] in offload/executor.py.
+        return t if t.grad_fn is None else t.detach()
 
     @staticmethod
     def unpack(t):
@@ -213,6 +217,8 @@ class Recorder:
             phase, path = OPTIMIZER, ""
         elif _graph_task_id() != -1:
             phase = BACKWARD
+            if not self.backward_open:
+                self._open_backward()
             if bmap._pending:
                 bmap.tag_pending()
             path = bmap.module_of_current_node()
@@ -296,6 +302,17 @@ class Recorder:
         if phase is FORWARD and outputs and _grad_enabled():
             bmap.note_outputs(outputs, path)
         return out
+
+    def _open_backward(self):
+        # The engine runs this pass's final callbacks only when it completes: a backward_open
+        # still set when the next forward starts means the pass raised (memsched.optimize then
+        # records a fresh step; See Note [A step that raises] in optimize.py).
+        self.backward_open = True
+
+        def closed():
+            self.backward_open = False
+
+        torch.autograd.Variable._execution_engine.queue_callback(closed)
 
     # ---- end of step --------------------------------------------------------
     def close(self):

@@ -86,6 +86,11 @@ class ProfilerSession:
     def recording(self) -> bool:
         return self._exits is not None
 
+    @property
+    def backward_failed(self) -> bool:
+        """A backward pass of the recorded step started and never ended: it raised."""
+        return self._rec is not None and self._rec.backward_open
+
     def _params(self, named_params) -> list:
         """The model's parameters, then the optimizer's others; each once."""
         params = [p for _, p in named_params]
