@@ -11,7 +11,7 @@ ifneq ($(wildcard /usr/local/cuda),)
 export CUDA_HOME ?= /usr/local/cuda
 endif
 
-.PHONY: all deps build test test-cpp test-python demo bench clean
+.PHONY: all deps build test test-cpp test-python demo bench clean gpu-check gpu-check-deps
 
 all: build
 
@@ -53,6 +53,33 @@ bench: build
 	$(PYTHON) -m pytest -q benchmarks/python --benchmark-json=bench_out/python.json
 	cmake -S . -B $(BUILD_DIR) -DMEMSCHED_BUILD_BENCHMARKS=ON >/dev/null && cmake --build $(BUILD_DIR) --parallel
 	@for b in $(BUILD_DIR)/benchmarks/cpp/bench_*; do [ -x $$b ] && $$b --benchmark_out=bench_out/$$(basename $$b).json --benchmark_out_format=json; done; true
+
+# --- GPU machine ---------------------------------------------------------------
+# `make gpu-check` on a bare GPU machine (torch there, no registry): builds memsched, runs the CUDA
+# tests and every GPU benchmark under per-part timeouts (under 9 minutes in all), and writes
+# $(GPU_CHECK_OUT)/gpu_check.md and gpu_check.json. It needs no other target: on that machine
+# `deps` would reach for apt and pip. GPU_CHECK_ARGS=--cpu-smoke runs the same parts here, reduced.
+# `make gpu-check-deps` (here, with a network) fills the two git-ignored folders to carry there.
+GPU_CHECK_OUT  ?= gpu_check_out
+GPU_CHECK_ARGS ?=
+TRL_VERSION    ?= 1.16.0
+
+gpu-check:
+	PYTHONUNBUFFERED=1 $(PYTHON) -u benchmarks/gpu/gpu_check.py --out "$(GPU_CHECK_OUT)" $(GPU_CHECK_ARGS)
+
+# third_party/include/nlohmann: Debian's nlohmann_json headers (json.hpp includes its detail/ tree), found
+# by CMakeLists.txt's find_path fallback. .whl/trl-*.whl: TRL, read as a file by bench_offload.py (its
+# trl/models/activation_offloading.py needs only psutil, accelerate and transformers, all on the GPU image).
+gpu-check-deps:
+	@[ -f /usr/include/nlohmann/json.hpp ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nlohmann-json3-dev; }
+	rm -rf third_party/include/nlohmann
+	mkdir -p third_party/include
+	cp -r /usr/include/nlohmann third_party/include/nlohmann
+	mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl "trl==$(TRL_VERSION)"
+	@du -sh third_party .whl
+	@echo "carry: [\"third_party\", \".whl\"]"
 
 clean:
 	rm -rf $(BUILD_DIR) python/memsched/_C*.so python/memsched/libmemsched_alloc*.so *.egg-info python/*.egg-info

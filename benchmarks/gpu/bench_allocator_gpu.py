@@ -131,8 +131,15 @@ def main():
     env = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "cuda": torch.version.cuda, "steps": args.steps, "warmup": args.warmup}
     results = {"env": env, "replay": {}, "step": {}}
+
+    def dump():  # after every measurement, so a run stopped from outside keeps what it measured
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(results, f, indent=2)
+            os.replace(args.out + ".tmp", args.out)
     mib = 1 << 20
-    print(f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}")
+    print(f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
     print("\nreplay (2 steps): peak reserved / peak allocated vs the trace's peak live")
     print(f"{'family':12} {'mode':9} {'live MiB':>9} {'reserved MiB':>13} {'res/live':>9} "
           f"{'alloc MiB':>10} {'us/alloc':>9}")
@@ -140,8 +147,9 @@ def main():
         for mode in ("native", "memsched"):
             r = _run(mode, "replay", family, args)
             results["replay"][f"{family}/{mode}"] = r
+            dump()
             print(f"{family:12} {mode:9} {r['live'] / mib:9.1f} {r['reserved'] / mib:13.1f} "
-                  f"{r['reserved'] / r['live']:9.3f} {r['allocated'] / mib:10.1f} {r['us_per_alloc']:9.2f}")
+                  f"{r['reserved'] / r['live']:9.3f} {r['allocated'] / mib:10.1f} {r['us_per_alloc']:9.2f}", flush=True)
     print("\ntraining step (forward + backward + AdamW), median [min, max] over steps")
     print(f"{'family':12} {'mode':9} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'vs native':>10} "
           f"{'reserved MiB':>13}")
@@ -150,13 +158,11 @@ def main():
         for mode in ("native", "memsched"):
             r = _run(mode, "step", family, args)
             results["step"][f"{family}/{mode}"] = r
+            dump()
             native = native or r
             print(f"{family:12} {mode:9} {r['median_ms']:10.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} "
-                  f"{r['median_ms'] / native['median_ms']:10.3f} {r['reserved'] / mib:13.1f}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+                  f"{r['median_ms'] / native['median_ms']:10.3f} {r['reserved'] / mib:13.1f}", flush=True)
+    dump()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/gpu/bench_offload.py                      # GPU: GPT-2-medium-sized decoder + ResNet-50
     python benchmarks/gpu/bench_offload.py --small              # reduced sizes; runs on CPU (CI smoke)
     options: --models gpt,resnet  --steps 10 --warmup 3  --fit-budget 16GiB  --no-fit  --out FILE.json
+             --time-budget SECONDS  --compile-on-cpu  --trl-wheel PATH
 
 Models: a GPT-2-medium-sized decoder (24 layers, d=1024, 16 heads, sequence 1024, vocab 50257; plain
 torch.nn, random init) and ResNet-50 (torchvision; skipped with a message when it is not installed);
@@ -12,24 +13,42 @@ prefetch (memsched planner offload_all_prefetch, torchtune's OffloadActivations 
 torch.utils.checkpoint per block; memsched dp keeping 30%, 50% and 70% of plain's activation memory
 (budget = the step's peak with saved activations capped at f of theirs: profiled peak - (1 - f) *
 activation peak where the step peaks at the activation peak; See Note [Budget forms] in planning.py), and memsched
-greedy at 50% (the planner that reaches the least budget; dp's model can need more).
+greedy at 50% (the planner that reaches the least budget; dp's model can need more); what users pick
+instead: torch.compile with torch._functorch.config.activation_memory_budget = 0.5 (skipped on CPU unless
+--compile-on-cpu: inductor takes ~50 s there), and TRL's OffloadActivations(use_streams=True)
+(trl/models/activation_offloading.py read straight out of a TRL wheel -- --trl-wheel, $MEMSCHED_TRL_WHEEL or
+.whl/trl-*.whl, see `make gpu-check-deps` -- so none of TRL's own dependencies are imported; skipped with a
+message when no wheel is found; accelerator tensors only, so skipped on CPU after loading the file).
 A budget no plan of that planner meets is a row "infeasible: needs at least N B" (full text in the JSON).
 Columns: median step time and its ratio to plain, peak allocated memory, bytes moved; for memsched rows
 the simulator's prediction; and per method the largest batch that fits --fit-budget (GPU only: found by
-doubling then bisection under torch.cuda.set_per_process_memory_fraction).
+doubling then bisection under torch.cuda.set_per_process_memory_fraction; searched after every row is
+measured, and not for the torch.compile row, which recompiles per batch size).
+Models are built directly on the device (parameter init on the GPU is seconds faster per build).
+--time-budget S: rows not started within S seconds, and largest-batch searches that would likely not end
+within them, are recorded as skipped; with --out the JSON is rewritten after every row, so a run killed
+from outside keeps what it measured.
 Timing: torch.cuda.synchronize() before each clock read; median over --steps after --warmup (memsched's
 warmup includes its profiled first step). Results go to stdout and, with --out, to JSON with the GPU
 model, torch and CUDA versions. CPU numbers are printed as CPU numbers and say so.
 """
 import argparse
 import contextlib
+import gc
+import glob
+import importlib.util
 import json
+import logging
 import math
 import os
 import platform
+import re
 import statistics
 import sys
+import tempfile
 import time
+import types
+import zipfile
 
 import torch
 import torch.nn as nn
@@ -39,6 +58,7 @@ from torch.utils.checkpoint import checkpoint
 import memsched
 
 GIB = 2 ** 30
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- models ----------------------------------------------------------------------------------------
@@ -139,8 +159,90 @@ class _Checkpointed(nn.Module):
 
 
 # -- methods ---------------------------------------------------------------------------------------
+COMPILE = "torch.compile budget 0.5"
+TRL = "trl OffloadActivations"
 METHODS = ["plain", "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched dp 30%", "memsched dp 50%",
-           "memsched dp 70%", "memsched greedy 50%"]
+           "memsched dp 70%", "memsched greedy 50%", COMPILE, TRL]
+COMPILE_BUDGET = 0.5
+
+
+class Skipped(Exception):
+    """A row that cannot run here; the message says why."""
+
+
+# -- TRL's OffloadActivations, read out of its wheel -----------------------------------------------
+TRL_FILE = "trl/models/activation_offloading.py"
+
+
+def find_trl_wheel(explicit=None):
+    """The TRL wheel to read: explicit path, $MEMSCHED_TRL_WHEEL, else the newest .whl/trl-*.whl."""
+    path = explicit or os.environ.get("MEMSCHED_TRL_WHEEL")
+    if path:
+        return path if os.path.exists(path) else None
+    found = sorted(glob.glob(os.path.join(ROOT, ".whl", "trl-*.whl")))
+    return found[-1] if found else None
+
+
+def _stub_modules():
+    """Stand-ins for the three imports of TRL's file that a machine may lack (psutil, accelerate,
+    transformers); the GPU machine has all three, so there these stay unused."""
+    def is_torch_version(op, version):
+        cur = tuple(int(x) for x in re.findall(r"\d+", torch.__version__.split("+")[0])[:3])
+        want = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+        return {">=": cur >= want, ">": cur > want, "<=": cur <= want, "<": cur < want, "==": cur == want,
+                "!=": cur != want}[op]
+
+    def virtual_memory():
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0])
+        return types.SimpleNamespace(percent=100.0 * (1 - info["MemAvailable"] / info["MemTotal"]))
+
+    mods = {
+        "psutil": {"virtual_memory": virtual_memory},
+        "accelerate": {}, "accelerate.utils": {},
+        "accelerate.logging": {"get_logger": logging.getLogger},
+        "accelerate.utils.versions": {"is_torch_version": is_torch_version},
+        "transformers": {"is_torch_npu_available": lambda: False},
+    }
+    out = {}
+    for name, attrs in mods.items():
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        out[name] = m
+    return out
+
+
+def load_trl_offload(wheel):
+    """(module, stubbed names) -- TRL's activation_offloading.py, executed from a copy of the file in the
+    wheel; the imports it needs that are missing here are stubbed (see _stub_modules)."""
+    src = zipfile.ZipFile(wheel).read(TRL_FILE)
+    path = os.path.join(tempfile.mkdtemp(prefix="memsched_trl_"), "trl_activation_offloading.py")
+    with open(path, "wb") as f:
+        f.write(src)
+    stubbed = []
+    for top, names in (("psutil", ["psutil"]), ("accelerate", ["accelerate", "accelerate.utils", "accelerate.logging",
+                                                                "accelerate.utils.versions"]),
+                       ("transformers", ["transformers"])):
+        if importlib.util.find_spec(top) is None:
+            stubbed += names
+    stubs = _stub_modules()
+    saved = {n: sys.modules.get(n) for n in stubbed}
+    try:
+        for n in stubbed:
+            sys.modules[n] = stubs[n]
+        spec = importlib.util.spec_from_file_location("trl_activation_offloading", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+    return mod, sorted({n.split(".")[0] for n in stubbed})
 
 
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
@@ -167,10 +269,30 @@ def _autocast(device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def run_method(spec, method, batch, device, steps, warmup, device_model=None, budget_bytes=None):
-    """Train `steps + warmup` steps with `method`; returns a dict of measurements."""
+def _fraction_device(device):
+    """The device index torch.cuda.set_per_process_memory_fraction needs ("cuda" alone has none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def run_method(spec, method, batch, device, steps, warmup, device_model=None, budget_bytes=None, extra=None):
+    """Train `steps + warmup` steps with `method`; returns a dict of measurements.
+
+    extra: {"compile_on_cpu": bool, "trl": (module, stubbed) or a message why TRL is absent}.
+    Raises Skipped when the method cannot run here.
+    """
+    extra = extra or {}
+    if method == COMPILE and device.type == "cpu" and not extra.get("compile_on_cpu"):
+        raise Skipped("skipped on CPU: inductor compiles for ~50 s there (--compile-on-cpu runs it)")
+    if method == TRL:
+        trl = extra.get("trl")
+        if not isinstance(trl, tuple):
+            raise Skipped(str(trl or "skipped: TRL not loaded"))
+        if device.type != "cuda":
+            raise Skipped("skipped on CPU: TRL's OffloadActivations offloads accelerator tensors only "
+                          "(its file loaded from the wheel)")
     torch.manual_seed(0)
-    model = spec.build(per_block_checkpoint=(method == "checkpoint")).to(device)
+    with torch.device(device):  # init on the device: a GPT-2-medium build takes seconds on the CPU
+        model = spec.build(per_block_checkpoint=(method == "checkpoint")).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = spec.data(batch, device)
     row = {"method": method, "batch": batch}
@@ -218,58 +340,94 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
         row["activation_bytes"] = run.trace.activation_bytes()
     else:
         hooks = CountingSaveOnCpu(device.type == "cuda") if method == "save_on_cpu" else None
-        for i in range(warmup + steps):
-            if i == warmup and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            _sync(device)
-            t0 = time.perf_counter()
-            if hooks is not None:
-                hooks.bytes = 0
-            with hooks if hooks is not None else contextlib.nullcontext():
-                with _autocast(device):
-                    loss = spec.loss(model, data)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-                moved.append(2 * hooks.bytes if hooks is not None else 0)
+        forward_model = model
+        settings = contextlib.nullcontext()
+        if method == COMPILE:
+            import torch._functorch.config as functorch_config
+
+            # The budget is read when the graph is compiled, at the first step: hold it for the whole loop.
+            settings = functorch_config.patch(activation_memory_budget=COMPILE_BUDGET)
+            torch._dynamo.reset()
+            forward_model = torch.compile(model)
+            row["activation_memory_budget"] = COMPILE_BUDGET
+        if method == TRL:
+            trl_module, stubbed = extra["trl"]
+            row["trl_wheel"] = os.path.basename(extra.get("trl_wheel") or "")
+            if stubbed:
+                row["trl_stubbed_imports"] = stubbed
+        first_step_s = None
+        with settings:
+            for i in range(warmup + steps):
+                if i == warmup and device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                _sync(device)
+                t0 = time.perf_counter()
+                if hooks is not None:
+                    hooks.bytes = 0
+                ctx = hooks if hooks is not None else \
+                    trl_module.OffloadActivations(use_streams=True) if method == TRL else contextlib.nullcontext()
+                with ctx:
+                    with _autocast(device):
+                        loss = spec.loss(forward_model, data)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                _sync(device)
+                if i == 0:
+                    first_step_s = time.perf_counter() - t0
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+                    moved.append(2 * hooks.bytes if hooks is not None else (None if method == TRL else 0))
+        if method == COMPILE:
+            row["first_step_s"] = first_step_s  # includes compilation
+            torch._dynamo.reset()
     row["step_ms"] = statistics.median(times) * 1e3
     row["step_ms_spread"] = (min(times) * 1e3, max(times) * 1e3)
-    row["bytes_moved"] = statistics.median(moved) if moved else 0
+    # TRL's offloader does not say what it moved: None ("-"), not 0.
+    row["bytes_moved"] = statistics.median(moved) if moved and None not in moved else (0 if not moved else None)
     row["peak_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return row
 
 
-def largest_batch(spec, method, device, fit_bytes, device_model, start):
-    """Largest batch that trains 3 steps under a fit_bytes allocator cap (doubling, then bisection)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, fit_bytes / total), device)
+def largest_batch(spec, method, device, fit_bytes, device_model, start, extra=None, deadline=None):
+    """Largest batch that trains 3 steps under a fit_bytes allocator cap (doubling, then bisection).
+    Past `deadline` (time.monotonic()) the search stops and returns the largest batch seen to fit, as
+    (batch, True); otherwise (batch, False)."""
+    index = _fraction_device(device)
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, fit_bytes / total), index)
     budget = int(0.9 * fit_bytes) if method.startswith("memsched") else None
 
     def fits(b):
         try:
             run_method(spec, method, b, device, steps=1, warmup=2, device_model=device_model,
-                       budget_bytes=budget)
+                       budget_bytes=budget, extra=extra)
             return True
         except (torch.cuda.OutOfMemoryError, memsched.MemschedError):
             return False
         finally:
+            gc.collect()
             torch.cuda.empty_cache()
+
+    def late():
+        return deadline is not None and time.monotonic() > deadline
 
     try:
         lo, hi = 0, max(1, start)
         while fits(hi):
             lo, hi = hi, hi * 2
             if hi > 4096:
-                return lo
+                return lo, False
+            if late():
+                return lo, True
         while hi - lo > 1:
+            if late():
+                return lo, True
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        return lo, False
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 # -- table -----------------------------------------------------------------------------------------
@@ -283,8 +441,8 @@ def format_rows(rows, device):
             "max batch"]
     lines = []
     for r in rows:
-        if "error" in r:
-            msg = r["error"]
+        if "error" in r or "skipped" in r:
+            msg = r.get("error") or r["skipped"]
             if "needs at least" in msg:  # the planner's infeasible-budget message: keep the number
                 msg = "infeasible: needs at least " + msg.split("needs at least ")[1].split(" ")[0] + " B"
             lines.append([r["method"], msg[:60], "", "", "", "", "", ""])
@@ -327,7 +485,16 @@ def main(argv=None):
     p.add_argument("--no-fit", action="store_true", help="skip the largest-batch search")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads on --device cpu (default 1)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: rows not started by then, and largest-batch searches unlikely to end by then, "
+                        "are recorded as skipped")
+    p.add_argument("--compile-on-cpu", action="store_true", help="run the torch.compile row on CPU too (slow)")
+    p.add_argument("--trl-wheel", default=None,
+                   help="TRL wheel to read trl/models/activation_offloading.py from "
+                        "(default: $MEMSCHED_TRL_WHEEL, else .whl/trl-*.whl)")
     args = p.parse_args(argv)
+    started = time.monotonic()
+    deadline = started + args.time_budget if args.time_budget else None
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
         torch.set_num_threads(args.threads)  # OpenMP's spinning threads make small CPU steps erratic
@@ -340,43 +507,101 @@ def main(argv=None):
     device_model = "cpu" if device.type == "cpu" else None
     if device.type == "cuda" and hasattr(memsched, "measure_device"):
         device_model = memsched.measure_device(str(device))
+    extra = {"compile_on_cpu": args.compile_on_cpu}
+    if TRL in methods:
+        wheel = find_trl_wheel(args.trl_wheel)
+        if wheel is None:
+            extra["trl"] = ("skipped: no TRL wheel (run `make gpu-check-deps`, which downloads it into .whl/, "
+                            "and carry .whl; or pass --trl-wheel)")
+        else:
+            extra["trl_wheel"] = wheel
+            try:
+                extra["trl"] = load_trl_offload(wheel)
+            except Exception as e:  # a wheel without the file, or a file that no longer imports
+                extra["trl"] = f"skipped: could not load {TRL_FILE} from {os.path.basename(wheel)}: " \
+                               f"{type(e).__name__}: {e}"
     env = environment(device)
     print(f"# bench_offload on {env['gpu'] or 'CPU (not a GPU number)'}; torch {env['torch']}, CUDA {env['cuda']}"
-          + (f"; {env['cpu_threads']} CPU thread(s)" if device.type == "cpu" else ""))
-    results = {"environment": env, "small": args.small, "steps": steps, "warmup": warmup, "models": {}}
+          + (f"; {env['cpu_threads']} CPU thread(s)" if device.type == "cpu" else ""), flush=True)
+    results = {"environment": env, "small": args.small, "steps": steps, "warmup": warmup,
+               "time_budget_s": args.time_budget, "models": {}}
+
+    def dump():
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            tmp = args.out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(results, f, indent=2, default=str)
+            os.replace(tmp, args.out)
+
+    def remaining():
+        return math.inf if deadline is None else deadline - time.monotonic()
+
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         try:
             spec = {"gpt": GPTSpec, "resnet": ResNetSpec}[name](args.small)
         except KeyError:
             p.error(f"--models: unknown model {name!r}; choose gpt, resnet")
         except ImportError as e:
-            print(f"\n## {name}: skipped -- {e} (install torchvision to benchmark ResNet-50)")
+            print(f"\n## {name}: skipped -- {e} (install torchvision to benchmark ResNet-50)", flush=True)
             results["models"][name] = {"skipped": str(e)}
+            dump()
             continue
         batch = args.batch or spec.batch
-        print(f"\n## {spec.title}, batch {batch}, bf16 autocast, AdamW, {device}")
+        print(f"\n## {spec.title}, batch {batch}, bf16 autocast, AdamW, {device}", flush=True)
         rows = []
-        for method in methods:
-            try:
-                row = run_method(spec, method, batch, device, steps, warmup, device_model)
-            except (RuntimeError, ValueError) as e:
-                row = {"method": method, "error": f"{type(e).__name__}: {e}"}
-            if device.type == "cuda" and not args.no_fit and "error" not in row:
-                row["max_batch"] = largest_batch(spec, method, device, memsched.parse_bytes(args.fit_budget),
-                                                 device_model, batch)
-            elif "error" not in row:
-                row["max_batch"] = "n/a (CPU)" if device.type == "cpu" else "-"
+        results["models"][name] = {"title": spec.title, "batch": batch, "rows": rows}
+        for method in methods:  # every row first; the largest-batch searches after them
+            t0 = time.monotonic()
+            if remaining() <= 0:
+                row = {"method": method, "skipped": f"skipped: time budget ({args.time_budget:g} s) spent"}
+            else:
+                try:
+                    row = run_method(spec, method, batch, device, steps, warmup, device_model, extra=extra)
+                except Skipped as e:
+                    row = {"method": method, "skipped": str(e)}
+                except Exception as e:  # keep going: the row says what failed
+                    row = {"method": method, "error": f"{type(e).__name__}: {e}"}
+                finally:
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            row["wall_s"] = time.monotonic() - t0
             rows.append(row)
-            print(f"  {method}: " + (row.get("error") or f"{row['step_ms']:.2f} ms"), flush=True)
+            dump()
+            print(f"  {method}: " + (row.get("error") or row.get("skipped") or f"{row['step_ms']:.2f} ms"),
+                  flush=True)
+        for row in rows:
+            method = row["method"]
+            if "error" in row or "skipped" in row:
+                continue
+            if device.type != "cuda":
+                row["max_batch"] = "n/a (CPU)"
+            elif args.no_fit:
+                row["max_batch"] = "-"
+            elif method == COMPILE:
+                row["max_batch"] = "n/a (recompiles per batch)"
+            elif remaining() < 4 * row["wall_s"]:
+                row["max_batch"] = "skipped (time budget)"
+            else:
+                try:
+                    found, cut = largest_batch(spec, method, device, memsched.parse_bytes(args.fit_budget),
+                                               device_model, batch, extra=extra,
+                                               deadline=None if deadline is None else deadline)
+                    row["max_batch"] = f">= {found} (time budget)" if cut else found
+                except Exception as e:
+                    row["max_batch"] = f"error: {type(e).__name__}"
+                    row["max_batch_error"] = f"{type(e).__name__}: {e}"
+                print(f"  {method}: largest batch in {args.fit_budget}: {row['max_batch']}", flush=True)
+            dump()
         print()
         print(format_rows(rows, device))
         if device.type == "cpu":
             print("(CPU run: times are CPU wall clock, copies are host memcpy; GPU figures are pending a GPU run)")
-        results["models"][name] = {"title": spec.title, "batch": batch, "rows": rows}
+        dump()
+    results["wall_s"] = time.monotonic() - started
+    dump()
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2, default=str)
         print(f"\nwrote {args.out}")
     return 0
 

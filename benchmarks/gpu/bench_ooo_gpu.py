@@ -22,6 +22,7 @@ versions. A CPU run prints CPU numbers and says so.
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import sys
@@ -177,6 +178,10 @@ def main(argv=None):
     for name in args.models.split(","):
         label, rows = run_model(name.strip(), args, device)
         results["models"][label] = rows
+        if args.out:  # after every model, so a run stopped from outside keeps what it measured
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(results, f, indent=2)
+            os.replace(args.out + ".tmp", args.out)
         print(f"\n{label}")
         print(f"  {'variant':10s} {'median ms':>10s} {'IQR':>8s} {'speedup':>8s} {'peak MiB':>9s} {'max|dp|':>9s}")
         for m in MODES:
@@ -184,10 +189,7 @@ def main(argv=None):
             peak = "-" if r["peak_allocated_bytes"] is None else f"{r['peak_allocated_bytes'] / 2**20:9.1f}"
             sp = f"x{r['speedup_vs_plain']:.3f}" if "speedup_vs_plain" in r else ""
             print(f"  {m:10s} {r['median_ms']:10.2f} {r['iqr_ms']:8.2f} {sp:>8s} {peak:>9s} "
-                  f"{r['max_abs_param_diff_vs_plain']:9.2e}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+                  f"{r['max_abs_param_diff_vs_plain']:9.2e}", flush=True)
 
 
 if __name__ == "__main__":

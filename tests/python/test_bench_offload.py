@@ -19,7 +19,8 @@ def test_bench_offload_small_runs_on_cpu(tmp_path):
     rows = res["models"]["gpt"]["rows"]
     assert [r["method"] for r in rows] == ["plain", "save_on_cpu", "offload_all_prefetch", "checkpoint",
                                            "memsched dp 30%", "memsched dp 50%", "memsched dp 70%",
-                                           "memsched greedy 50%"]
+                                           "memsched greedy 50%", "torch.compile budget 0.5",
+                                           "trl OffloadActivations"]
     by = {r["method"]: r for r in rows}
     for name in ("plain", "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched greedy 50%"):
         assert "error" not in by[name], by[name]
@@ -32,6 +33,10 @@ def test_bench_offload_small_runs_on_cpu(tmp_path):
     # A dp row either ran or says which budget it needs (the planner's infeasible-budget error).
     for name in ("memsched dp 30%", "memsched dp 50%", "memsched dp 70%"):
         assert "step_ms" in by[name] or "needs at least" in by[name]["error"], by[name]
+    # What users pick instead: on CPU the compile row is skipped (inductor is slow there) and TRL's offloader
+    # is skipped (accelerator tensors only; or no wheel carried) -- each with a message, never silently.
+    assert "compile" in by["torch.compile budget 0.5"]["skipped"]
+    assert "TRL" in by["trl OffloadActivations"]["skipped"]
     greedy = by["memsched greedy 50%"]
     assert greedy["offloaded"] > 0 and greedy["bytes_moved"] > 0
     assert greedy["sim_peak_bytes"] <= greedy["budget_bytes"]
@@ -41,3 +46,19 @@ def test_bench_offload_small_runs_on_cpu(tmp_path):
         assert res["models"]["resnet"]["rows"]
     except ImportError:
         assert "skipped" in res["models"]["resnet"]
+
+
+def test_fraction_device_index_is_an_int():
+    """set_per_process_memory_fraction needs an index: torch.device("cuda") has none (the GPU run crashed)."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import bench_offload
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    assert bench_offload._fraction_device(torch.device("cuda", 3)) == 3
+    if torch.cuda.is_available():
+        assert isinstance(bench_offload._fraction_device(torch.device("cuda")), int)

@@ -1,0 +1,57 @@
+"""benchmarks/gpu/gpu_check.py: the one-command GPU table. Its CPU smoke mode runs here; a failing part is
+recorded with its log tail and the run goes on."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu", "gpu_check.py")
+
+
+def _load():
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    return gpu_check
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke mode")
+def test_cpu_smoke_writes_one_markdown_and_one_json(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, SCRIPT, "--cpu-smoke", "--parts", "ooo,allocator", "--budget", "200",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["environment"]["torch"] == torch.__version__
+    assert report["parts"]["env"]["status"] == "ok"
+    assert report["parts"]["ooo"]["status"] == "ok"
+    assert report["results"]["ooo"]["models"]
+    assert report["parts"]["allocator"]["status"] == "skipped"  # needs CUDA; says so
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "## bench_ooo_gpu.py" in md and report["tree"]["digest"] in md
+
+
+def test_failed_part_shows_its_log_tail():
+    gc = _load()
+    report = {"mode": "gpu", "environment": {"cuda_available": False, "torch": "x"}, "tree": {"digest": "d", "git": None},
+              "started": "now", "wall_s": 1.0, "budget_s": 500,
+              "parts": {"build": {"status": "failed (rc 1)", "wall_s": 3.0, "timeout_s": 100,
+                                  "log_tail": ["cmake ...", "CMake Error: nlohmann/json.hpp not found"]}},
+              "results": {}}
+    md = gc.render_md(report)
+    assert "failed (rc 1)" in md and "CMake Error: nlohmann/json.hpp not found" in md
+
+
+def test_runner_kills_at_timeout(tmp_path):
+    gc = _load()
+    with open(tmp_path / "log", "w") as log:
+        r = gc.Runner(log, dict(os.environ))("t", [sys.executable, "-c", "import time; print('hi', flush=True); "
+                                                                            "time.sleep(60)"], 2)
+    assert r["timed_out"] and r["tail"] == ["hi"] and r["wall_s"] < 30
