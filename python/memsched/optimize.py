@@ -113,6 +113,7 @@ Note [Budgets]
   plan can reach raises the planner's MemschedError (naming the least budget)
   from the first run.step().
 """
+import collections
 import time
 import warnings
 
@@ -161,7 +162,7 @@ class Run:
 
     def __init__(self, model, optimizer=None, budget=None, planner="dp", device=None, ooo=False,
                  fuse_optimizer=False, min_offload_bytes=None, max_reprofiles=2, device_model=None,
-                 grad_accumulation_steps=1):
+                 grad_accumulation_steps=1, timeline=False, history=100):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not hasattr(optimizer, "step"):
@@ -193,6 +194,10 @@ class Run:
             raise ValueError(f"grad_accumulation_steps: expected an int >= 1 (backward passes per run.step()), "
                              f"got {grad_accumulation_steps!r}")
         self.grad_accumulation_steps = grad_accumulation_steps
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"history: expected an int >= 1 (executed steps whose StepStats run.step_stats "
+                             f"keeps), got {history!r}")
+        self.timeline = bool(timeline)
         # Note [Compiled modules run plainly]
         self.compiled_why_ = compiled_module_reason(model)
         if self.compiled_why_:
@@ -207,13 +212,15 @@ class Run:
         self.fuse_optimizer = bool(fuse_optimizer)
         self.host = HostBuffers(pinned=self.device.type == "cuda")
         self.executor = OffloadExecutor(model, self.device, self.host, min_bytes=self.min_offload_bytes,
-                                        on_mismatch=self._on_mismatch)
+                                        on_mismatch=self._on_mismatch, timeline=self.timeline)
         self.trace = None            # memsched.Trace of the last profiled step
         self.plan = None             # the plan executed now (None: keep everything)
         self.schedule = None         # OffloadSchedule of self.plan
         self.simulation = None       # memsched.simulate() result for (trace, plan)
         self.budget_bytes = None     # resolved budget, bytes (None: no budget)
-        self.step_stats = []         # StepStats of every executed (non-profiled) step
+        self.step_stats = collections.deque(maxlen=history)  # StepStats of the last `history` executed steps
+        self.steps_planned = 0       # COUNT of executed steps that ran the plan (all of them, not just kept)
+        self.steps_plain = 0         # COUNT of executed steps that ran plainly (a mismatch)
         self.steps_profiled = 0      # COUNT
         self.reprofiles = 0          # COUNT of re-profiles after a mismatch
         self.mismatches = 0          # COUNT of steps that did not match the trace
@@ -293,6 +300,10 @@ class Run:
                     if self.reprofiles < self.max_reprofiles:
                         self.reprofiles += 1
                         self._start_profiling()
+                if stats.mode == "planned":
+                    self.steps_planned += 1
+                else:
+                    self.steps_plain += 1
                 return
         self._optimizer_step()
 
@@ -505,7 +516,8 @@ class Run:
             notes.append(self.budget_note_)
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
-        r = build_report(info, self.planned_figures(), self.step_stats, notes)
+        r = build_report(info, self.planned_figures(), self.step_stats, notes,
+                         counts=(self.steps_planned, self.steps_plain))
         print(r.table, file=file)
         return r
 
@@ -513,6 +525,10 @@ class Run:
         """PNG of the last executed step: memory planned and measured, copy streams. Returns path."""
         if self.trace is None:
             raise RuntimeError("run.save_timeline(): no step has been profiled yet; call it after a few run.step()")
+        if not self.timeline:
+            raise RuntimeError("run.save_timeline(): this Run recorded no timeline; pass "
+                               "memsched.optimize(..., timeline=True) to record memory samples and copies per "
+                               "step (off by default: it costs a sample per saved tensor)")
         executed = [s for s in self.step_stats if s.mode == "planned"] or self.step_stats
         last = executed[-1] if executed else None
         planned, planned_copies = self._planned_timeline()
@@ -545,7 +561,7 @@ class Run:
         return pts, []
 
 
-_OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumulation_steps")
+_OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumulation_steps", "timeline", "history")
 
 
 def compiled_module_reason(model):
@@ -571,7 +587,9 @@ def optimize(model, optimizer=None, budget=None, planner="dp", device=None, ooo=
     max_reprofiles (default 2), device_model (passed to plan/simulate), grad_accumulation_steps
     (with ooo/fuse_optimizer: backward passes per optimizer step, default 1; run.step() may follow
     each of them or only the last -- See Note [Fused update and gradient accumulation] in
-    ooo/backward.py).
+    ooo/backward.py), timeline (record per-step memory samples and copies for run.save_timeline(),
+    default False), history (executed steps whose StepStats run.step_stats keeps, default 100;
+    run.report() counts every step).
     Every argument is checked here, before any step: a ValueError (TypeError for an unknown option)
     names the argument and what it accepts.
     """

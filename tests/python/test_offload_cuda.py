@@ -49,7 +49,7 @@ def test_cuda_offload_is_bitwise_and_lowers_forward_memory(monkeypatch):
     torch.cuda.reset_peak_memory_stats()
     _run(ref, ref_opt, xs[:1])
     plain_peak = torch.cuda.max_memory_allocated()
-    with optimize(model, opt, budget=1.0, min_offload_bytes=1 << 20) as run:
+    with optimize(model, opt, budget=1.0, min_offload_bytes=1 << 20, timeline=True) as run:
         _run(model, opt, xs, run=run)
     torch.manual_seed(0)
     check = Deep().cuda()  # the same initial weights, trained plainly on the same 3 batches

@@ -315,7 +315,7 @@ def test_changed_shape_warns_once_runs_plainly_and_reprofiles(standins):
 
 def test_report_and_timeline(standins, tmp_path, capsys):
     model, opt, _, _ = _pair("mlp")
-    with optimize(model, opt, budget=1) as run:
+    with optimize(model, opt, budget=1, timeline=True) as run:
         _train("mlp", model, opt, 3, run=run)
     r = run.report()
     out = capsys.readouterr().out

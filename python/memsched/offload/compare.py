@@ -87,7 +87,7 @@ def _compare(model_name, size, batch, steps, budget_fraction, device, planner, t
             use_planner, use_budget = attempts[-1]
             model = copy.deepcopy(base)
             opt = make_opt(model)
-            run = memsched.optimize(model, opt, budget=use_budget, planner=use_planner)
+            run = memsched.optimize(model, opt, budget=use_budget, planner=use_planner, timeline=True)
             try:
                 with run:
                     times = _train(model, opt, data, loss_fn, steps, device, run=run)

@@ -138,8 +138,8 @@ class StepStats:
     peak_bytes: int = 0            # max sampled memory (see memory_source)
     memory_source: str = ""        # what the samples measure
     mismatch: str = ""             # first identity mismatch, "" if none
-    samples: list = field(default_factory=list)  # [(t_s, bytes)] memory over the step
-    copies: list = field(default_factory=list)   # [(kind, start_s, end_s, bytes)] copy streams
+    samples: list = field(default_factory=list)  # [(t_s, bytes)] memory over the step (timeline=True only)
+    copies: list = field(default_factory=list)   # [(kind, start_s, end_s, bytes)] copy streams (timeline=True)
 
 
 def foreign_hooks_reason(check_dispatch_modes=False):
@@ -216,9 +216,10 @@ class _View:
 class OffloadExecutor:
     """Saved-tensor hooks executing an OffloadSchedule. See the Notes above."""
 
-    def __init__(self, model, device, host_buffers, min_bytes=0, on_mismatch=None):
+    def __init__(self, model, device, host_buffers, min_bytes=0, on_mismatch=None, timeline=False):
         self.model = model
         self.device = torch.device(device)
+        self.timeline = bool(timeline)           # keep per-tensor memory samples and the copy log per step
         self.min_bytes = int(min_bytes)          # size floor for offload, bytes
         self.engine = CopyEngine(self.device, host_buffers)
         self.on_mismatch = on_mismatch           # callback(str) on the first mismatch of a step
@@ -321,10 +322,11 @@ class OffloadExecutor:
         if self.engine.is_cuda:
             stats.peak_bytes = max(stats.peak_bytes, torch.cuda.max_memory_allocated(self.device))
             stats.stall_s = sum(a.elapsed_time(b) for a, b in self.stall_events_) / 1e3
-            for kind, nbytes, _, _, start_event, done in log:
-                start = self.t0_event_.elapsed_time(start_event) / 1e3
-                stats.copies.append((kind, start, start + start_event.elapsed_time(done) / 1e3, nbytes))
-        else:
+            if self.timeline:
+                for kind, nbytes, _, _, start_event, done in log:
+                    start = self.t0_event_.elapsed_time(start_event) / 1e3
+                    stats.copies.append((kind, start, start + start_event.elapsed_time(done) / 1e3, nbytes))
+        elif self.timeline:
             stats.copies = [(kind, issued - self.t0_, finished - self.t0_, nbytes)
                             for kind, nbytes, issued, finished, _, _ in log]
         self._reset_step()
@@ -624,6 +626,13 @@ class OffloadExecutor:
         self.alive_bytes_ += nbytes
 
     def _sample(self):
+        """A memory sample for the timeline (timeline=True); otherwise only the CPU peak is kept (CUDA
+        reads max_memory_allocated at the step's end), so no per-tensor list grows and no allocator
+        query runs per saved tensor."""
+        if not self.timeline:
+            if not self.engine.is_cuda and self.alive_bytes_ > self.stats.peak_bytes:
+                self.stats.peak_bytes = self.alive_bytes_
+            return
         now = time.perf_counter() - self.t0_
         value = torch.cuda.memory_allocated(self.device) if self.engine.is_cuda else self.alive_bytes_
         self.stats.samples.append((now, value))

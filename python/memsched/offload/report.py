@@ -85,13 +85,17 @@ class RunReport:
                 f"measured_peak={self.measured.get('peak_bytes')})")
 
 
-def build_report(run_info, planned, step_stats, notes=()):
-    """RunReport from the run's settings, the planned figures and the StepStats of executed steps."""
+def build_report(run_info, planned, step_stats, notes=(), counts=None):
+    """RunReport from the run's settings, the planned figures and the StepStats of executed steps
+    (the medians come from those; counts: (planned, plain) over the whole run when step_stats is a
+    bounded window of it)."""
     r = RunReport(**run_info)
     r.notes = list(notes)
     executed = [s for s in step_stats if s.mode == "planned"]
     r.steps_planned = len(executed)
     r.steps_plain = len(step_stats) - len(executed)
+    if counts is not None:
+        r.steps_planned, r.steps_plain = counts
     r.planned = dict(planned)
     if executed:
         med = lambda key: statistics.median(getattr(s, key) for s in executed)
