@@ -230,6 +230,9 @@ def format_table(rows):
 def save_timeline(result, path, title="simulated step", budget_bytes=None):
     """Plot a SimResult: device memory over time (top) and the compute / D2H / H2D streams
     (bottom) to a PNG (matplotlib, Agg backend)."""
+    from memsched._images import image_format
+
+    fmt = image_format(path, "save_timeline: path")  # before any plotting: a clear error, the exact file
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,6 +266,6 @@ def save_timeline(result, path, title="simulated step", budget_bytes=None):
     ax_st.set_xlabel("time (ms)")
     ax_st.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format=fmt)
     plt.close(fig)
     return path
