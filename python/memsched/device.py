@@ -105,6 +105,7 @@ def resolve_device(device=None, trace=None, durations="auto"):
     if durations not in ("auto", "measured", "roofline"):
         raise ValueError(f"durations: expected 'auto', 'measured' or 'roofline', got {durations!r}")
     if isinstance(device, DeviceModel):
+        _check_model_fields(device)
         model = _copy(device)
         kind = None
     elif device is None or isinstance(device, (str, os.PathLike)):
@@ -124,6 +125,21 @@ def resolve_device(device=None, trace=None, durations="auto"):
         recorded_kind = "cuda" if recorded.startswith("cuda") else "cpu" if recorded.startswith("cpu") else None
         model.use_measured_durations = recorded_kind is None or recorded_kind == kind
     return model
+
+
+def _check_model_fields(d):
+    """The checks of a preset file's fields, for a DeviceModel built in Python: DeviceModel.validate()
+    lets infinite latencies, bandwidths and FLOP/s through, and the simulator then reports an infinite
+    step time and a NaN stall."""
+    for field in _FIELDS:
+        value = getattr(d, field)
+        if not math.isfinite(value):
+            raise ValueError(f"device: DeviceModel '{d.name}' field '{field}' must be a finite number, got "
+                             f"{value!r}")
+    try:
+        d.validate()
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"device: {e}") from None
 
 
 def _copy(d):

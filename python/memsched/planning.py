@@ -198,7 +198,21 @@ def compare(trace, budget, planners="all", device=None, durations="auto"):
     """Plan and simulate `trace` with each planner at one budget. Returns one dict per planner:
     planner, ok, error, plan, result, step_time_us, stall_us, peak_bytes, bytes_moved (both ways),
     ratio (step time / keep_all's step time without a budget)."""
-    names = planner_names() if planners in ("all", None) else list(planners)
+    _check_trace(trace)
+    known = planner_names()
+    if planners is None or (isinstance(planners, str) and planners == "all"):
+        names = known
+    elif isinstance(planners, str):
+        names = [planners]  # one planner by name (list("dp") would be the planners 'd' and 'p')
+    else:
+        try:
+            names = list(planners)
+        except TypeError:
+            raise ValueError(f"planners: expected 'all', a planner name or a list of them, got "
+                             f"{type(planners).__name__}") from None
+    for name in names:
+        if not isinstance(name, str) or name not in known:
+            raise ValueError(f"planners: unknown planner {name!r}; known planners: {', '.join(known)} (or 'all')")
     budget_bytes = resolve_budget(budget, trace)
     model = resolve_device(device, trace, durations)
     baseline = _C.simulate(trace, _C.make_plan(trace, model, _NO_BUDGET, "keep_all"), model)
@@ -246,6 +260,9 @@ def format_table(rows):
 def save_timeline(result, path, title="simulated step", budget_bytes=None):
     """Plot a SimResult: device memory over time (top) and the compute / D2H / H2D streams
     (bottom) to a PNG (matplotlib, Agg backend)."""
+    from memsched._images import image_format
+
+    fmt = image_format(path, "save_timeline: path")  # before any plotting: a clear error, the exact file
     import matplotlib
 
     matplotlib.use("Agg")
@@ -279,6 +296,6 @@ def save_timeline(result, path, title="simulated step", budget_bytes=None):
     ax_st.set_xlabel("time (ms)")
     ax_st.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format=fmt)
     plt.close(fig)
     return path

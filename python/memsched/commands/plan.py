@@ -31,6 +31,12 @@ def run(args):
         print(f"memsched plan: cannot read {args.trace}: {e}", file=sys.stderr)
         return 2
     error = output_file(args.out, "--out", "timeline.png")  # before the work (Note [Command-line input is checked ...])
+    if error is None:
+        from memsched._images import image_format
+        try:
+            image_format(args.out, "--out")
+        except ValueError as e:
+            error = str(e)
     if error is not None:
         print(f"memsched plan: {error}", file=sys.stderr)
         return 2

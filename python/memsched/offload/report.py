@@ -142,6 +142,9 @@ def save_timeline(path, title, planned_curve, measured, copies, planned_copies=N
     [(kind, start_s, end_s, bytes)] measured on the copy streams, planned_copies
     likewise from the simulator (optional).
     """
+    from memsched._images import image_format
+
+    fmt = image_format(path, "save_timeline: path")  # before any plotting: a clear error, the exact file
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -176,6 +179,6 @@ def save_timeline(path, title, planned_curve, measured, copies, planned_copies=N
     lanes.set_ylim(0.4, 2.6)
     lanes.set_xlabel("time in step (ms)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format=fmt)
     plt.close(fig)
     return path

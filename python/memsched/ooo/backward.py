@@ -94,6 +94,8 @@ Note [Executors]
 """
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 import threading
 import time
@@ -189,6 +191,9 @@ class OutOfOrderBackward:
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  fuse_optimizer: bool = False, max_deferred_bytes=None, grad_accumulation_steps: int = 1,
                  max_grad_norm: Optional[float] = None, executor: str = "auto"):
+        if not isinstance(model, nn.Module):
+            raise MemschedError(f"model: expected a torch.nn.Module (or a DistributedDataParallel wrapping one), "
+                                f"got {type(model).__name__}")
         if fuse_optimizer and optimizer is None:
             raise MemschedError("fuse_optimizer=True needs optimizer=...: the torch.optim optimizer whose "
                                 "update runs per parameter during backward")
@@ -200,18 +205,25 @@ class OutOfOrderBackward:
                 "torch.nn.utils.clip_grad_norm_ before optimizer.step() (or max_grad_norm here, which clips "
                 "in step()), or clip per parameter (torch.nn.utils.clip_grad_value_ in a "
                 "register_post_accumulate_grad_hook).")
-        if int(grad_accumulation_steps) < 1:
-            raise MemschedError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
+        if isinstance(grad_accumulation_steps, bool) or not isinstance(grad_accumulation_steps, numbers.Integral) \
+                or grad_accumulation_steps < 1:
+            raise MemschedError(f"grad_accumulation_steps must be a whole number >= 1 (backward passes per "
+                                f"optimizer step), got {grad_accumulation_steps!r}")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool)
+                                          or not isinstance(max_grad_norm, numbers.Real)
+                                          or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
+            raise MemschedError(f"max_grad_norm must be None or a finite number > 0 (the global gradient norm "
+                                f"to clip to), got {max_grad_norm!r}")
         if executor not in ("auto", "inline", "thread", "stream"):
             raise MemschedError(f"executor must be 'auto', 'inline', 'thread' or 'stream', got {executor!r}")
         self._limit_given = max_deferred_bytes is not None
         if max_deferred_bytes is None:
             max_deferred_bytes = DEFAULT_MAX_DEFERRED_BYTES  # resolved at install (See Note [Executors])
-        elif isinstance(max_deferred_bytes, str):
-            max_deferred_bytes = parse_bytes(max_deferred_bytes)
-        if int(max_deferred_bytes) < 0:
-            raise MemschedError(f"max_deferred_bytes must be >= 0 (0 = run every item at once), "
-                                f"got {max_deferred_bytes}")
+        else:
+            try:  # an int, a whole float or "64MiB"; the error names this argument, not "budget"
+                max_deferred_bytes = parse_bytes(max_deferred_bytes, name="max_deferred_bytes")
+            except ValueError as e:
+                raise MemschedError(f"{e} (max_deferred_bytes >= 0; 0 = run every item at once)") from None
         self.model = model
         self.optimizer = optimizer
         self.fuse_optimizer = bool(fuse_optimizer)
@@ -285,6 +297,14 @@ class OutOfOrderBackward:
         # Which modules own each parameter directly (tied weights have several).
         owners: Dict[int, List[nn.Module]] = {}
         modules = list(dict.fromkeys(root.modules()))
+        # One OutOfOrderBackward per model: a second one would patch the first's forward, and removing
+        # them out of order would leave a dead patch behind (every later forward: ReferenceError).
+        for name, m in root.named_modules():
+            if isinstance(m.__dict__.get("forward"), PatchedForward):
+                where = f"layer '{name}'" if name else "the model"
+                raise MemschedError(f"model: {where} is already patched by another OutOfOrderBackward (or "
+                                    "memsched.optimize(..., ooo=True)) that is still installed; remove() it (leave "
+                                    "its `with` block) before installing another on the same model")
         for m in modules:
             for p in m.parameters(recurse=False):
                 if id(p) in self._index:

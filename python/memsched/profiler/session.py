@@ -74,6 +74,19 @@ class ProfilerSession:
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer=None, device: Optional[str] = None):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"memsched.profile: model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")
+                                          and hasattr(optimizer, "register_step_pre_hook")):
+            raise TypeError(f"memsched.profile: optimizer must be a torch.optim.Optimizer (or None), got "
+                            f"{type(optimizer).__name__}")
+        if device is not None:
+            try:
+                kind = torch.device(device).type
+            except (RuntimeError, TypeError, ValueError):
+                raise ValueError(f"memsched.profile: device must be a torch device such as 'cpu', 'cuda' or "
+                                 f"'cuda:0' (or None: the model's), got {device!r}") from None
+            if kind == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"memsched.profile: device {device!r}, but torch.cuda.is_available() is False; "
+                                 f"the trace's device decides which op times a GPU preset uses -- pass 'cpu' or None")
         self.model = model
         self.optimizer = optimizer
         self.device = str(device) if device is not None else _device_of(model)

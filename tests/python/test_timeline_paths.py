@@ -1,0 +1,60 @@
+"""Timeline PNGs are written to exactly the path given; an extension matplotlib cannot write is a
+clear error naming the path -- before the work for `python -m memsched plan --out` -- never a
+ValueError from inside savefig after the planning, and a name without an extension is not silently
+written as NAME.png."""
+import pytest
+
+import memsched
+from memsched import planning
+from memsched.__main__ import main as cli_main
+from memsched.offload.report import save_timeline as report_save_timeline
+
+
+def _trace():
+    t = memsched.Trace()
+    for name, phase in (("f", "forward"), ("g", "forward"), ("gb", "backward"), ("fb", "backward")):
+        t.add_op(name, phase=phase, duration_us=1.0)
+    t.add_tensor(100, "float32", "activation", 0, [1, 2], 2)
+    t.add_tensor(200, "float32", "activation", 1, [3], 3)
+    return t
+
+
+def _result():
+    t = _trace()
+    return planning.simulate(t, planning.plan(t, None, "offload_all_sync"))
+
+
+def test_plan_out_with_an_unknown_extension_is_refused_before_the_work(tmp_path, capsys, monkeypatch):
+    trace = tmp_path / "t.json"
+    _trace().to_json(str(trace))
+    monkeypatch.setattr(planning, "compare", lambda *a, **k: pytest.fail("planned before checking --out"))
+    out = tmp_path / "timeline.unknownext"
+    assert cli_main(["plan", str(trace), "--budget", "1.0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}" in err and "'.unknownext'" in err and ".png" in err
+
+
+def test_plan_out_without_extension_writes_that_exact_file(tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    _trace().to_json(str(trace))
+    out = tmp_path / "timeline"
+    assert cli_main(["plan", str(trace), "--budget", "1.0", "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "timeline.png").exists()
+
+
+@pytest.mark.parametrize("save", ["planning", "report"])
+def test_save_timeline_paths(save, tmp_path):
+    def call(path):
+        if save == "planning":
+            return planning.save_timeline(_result(), str(path))
+        return report_save_timeline(str(path), "t", [(0.0, 1), (1.0, 2)], [], [])
+    with pytest.raises(ValueError, match="cannot write a '.bogus' image"):
+        call(tmp_path / "x.bogus")
+    with pytest.raises(ValueError, match="is a folder"):
+        call(tmp_path)  # was: a PNG written next to the folder, as <folder>.png
+    assert not (tmp_path.parent / (tmp_path.name + ".png")).exists()
+    call(tmp_path / "noext")
+    assert (tmp_path / "noext").read_bytes()[:4] == b"\x89PNG"
+    call(tmp_path / "x.svg")
+    assert b"<svg" in (tmp_path / "x.svg").read_bytes()[:400]
