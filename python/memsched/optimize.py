@@ -207,6 +207,9 @@ class Run:
                           "step would match the plan. Pass the module before torch.compile() to offload its "
                           "activations", RuntimeWarning, stacklevel=3)
         self.ooo_ = None
+        for name, flag in (("ooo", ooo), ("fuse_optimizer", fuse_optimizer)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: expected True or False, got {flag!r}")
         if (ooo or fuse_optimizer) and not self.compiled_why_:
             self.ooo_ = self._make_ooo(fuse_optimizer)
         self.fuse_optimizer = bool(fuse_optimizer)
@@ -281,7 +284,14 @@ class Run:
             session, self.profile_ = self.profile_, None
             trace = session.stop()
             self.steps_profiled += 1
-            self._adopt_trace(trace)
+            try:
+                self._adopt_trace(trace)
+            except BaseException:
+                # No plan for this budget: the optimizer did not step and the gradients are as
+                # backward left them (the caller's to zero). The next step is profiled again -- and
+                # refused again -- rather than run plainly without a word.
+                self._start_profiling()
+                raise
         elif self.profile_armed_:
             # no forward since the last step, or its forward could not be profiled (foreign hooks):
             # nothing recorded, nothing executed
@@ -387,8 +397,14 @@ class Run:
                 self.ooo_.abandon_forward()
 
     def _adopt_trace(self, trace):
+        budget_bytes, planner = self._resolve_budget(trace)
+        if planner is not None and not any(op.phase == "backward" for op in trace.ops):
+            raise _C.MemschedError(
+                "run.step(): the profiled step ran no backward pass before run.step(), so there is nothing "
+                "to plan (no saved activation is used by a backward op); call loss.backward() before "
+                "run.step()")
         self.trace = trace
-        self.budget_bytes, planner = self._resolve_budget(trace)
+        self.budget_bytes = budget_bytes
         if planner is None:
             self.plan = None
         else:
@@ -466,10 +482,11 @@ class Run:
 
     @staticmethod
     def _model_device(model):
-        for p in model.parameters():
-            return p.device
-        for b in model.buffers():
-            return b.device
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"model: its tensors are on {t.device}, but memsched.optimize runs models on "
+                                 "'cpu' or 'cuda' devices; move it there (model.to('cuda')) first")
+            return t.device
         return torch.device("cpu")
 
     # -- reports ------------------------------------------------------------------------------------

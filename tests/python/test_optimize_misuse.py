@@ -1,0 +1,52 @@
+"""memsched.optimize misused the way a new user might: each gets a clear error, never a silent change."""
+import pytest
+import torch
+import torch.nn as nn
+
+import memsched
+from memsched.optimize import optimize
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def test_a_refused_plan_caught_by_the_caller_is_refused_again_not_run_plainly():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    refusals = 0
+    with optimize(model, opt, budget=1000, planner="dp") as run:
+        for _ in range(3):
+            before = [p.detach().clone() for p in model.parameters()]
+            model(x).sum().backward()
+            try:
+                run.step()
+            except memsched.MemschedError as err:
+                assert "least budget" in str(err)
+                refusals += 1
+            # refused: the optimizer did not step
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+            opt.zero_grad()
+    assert refusals == 3 and len(run.step_stats) == 0
+
+
+def test_a_profiled_step_without_backward_says_so():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with optimize(model, opt, budget=0.5) as run:
+        model(torch.randn(4, 8)).sum()
+        with pytest.raises(memsched.MemschedError, match=r"no backward pass.*loss.backward\(\)"):
+            run.step()
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with pytest.raises(ValueError, match="meta"):
+        optimize(_model().to("meta"), None)
+
+
+@pytest.mark.parametrize("kw", ["ooo", "fuse_optimizer"])
+def test_flags_must_be_booleans(kw):
+    with pytest.raises(ValueError, match=kw):
+        optimize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), **{kw: "yes"})
