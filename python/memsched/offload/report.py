@@ -6,7 +6,7 @@ RunReport, save_timeline(path, ...). Pure Python + matplotlib (Agg).
 import statistics
 from dataclasses import dataclass, field
 
-from memsched.offload.schedule import plan_decisions
+from memsched.offload.schedule import held_past_step, plan_decisions
 from memsched.units import format_bytes
 
 
@@ -16,6 +16,8 @@ def planned_activation_curve(trace, plan):
     Kept activation: resident from its producer op to its free op. Offloaded:
     from its producer to max(offload_after_op, last forward use), then again from
     prefetch_at_op to its free op (Note [Tensor lifetime convention] in trace.h).
+    A planned offload of a tensor held past the step counts as kept: the executor keeps it
+    (Note [Activations held past the step] in offload/schedule.py).
     This is the quantity the CPU executor measures (storages alive).
     """
     ops = trace.ops
@@ -26,13 +28,14 @@ def planned_activation_curve(trace, plan):
         for d in plan_decisions(plan):
             if d.offload:
                 offload[d.tensor_id] = d
+    held = {rec.id for rec in trace.tensors if held_past_step(rec)}
     for rec in trace.tensors:
         if rec.kind != "activation":
             continue
         start = 0 if rec.producer_op < 0 else rec.producer_op
         end = n - 1 if rec.freed_after_op < 0 else rec.freed_after_op
         d = offload.get(rec.id)
-        if d is None:
+        if d is None or rec.id in held:
             spans = [(start, end)]
         else:
             fwd = [u for u in rec.uses if ops[u].phase == "forward"]

@@ -25,6 +25,18 @@ Note [Plan ops to backward triggers]
   tensors of that gap), never time.
   The D2H copy is issued when the activation is first packed, i.e. during its
   producer op, which is at or before the plan's offload_after_op: never late.
+
+Note [Activations held past the step]
+  An activation whose storage outlives the step in the trace (freed_after_op
+  == -1: the caller's batch tensors `x` and `y`, an output the caller keeps) is
+  held by a reference outside the autograd graph. Copying it to host frees
+  nothing -- the device storage stays -- and fetching it back for backward adds
+  a second device copy. The executor keeps such a planned offload on the device
+  (counted in skipped_held) and planned_activation_curve counts it as kept, so
+  the curve is what the executor does. The C++ planners and simulator
+  (analyze_offload in csrc/core/plan.cpp) still count it as offloadable and
+  credit its bytes between offload and prefetch, so a plan's simulated peak can
+  be below what any execution reaches by up to those bytes.
 """
 import bisect
 import re
@@ -36,6 +48,12 @@ def ordinal_of_label(label):
     """The activation ordinal written in a trace label "act:<ordinal>:...", or None."""
     m = _LABEL.match(label or "")
     return int(m.group(1)) if m else None
+
+
+def held_past_step(rec):
+    """True when the trace's tensor outlives the step: offloading it frees no device memory
+    (See Note [Activations held past the step])."""
+    return rec.freed_after_op < 0
 
 
 def plan_decisions(plan):
@@ -59,6 +77,7 @@ class OffloadSchedule:
         self.prefetch_at = {}      # observable op (or -1) -> ordinals prefetched there, in plan order
         self.observable_ops = []   # sorted trace op indices that the unpack hook reveals
         self.skipped_small = 0     # COUNT: planned offloads below the size floor (kept)
+        self.skipped_held = 0      # COUNT: planned offloads of tensors held past the step (kept)
         self.copies_on_compute_stream = False  # the plan wants copies on the compute stream (offload_all_sync)
 
     @classmethod
@@ -68,6 +87,7 @@ class OffloadSchedule:
         ops = trace.ops
         tensors = trace.tensors
         ordinal_of_id = {}
+        held = set()
         for rec in tensors:
             k = ordinal_of_label(rec.label)
             if k is None:
@@ -76,6 +96,8 @@ class OffloadSchedule:
             if rec.kind != "activation":
                 continue  # e.g. upgraded to gradient: matched by label, never offloaded
             ordinal_of_id[rec.id] = k
+            if held_past_step(rec):
+                held.add(k)
             s.bytes[k] = rec.bytes
             bwd = [u for u in rec.uses if ops[u].phase == "backward"]
             if bwd:
@@ -90,6 +112,9 @@ class OffloadSchedule:
             k = ordinal_of_id.get(d.tensor_id)
             if k is None or k not in s.first_bwd_op:
                 continue  # not a matchable activation, or never read in backward: nothing to do
+            if k in held:
+                s.skipped_held += 1  # See Note [Activations held past the step]
+                continue
             if s.bytes[k] < min_bytes:
                 s.skipped_small += 1
                 continue

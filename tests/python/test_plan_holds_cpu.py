@@ -1,0 +1,114 @@
+"""Issue 11, CPU part: the plan's saved-activation peak is what the executor measures.
+
+On CPU the executor's StepStats.peak_bytes is the most bytes of saved-activation storages alive
+at once (memory_source "saved-activation storages alive (executor count)"); the like-for-like
+planned figure is the peak of planned_activation_curve(trace, plan) -- the plan's saved
+activations resident per op, which run.report() prints as "peak saved activations". For each
+built-in model (memsched.models), planner and budget (1.0 and 0.7 of the activation memory, and
+the least feasible budget, _C.least_budget_bytes) a few steps run under memsched.optimize() and
+every planned step's measured peak must be within 1% of the planned one.
+
+Known gaps are xfail(strict=True) with their cause (See _KNOWN_GAPS); a gap that closes makes
+its case fail until the mark is removed.
+"""
+import pytest
+import torch
+
+import memsched
+from memsched import _C, models
+from memsched.offload.report import planned_activation_curve
+
+BATCH = 4
+STEPS = 3          # the first is profiled, the rest execute the plan
+TOLERANCE = 0.01   # of the planned peak
+BUDGETS = ("1.0", "0.7", "least")
+PLANNERS = ("dp", "offload_all_prefetch")
+
+# (model, planner, budget) -> why the measured peak differs from the plan today.
+_EARLY_PREFETCH = (
+    "executor prefetches early: a prefetch planned at op p fires at the latest *observable* op <= p "
+    "(an unpack; Note [Plan ops to backward triggers] in offload/schedule.py), so a fetched copy "
+    "arrives while the tensors freed between that op and p are still alive; the executor needs to "
+    "observe backward node starts (grad_fn pre-hooks) to fire at p")
+_UNSAMPLED_ALLOCATION = (
+    "executor undercounts: a saved storage is tracked from its first pack, not from its producer "
+    "op, and memory is sampled only at packs/unpacks, so an output allocated while its input is "
+    "still alive (GELU's input and output during the GELU) is never seen together with it")
+_HELD_BY_CALLER_FRAME = (
+    "trace/model gap: an offloaded activation is released in the plan after max(offload_after_op, "
+    "last forward use), but the nested nn.Sequential's frame still holds its input (`input = "
+    "module(input)` in the outer Sequential) until the inner block returns, so the storage stays "
+    "alive through the whole block (cnn: blocks.0's output during blocks.1, +8 KiB); the profiler "
+    "would have to record when only the graph still references a saved storage")
+_KNOWN_GAPS = {}
+for _b in BUDGETS:
+    _KNOWN_GAPS[("mlp", "offload_all_prefetch", _b)] = _EARLY_PREFETCH
+    _KNOWN_GAPS[("transformer", "offload_all_prefetch", _b)] = _UNSAMPLED_ALLOCATION
+_KNOWN_GAPS[("cnn", "offload_all_prefetch", "1.0")] = _EARLY_PREFETCH
+_KNOWN_GAPS[("cnn", "offload_all_prefetch", "0.7")] = _EARLY_PREFETCH
+_KNOWN_GAPS[("cnn", "dp", "0.7")] = _HELD_BY_CALLER_FRAME
+_KNOWN_GAPS[("cnn", "dp", "least")] = _HELD_BY_CALLER_FRAME
+
+
+def _steps(name, model, run, steps):
+    x, y = models.example_batch(name, BATCH)
+    for _ in range(steps):
+        models.loss_fn(name, model(x), y).backward()
+        run.step()
+
+
+def _least_budget(name):
+    model = models.build_model(name)
+    x, y = models.example_batch(name, BATCH)
+    trace = memsched.profile(lambda: models.loss_fn(name, model(x), y).backward(), model=model)
+    return _C.least_budget_bytes(trace)
+
+
+def _budget(name, which):
+    return _least_budget(name) if which == "least" else float(which)
+
+
+def _cases():
+    for name in models.MODEL_NAMES:
+        for planner in PLANNERS:
+            for which in BUDGETS:
+                marks = []
+                why = _KNOWN_GAPS.get((name, planner, which))
+                if why is not None:
+                    marks.append(pytest.mark.xfail(reason=why, strict=True))
+                yield pytest.param(name, planner, which, marks=marks, id=f"{name}-{planner}-{which}")
+
+
+def run_case(name, planner, which, steps=STEPS):
+    """(run, planned activation peak, measured peaks of the planned steps)."""
+    model = models.build_model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsched.optimize(model, opt, budget=_budget(name, which), planner=planner, timeline=False) as run:
+        _steps(name, model, run, steps)
+    planned = max(planned_activation_curve(run.trace, run.plan))
+    measured = [s.peak_bytes for s in run.step_stats if s.mode == "planned"]
+    return run, planned, measured
+
+
+@pytest.mark.parametrize("name,planner,which", list(_cases()))
+def test_measured_activation_peak_is_planned(name, planner, which):
+    if which == "0.7" and name == "lstm":
+        pytest.skip("0.7 is below the least feasible budget for lstm; test_infeasible_fraction_names_least")
+    run, planned, measured = run_case(name, planner, which)
+    assert len(measured) == STEPS - 1, [s.mode for s in run.step_stats]
+    assert all(s.memory_source.startswith("saved-activation storages alive") for s in run.step_stats)
+    for step, m in enumerate(measured):
+        assert abs(m - planned) <= TOLERANCE * planned, (
+            f"{name} {planner} budget {which}: planned step {step + 1} measured {m} bytes of saved "
+            f"activations, the plan says {planned} ({(m - planned) / planned:+.2%})")
+    assert run.planned_figures()["activation_peak_bytes"] == planned
+
+
+def test_infeasible_fraction_names_least():
+    """lstm at 0.7: the least budget any plan reaches is above 0.7 of its activation memory, so
+    optimize raises at the first run.step() naming the least fraction instead of running."""
+    model = models.build_model("lstm")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(_C.MemschedError, match=r"use budget=0\.\d+ or more"):
+        with memsched.optimize(model, opt, budget=0.7, planner="dp") as run:
+            _steps("lstm", model, run, 1)
