@@ -35,6 +35,10 @@ OffloadAnalysis analyze_offload(const Trace& trace) {
   const int64_t beta = a.first_backward_op;
   for (const auto& t : trace.tensors) {
     if (t.kind != TensorKind::kActivation || n_ops == 0) continue;
+    // Held past the step (the caller's batch, a retained output): someone else keeps the device
+    // copy alive, so an offload would free nothing and its fetch would add a second copy. The
+    // executor keeps these on the device too (held_past_step in offload/schedule.py).
+    if (t.freed_after_op == kAfterStep) continue;
     if (t.producer_op != kBeforeStep &&
         (t.producer_op >= beta || trace.ops[t.producer_op].phase != Phase::kForward))
       continue;

@@ -143,5 +143,37 @@ TEST(Planners, SimulatedPeakNeverExceedsModelledPeak) {
   }
 }
 
+TEST(Planners, AnActivationHeldPastTheStepIsNeverOffloaded) {
+  // The caller's batch (exists before the step, outlives it) and a saved forward output that
+  // outlives the step: offloading either frees nothing, so neither is a candidate.
+  Trace t;
+  for (int64_t i = 0; i < 4; ++i) {
+    Op op;
+    op.id = i;
+    op.name = "op";
+    op.phase = i < 2 ? Phase::kForward : Phase::kBackward;
+    t.ops.push_back(op);
+  }
+  auto add = [&](int64_t producer, std::vector<int64_t> uses, int64_t freed) {
+    TensorRecord r;
+    r.id = static_cast<int64_t>(t.tensors.size());
+    r.bytes = 1024;
+    r.dtype = "float32";
+    r.kind = TensorKind::kActivation;
+    r.producer_op = producer;
+    r.uses = std::move(uses);
+    r.freed_after_op = freed;
+    t.tensors.push_back(r);
+  };
+  add(kBeforeStep, {0, 3}, kAfterStep);  // the batch
+  add(0, {1, 2}, kAfterStep);            // an output the caller keeps
+  add(1, {2}, 2);                        // an ordinary activation
+  const OffloadAnalysis a = analyze_offload(t);
+  ASSERT_EQ(a.candidates.size(), 1u);
+  EXPECT_EQ(a.candidates[0].tensor_id, 2);
+  EXPECT_EQ(a.candidate_index[0], -1);
+  EXPECT_EQ(a.candidate_index[1], -1);
+}
+
 }  // namespace
 }  // namespace memsched
