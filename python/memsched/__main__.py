@@ -25,7 +25,22 @@ def main(argv=None):
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
     args = parser.parse_args(argv)
-    return modules[args.command].run(args) or 0
+    try:
+        return modules[args.command].run(args) or 0
+    except MemoryError as e:  # the CPU allocator's failure, or torch.OutOfMemoryError on a GPU
+        return _out_of_memory(args, e)
+    except RuntimeError as e:
+        if "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
+            return _out_of_memory(args, e)
+        raise
+
+
+def _out_of_memory(args, err):
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    batch = getattr(args, "batch", None)
+    fix = f"; lower --batch (it is {batch})" if batch is not None else ""
+    print(f"python -m memsched {args.command}: out of memory ({first}){fix}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

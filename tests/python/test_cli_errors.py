@@ -86,3 +86,16 @@ def test_out_into_missing_folders_is_created(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "best: dp" in capsys.readouterr().out
     assert trace.peak_bytes() > 0
+
+
+def test_a_batch_that_does_not_fit_in_memory_is_a_message_not_a_traceback(tmp_path, capsys):
+    rc = cli_main(["profile", "--batch", "99999999999", "--out", str(tmp_path / "t.json")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "out of memory" in err and "lower --batch" in err
+
+
+@pytest.mark.parametrize("command", ["profile", "demo"])
+def test_an_endless_warmup_is_refused(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli_main([command, "--warmup", "100000000000000000000000"])
+    assert info.value.code == 2 and "--warmup" in capsys.readouterr().err

@@ -15,8 +15,8 @@ import os
 import tempfile
 
 
-def int_at_least(least, why=""):
-    """argparse type: an int >= least."""
+def int_at_least(least, why="", most=None):
+    """argparse type: an int >= least (and <= most, when given)."""
     def parse(text):
         try:
             value = int(text)
@@ -24,6 +24,8 @@ def int_at_least(least, why=""):
             raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}") from None
         if value < least:
             raise argparse.ArgumentTypeError(f"must be >= {least}{why}, got {value}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be <= {most}, got {value}")
         return value
     parse.__name__ = f"int >= {least}"
     return parse

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=5, help="training steps per run of the comparison, at least 2 (default 5)")
     parser.add_argument("--budget", type=fraction, default=0.5,
                         help="comparison budget, as a share of plain's activation memory (default 0.5)")
-    parser.add_argument("--warmup", type=int_at_least(0), default=1,
+    parser.add_argument("--warmup", type=int_at_least(0, most=1000), default=1,
                         help="plain steps before the profiled one, to keep one-time setup out of op times (default 1)")
 
 

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=torch_device, default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     parser.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
                         help="also profile an optimizer step (default none)")
-    parser.add_argument("--warmup", type=int_at_least(0), default=1,
+    parser.add_argument("--warmup", type=int_at_least(0, most=1000), default=1,
                         help="plain steps before the profiled one, to keep one-time setup out of op times (default 1)")
     parser.add_argument("--out", default="trace.json", help="where to write the trace (default trace.json)")
 
