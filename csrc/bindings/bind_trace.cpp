@@ -32,6 +32,51 @@ auto text_setter(std::string T::*member) {
   return [member](T& self, const std::string& value) { self.*member = value; };
 }
 
+// Note [Builder arguments name the field]
+//   add_op/add_tensor take their numbers and names as Python objects and
+//   convert them here, so a value pybind cannot convert (2**63, a float where
+//   an int goes, a str with a lone surrogate) is a MemschedError naming the
+//   argument instead of pybind's "incompatible function arguments" listing.
+int64_t int_arg(const py::handle& value, const char* name) {
+  if (!PyLong_Check(value.ptr()) || PyBool_Check(value.ptr())) {
+    MEMSCHED_CHECK(false, "add_op/add_tensor: ", name, " must be an int, got ",
+                   std::string(py::str(py::type::of(value).attr("__name__"))));
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  MEMSCHED_CHECK(overflow == 0, "add_op/add_tensor: ", name, " is out of the int64 range: ",
+                 std::string(py::str(value)));
+  return static_cast<int64_t>(v);
+}
+
+double float_arg(const py::handle& value, const char* name) {
+  MEMSCHED_CHECK(PyFloat_Check(value.ptr()) || (PyLong_Check(value.ptr()) && !PyBool_Check(value.ptr())),
+                 "add_op/add_tensor: ", name, " must be a number, got ",
+                 std::string(py::str(py::type::of(value).attr("__name__"))));
+  const double v = PyFloat_AsDouble(value.ptr());
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    MEMSCHED_CHECK(false, "add_op/add_tensor: ", name, " is out of the range of a double");
+  }
+  return v;
+}
+
+// Text as UTF-8 bytes; a lone surrogate is kept as its bytes (surrogateescape) for validate() to name.
+std::string str_arg(const py::handle& value, const char* name) {
+  if (PyBytes_Check(value.ptr())) return std::string(py::bytes(py::reinterpret_borrow<py::bytes>(value)));
+  MEMSCHED_CHECK(PyUnicode_Check(value.ptr()), "add_op/add_tensor: ", name, " must be a str, got ",
+                 std::string(py::str(py::type::of(value).attr("__name__"))));
+  PyObject* b = PyUnicode_AsEncodedString(value.ptr(), "utf-8", "surrogateescape");
+  if (b == nullptr) {
+    PyErr_Clear();
+    MEMSCHED_CHECK(false, "add_op/add_tensor: ", name, " cannot be encoded as UTF-8");
+  }
+  std::string out(PyBytes_AS_STRING(b), static_cast<size_t>(PyBytes_GET_SIZE(b)));
+  Py_DECREF(b);
+  return out;
+}
+
 }  // namespace
 
 void bind_trace(py::module_& m) {
@@ -77,41 +122,46 @@ void bind_trace(py::module_& m) {
       .def_readwrite("ops", &Trace::ops, "list of Op (a copy; use add_op to append)")
       .def_readwrite("tensors", &Trace::tensors, "list of TensorRecord (a copy; use add_tensor)")
       .def("add_op",
-           [](Trace& t, const std::string& name, const std::string& module_path, const std::string& phase,
-              double duration_us, double flops, int64_t bytes_read, int64_t bytes_written) {
+           [](Trace& t, py::object name, py::object module_path, py::object phase, py::object duration_us,
+              py::object flops, py::object bytes_read, py::object bytes_written) {
+             // See Note [Builder arguments name the field].
              Op op;
              op.id = static_cast<int64_t>(t.ops.size());
-             op.name = name;
-             op.module_path = module_path;
-             op.phase = phase_from_string(phase);
-             op.duration_us = duration_us;
-             op.flops = flops;
-             op.bytes_read = bytes_read;
-             op.bytes_written = bytes_written;
+             op.name = str_arg(name, "name");
+             op.module_path = str_arg(module_path, "module_path");
+             op.phase = phase_from_string(str_arg(phase, "phase"));
+             op.duration_us = float_arg(duration_us, "duration_us");
+             op.flops = float_arg(flops, "flops");
+             op.bytes_read = int_arg(bytes_read, "bytes_read");
+             op.bytes_written = int_arg(bytes_written, "bytes_written");
              t.ops.push_back(std::move(op));
              return t.ops.back().id;
            },
-           py::arg("name"), py::arg("module_path") = "", py::arg("phase") = "forward",
-           py::arg("duration_us") = 0.0, py::arg("flops") = 0.0, py::arg("bytes_read") = 0,
-           py::arg("bytes_written") = 0, "Append an op; returns its id.")
+           py::arg("name"), py::arg("module_path") = py::str(""), py::arg("phase") = py::str("forward"),
+           py::arg("duration_us") = py::float_(0.0), py::arg("flops") = py::float_(0.0),
+           py::arg("bytes_read") = py::int_(0), py::arg("bytes_written") = py::int_(0),
+           "Append an op; returns its id.")
       .def("add_tensor",
-           [](Trace& t, int64_t bytes, const std::string& dtype, const std::string& kind, int64_t producer_op,
-              std::vector<int64_t> uses, int64_t freed_after_op, const std::string& label) {
+           [](Trace& t, py::object bytes, py::object dtype, py::object kind, py::object producer_op,
+              py::object uses, py::object freed_after_op, py::object label) {
+             // See Note [Builder arguments name the field].
              TensorRecord r;
              r.id = static_cast<int64_t>(t.tensors.size());
-             r.bytes = bytes;
-             r.dtype = dtype;
-             r.kind = tensor_kind_from_string(kind);
-             r.producer_op = producer_op;
-             r.uses = std::move(uses);
-             r.freed_after_op = freed_after_op;
-             r.label = label;
+             r.bytes = int_arg(bytes, "bytes");
+             r.dtype = str_arg(dtype, "dtype");
+             r.kind = tensor_kind_from_string(str_arg(kind, "kind"));
+             r.producer_op = int_arg(producer_op, "producer_op");
+             MEMSCHED_CHECK(py::isinstance<py::sequence>(uses) && !py::isinstance<py::str>(uses),
+                            "add_op/add_tensor: uses must be a list of op ids");
+             for (const auto& u : uses) r.uses.push_back(int_arg(u, "uses[]"));
+             r.freed_after_op = int_arg(freed_after_op, "freed_after_op");
+             r.label = str_arg(label, "label");
              t.tensors.push_back(std::move(r));
              return t.tensors.back().id;
            },
-           py::arg("bytes"), py::arg("dtype"), py::arg("kind"), py::arg("producer_op") = kBeforeStep,
-           py::arg("uses") = std::vector<int64_t>{}, py::arg("freed_after_op") = kAfterStep,
-           py::arg("label") = "", "Append a tensor record; returns its id.")
+           py::arg("bytes"), py::arg("dtype"), py::arg("kind"), py::arg("producer_op") = py::int_(kBeforeStep),
+           py::arg("uses") = py::list(), py::arg("freed_after_op") = py::int_(kAfterStep),
+           py::arg("label") = py::str(""), "Append a tensor record; returns its id.")
       .def("validate", &Trace::validate)
       .def("live_bytes", &Trace::live_bytes, "bytes live during each op: the memory curve")
       .def("peak_bytes", &Trace::peak_bytes)

@@ -168,3 +168,24 @@ def test_placement_alignment_that_would_overflow_is_refused():
     t.add_tensor(2**61, "float32", "activation", producer_op=0)
     with pytest.raises(memsched.MemschedError, match="alignment_bytes"):
         allocator.plan_placement(t, alignment_bytes=2**63 - 1)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda t: t.add_op("x", bytes_read=2**63), "bytes_read"),
+    (lambda t: t.add_op("x", flops="a"), "flops"),
+    (lambda t: t.add_op(3), "name"),
+    (lambda t: t.add_tensor(1.5, "float32", "activation"), "bytes"),
+    (lambda t: t.add_tensor(8, "float32", "activation", uses="ab"), "uses"),
+    (lambda t: t.add_tensor(8, "float32", "activation", uses=[2**64]), "uses"),
+])
+def test_builder_arguments_pybind_cannot_convert_name_the_argument(call, field):
+    with pytest.raises(memsched.MemschedError, match=field):
+        call(memsched.Trace())
+
+
+def test_a_name_with_a_lone_surrogate_is_named_by_validate():
+    t = memsched.Trace()
+    t.add_op("a")
+    t.add_tensor(8, "\udcff", "activation")
+    with pytest.raises(memsched.MemschedError, match="dtype"):
+        t.validate()
