@@ -65,3 +65,11 @@ def test_valid_device_file_still_loads(good, tmp_path):
     path.write_text(json.dumps(dict(good, name="mine")))
     d = memsched.load_device(str(path))
     assert d.name == "mine" and d.memory_bytes == good["memory_bytes"]
+
+
+@pytest.mark.parametrize("field, value", [("d2h_latency_us", 1e308), ("peak_flops", 1e-300), ("h2d_bw_gbps", 1e-9)])
+def test_device_fields_beyond_any_real_device_are_refused_by_validate(field, value):
+    d = memsched.load_device("h100-pcie")
+    setattr(d, field, value)
+    with pytest.raises(memsched.MemschedError, match=field):
+        d.validate()
