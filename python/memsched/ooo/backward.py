@@ -25,11 +25,12 @@ Note [One iteration of out-of-order backward]
   post-accumulate-grad hook. At the end of the backward pass (an engine
   callback, so ``loss.backward()`` returns with everything done) the queue is
   flushed, DDP buckets are waited for, and the iteration ends.
-  Fused update: a final parameter, on the last micro-step, is stepped at once
-  with torch's optimizer (See Note [Per-parameter step through a one-parameter
-  group view] in fused.py) and its gradient freed. A parameter is final only
-  after its last contribution, whose dX -- the last reader of the old weight --
-  was computed before the contribution was queued.
+  Fused update: a final parameter, on the last micro-step, is stepped with
+  torch's optimizer together with the rest of its step unit (See Note [Step
+  units]; Note [Grouped step through torch's functional optimizer] in
+  fused.py) and its gradient freed. A parameter is final only after its last
+  contribution, whose dX -- the last reader of the old weight -- was computed
+  before the contribution was queued.
 
 Note [AccumulateGrad gate]
   Rationale: a weight used outside its layer (F.linear(x, layer.weight), a
@@ -42,8 +43,23 @@ Note [AccumulateGrad gate]
   backward node that feeds it, with None when every use was deferred). Until
   that hook ran the parameter is not final; an uncounted autograd gradient
   arriving there is refused while the parameter is still untouched.
-  Limitations: each parameter is stepped at its own AccumulateGrad, so weight
-  and bias of one layer are stepped one after the other.
+  Limitations: each parameter becomes final at its own AccumulateGrad, so
+  weight and bias of one layer become final one after the other (Note [Step
+  units] steps them together).
+
+Note [Step units]
+  Rationale: one optimizer call per parameter pays the call's fixed cost per
+  parameter; a layer's weight and bias become final one right after the other.
+  Approach: every parameter belongs to one unit: the parameters its first
+  owning module (in model.modules() order) holds directly. A final parameter
+  (last micro-step) waits in _ready until all of its unit is final, then the
+  unit is stepped in one ParamStepper.step_params call. Without DDP that is
+  the whole ready group; under DDP a reduced bucket is the group. At the end
+  of backward every unit still waiting (a member got no gradient) is stepped
+  as it is.
+  Limitations: a module whose own parameters are used far apart in forward
+  (one at the start, one at the end) keeps the first-final one's gradient
+  until the other is final; memory is bounded by that module's parameters.
 
 Note [Fused update and gradient accumulation]
   Rationale: with fuse_optimizer a parameter is stepped inside the backward
