@@ -13,6 +13,11 @@ Run: python3 -m pytest -q -s benchmarks/python/bench_ooo_overhead.py
 Each test steps two copies of the model alternately (plain, then the mode), so machine load hits
 both alike; medians, the ratio and the overhead per parameter tensor are printed and stored in
 extra_info.
+
+Measured on this machine (2 cores, torch 2.14 CPU, medians of 60 interleaved rounds):
+  before grouped steps (Optimizer.step() per parameter): ooo 1.38x, fused 2.24x (119 us/param)
+  after (one functional call per module's parameters):   ooo 1.38x, fused 1.63x (60 us/param)
+The rest of the fused row's gap is mostly ooo's own per-layer/per-parameter Python machinery.
 """
 import copy
 import statistics
