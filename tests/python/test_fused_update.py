@@ -158,14 +158,14 @@ def test_fused_update_holds_one_layers_gradient_at_a_time():
     assert plain == 8 * 16640  # every gradient alive when optimizer.step() runs
     seen = []  # independent of the executor's count: .grad bytes visible at each fused step
     with OutOfOrderBackward(b, optimizer=torch.optim.Adam(b.parameters()), fuse_optimizer=True) as ooo:
-        orig = ooo._stepper.step
-        ooo._stepper.step = lambda p: (seen.append(sum(q.grad.numel() * 4 for q in b.parameters()
-                                                         if q.grad is not None)), orig(p))
+        orig = ooo._stepper.step_params
+        ooo._stepper.step_params = lambda ps: (seen.append((len(ps), sum(q.grad.numel() * 4 for q in b.parameters()
+                                                                          if q.grad is not None))), orig(ps))
         b(x).square().mean().backward()
-    # one item (weight + bias of one layer) is pending at a time; each parameter is
-    # stepped and freed once its AccumulateGrad ran (weight, then bias): at most
-    # one weight gradient (64*64*4 bytes) is visible in .grad at a step
-    assert max(seen) == 64 * 64 * 4 and len(seen) == 16
+    # one item (weight + bias of one layer) is pending at a time; a layer's weight and
+    # bias are stepped together (one grouped call) once both AccumulateGrads ran: one
+    # layer's gradient (64*64*4 + 64*4 bytes) is visible in .grad at a step
+    assert seen == [(2, 16640)] * 8
     assert ooo.report()["peak_grad_bytes"] == 16640
     assert ooo.report()["peak_grad_bytes"] <= 0.125 * plain
     oa.step()

@@ -168,8 +168,8 @@ def test_parameters_used_several_times_update_once_after_all_contributions(opt_n
         oa.zero_grad()
     steps = []
     with OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=True) as ooo:
-        orig = ooo._stepper.step
-        ooo._stepper.step = lambda p: (steps.append(p), orig(p))
+        orig = ooo._stepper.step_params
+        ooo._stepper.step_params = lambda ps: (steps.extend(ps), orig(ps))
         for idx in data:
             F.cross_entropy(b(idx).reshape(-1, 10), idx.reshape(-1)).backward()
             ooo.step()

@@ -25,11 +25,12 @@ Note [One iteration of out-of-order backward]
   post-accumulate-grad hook. At the end of the backward pass (an engine
   callback, so ``loss.backward()`` returns with everything done) the queue is
   flushed, DDP buckets are waited for, and the iteration ends.
-  Fused update: a final parameter, on the last micro-step, is stepped at once
-  with torch's optimizer (See Note [Per-parameter step through a one-parameter
-  group view] in fused.py) and its gradient freed. A parameter is final only
-  after its last contribution, whose dX -- the last reader of the old weight --
-  was computed before the contribution was queued.
+  Fused update: a final parameter, on the last micro-step, is stepped with
+  torch's optimizer together with the rest of its step unit (See Note [Step
+  units]; Note [Grouped step through torch's functional optimizer] in
+  fused.py) and its gradient freed. A parameter is final only after its last
+  contribution, whose dX -- the last reader of the old weight -- was computed
+  before the contribution was queued.
 
 Note [AccumulateGrad gate]
   Rationale: a weight used outside its layer (F.linear(x, layer.weight), a
@@ -42,8 +43,23 @@ Note [AccumulateGrad gate]
   backward node that feeds it, with None when every use was deferred). Until
   that hook ran the parameter is not final; an uncounted autograd gradient
   arriving there is refused while the parameter is still untouched.
-  Limitations: each parameter is stepped at its own AccumulateGrad, so weight
-  and bias of one layer are stepped one after the other.
+  Limitations: each parameter becomes final at its own AccumulateGrad, so
+  weight and bias of one layer become final one after the other (Note [Step
+  units] steps them together).
+
+Note [Step units]
+  Rationale: one optimizer call per parameter pays the call's fixed cost per
+  parameter; a layer's weight and bias become final one right after the other.
+  Approach: every parameter belongs to one unit: the parameters its first
+  owning module (in model.modules() order) holds directly. A final parameter
+  (last micro-step) waits in _ready until all of its unit is final, then the
+  unit is stepped in one ParamStepper.step_params call. Without DDP that is
+  the whole ready group; under DDP a reduced bucket is the group. At the end
+  of backward every unit still waiting (a member got no gradient) is stepped
+  as it is.
+  Limitations: a module whose own parameters are used far apart in forward
+  (one at the start, one at the end) keeps the first-final one's gradient
+  until the other is final; memory is bounded by that module's parameters.
 
 Note [Fused update and gradient accumulation]
   Rationale: with fuse_optimizer a parameter is stepped inside the backward
@@ -262,6 +278,9 @@ class OutOfOrderBackward:
         self._reducer = None
         self._ddp_saved_sync = None
         self._stepper: Optional[ParamStepper] = None
+        self._unit_of: List[int] = []     # parameter index -> its step unit (See Note [Step units])
+        self._unit_size: List[int] = []   # parameters per unit
+        self._ready: Dict[int, List[int]] = {}  # unit -> its final parameters, not yet stepped
         self._timeline: List[tuple] = []
         self._last_timeline: List[tuple] = []
         self._side_streams: Dict = {}
@@ -312,6 +331,16 @@ class OutOfOrderBackward:
         for pid, ms in owners.items():
             if all(_eligible(m) for m in ms):
                 self._deferred_only.add(self._index[pid])
+        # See Note [Step units]: a parameter's unit is its first owner's own parameters.
+        self._unit_of = [-1] * len(self._params)
+        self._unit_size = []
+        for m in modules:
+            members = [self._index[id(p)] for p in m.parameters(recurse=False)
+                       if id(p) in self._index and self._unit_of[self._index[id(p)]] < 0]
+            for i in dict.fromkeys(members):
+                self._unit_of[i] = len(self._unit_size)
+            if members:
+                self._unit_size.append(len(dict.fromkeys(members)))
 
         if ddp is not None:
             from memsched.ooo.ddp import BucketReducer
@@ -687,13 +716,34 @@ class OutOfOrderBackward:
         return self._micro_step % self.grad_accumulation_steps == self.grad_accumulation_steps - 1
 
     def _fused_update(self, i: int) -> None:
-        p = self._params[i]
-        if self._stepper is None or p.grad is None or not self._stepper.owns(p):
+        """Parameter i is final on the last micro-step: step its unit once all of the unit is final."""
+        u = self._unit_of[i]
+        ready = self._ready.get(u)
+        if ready is None:
+            ready = self._ready[u] = []
+        ready.append(i)
+        if len(ready) >= self._unit_size[u]:
+            del self._ready[u]
+            self._step_params(ready)
+
+    def _flush_ready(self) -> None:
+        """End of backward: units some of whose parameters got no gradient are stepped as they are."""
+        ready, self._ready = self._ready, {}
+        for idx in ready.values():
+            self._step_params(idx)
+
+    def _step_params(self, idx: Sequence[int]) -> None:
+        """One grouped optimizer update of the parameters idx (See Note [Grouped step through torch's
+        functional optimizer] in fused.py); frees their gradients."""
+        if self._stepper is None:
             return
-        nbytes = _nbytes(p.grad)
-        self._stepper.step(p)  # frees p.grad
+        params = [p for p in (self._params[i] for i in idx) if p.grad is not None and self._stepper.owns(p)]
+        if not params:
+            return
+        nbytes = sum(_nbytes(p.grad) for p in params)
+        self._stepper.step_params(params)  # frees each p.grad
         self._track(-nbytes)
-        self._fused_steps += 1
+        self._fused_steps += len(params)
 
     def _on_completion(self, done) -> None:
         for i in done.final_params:
@@ -710,14 +760,14 @@ class OutOfOrderBackward:
     def _poll_reducer(self) -> None:
         if self._reducer is None or not self._last_micro_step():
             return
-        for i in self._reducer.poll():
-            self._fused_update(i)
+        self._step_params(self._reducer.poll())  # a reduced bucket is one ready group
 
     def _abandon(self) -> None:
         """Drops the running iteration after an error: queued work, pending
         sums, the scheduler's counts (a fresh scheduler, same parameters)."""
         self._items.clear()
         self._pending.clear()
+        self._ready.clear()  # final but not stepped: they keep their .grad and old values
         for i, g in self._stash.items():
             self._params[i].grad = g
         self._stash.clear()
@@ -743,8 +793,9 @@ class OutOfOrderBackward:
                     if self._reducer is None and self._stepper is not None and self._last_micro_step():
                         self._fused_update(i)
             if self._reducer is not None and self._last_micro_step():
-                for i in self._reducer.poll() + self._reducer.wait_all():
-                    self._fused_update(i)
+                self._step_params(self._reducer.poll())
+                self._step_params(self._reducer.wait_all())
+            self._flush_ready()
             for dev, side in self._side_streams.items():
                 main = torch.cuda.current_stream(dev)
                 main.wait_stream(side)
