@@ -27,7 +27,15 @@ def device_presets():
 
 
 def _read_preset(name_or_path):
-    path = name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"device: expected a preset name ({', '.join(device_presets())}) or a path to a device "
+                         f"JSON file, got {type(name_or_path).__name__}")
+    path = os.fspath(name_or_path)
+    if os.path.isdir(path):
+        raise ValueError(f"device file {path}: is a folder; give a preset name or a JSON file path")
+    if not os.path.isfile(path) and path.endswith(".json") and (os.sep in path or os.path.dirname(path)):
+        raise ValueError(f"device file {path}: no such file; give a preset name ({', '.join(device_presets())}) "
+                         f"or the path of an existing device JSON file")
     if not os.path.isfile(path):
         name = _ALIASES.get(name_or_path, name_or_path)
         path = os.path.join(PRESET_DIR, f"{name}.json")

@@ -193,6 +193,11 @@ class Run:
                 or grad_accumulation_steps < 1:
             raise ValueError(f"grad_accumulation_steps: expected an int >= 1 (backward passes per run.step()), "
                              f"got {grad_accumulation_steps!r}")
+        if grad_accumulation_steps != 1 and not (ooo or fuse_optimizer):
+            raise ValueError("grad_accumulation_steps: applies with ooo=True or fuse_optimizer=True (their update "
+                             "runs inside backward); without them run.step() is optimizer.step(): call it once "
+                             "after the K backward passes of a step, as with plain PyTorch, and leave "
+                             "grad_accumulation_steps at 1")
         self.grad_accumulation_steps = grad_accumulation_steps
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
             raise ValueError(f"history: expected an int >= 1 (executed steps whose StepStats run.step_stats "
@@ -207,7 +212,7 @@ class Run:
                           "step would match the plan. Pass the module before torch.compile() to offload its "
                           "activations", RuntimeWarning, stacklevel=3)
         self.ooo_ = None
-        for name, flag in (("ooo", ooo), ("fuse_optimizer", fuse_optimizer)):
+        for name, flag in (("ooo", ooo), ("fuse_optimizer", fuse_optimizer), ("timeline", timeline)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}: expected True or False, got {flag!r}")
         if (ooo or fuse_optimizer) and not self.compiled_why_:

@@ -88,10 +88,15 @@ def test_out_into_missing_folders_is_created(tmp_path, capsys):
     assert trace.peak_bytes() > 0
 
 
-def test_a_batch_that_does_not_fit_in_memory_is_a_message_not_a_traceback(tmp_path, capsys):
-    rc = cli_main(["profile", "--batch", "99999999999", "--out", str(tmp_path / "t.json")])
+def test_a_batch_that_does_not_fit_in_memory_is_a_message_not_a_traceback(tmp_path, capsys, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 13599999999864 bytes")
+
+    monkeypatch.setattr(models, "make_step_fn", out_of_memory)
+    rc = cli_main(["profile", "--batch", "100000", "--out", str(tmp_path / "t.json")])
     err = capsys.readouterr().err
-    assert rc == 1 and "out of memory" in err and "lower --batch" in err
+    assert rc == 1 and "out of memory" in err and "lower --batch (it is 100000)" in err
 
 
 @pytest.mark.parametrize("command", ["profile", "demo"])
@@ -99,3 +104,10 @@ def test_an_endless_warmup_is_refused(command, capsys):
     with pytest.raises(SystemExit) as info:
         cli_main([command, "--warmup", "100000000000000000000000"])
     assert info.value.code == 2 and "--warmup" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["profile", "demo"])
+def test_a_batch_beyond_any_example_is_refused_by_argparse(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli_main([command, "--batch", "99999999999999999999"])
+    assert info.value.code == 2 and "--batch" in capsys.readouterr().err

@@ -73,3 +73,10 @@ def test_device_fields_beyond_any_real_device_are_refused_by_validate(field, val
     setattr(d, field, value)
     with pytest.raises(memsched.MemschedError, match=field):
         d.validate()
+
+
+@pytest.mark.parametrize("spec, words", [(None, "got NoneType"), ("/nonexistent/dev.json", "no such file"),
+                                         ("/tmp", "is a folder")])
+def test_a_device_that_is_not_a_name_or_file_says_what_it_is(spec, words):
+    with pytest.raises(ValueError, match=words):
+        memsched.load_device(spec)

@@ -50,3 +50,19 @@ def test_a_model_on_the_meta_device_is_refused():
 def test_flags_must_be_booleans(kw):
     with pytest.raises(ValueError, match=kw):
         optimize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), **{kw: "yes"})
+
+
+def test_accumulation_steps_without_ooo_are_refused_rather_than_ignored():
+    with pytest.raises(ValueError, match="grad_accumulation_steps.*ooo=True"):
+        optimize(_model(), None, grad_accumulation_steps=2)
+
+
+def test_timeline_must_be_a_boolean():
+    with pytest.raises(ValueError, match="timeline"):
+        optimize(_model(), None, timeline="no")
+
+
+def test_out_of_order_backward_fuse_flag_must_be_a_boolean():
+    model = _model()
+    with pytest.raises(memsched.MemschedError, match="fuse_optimizer"):
+        memsched.OutOfOrderBackward(model, torch.optim.SGD(model.parameters(), lr=0.1), fuse_optimizer="yes")

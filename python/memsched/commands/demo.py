@@ -14,7 +14,7 @@ HELP = "profile a small transformer step: print a table and write the memory cur
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default="demo_out", help="output folder (default demo_out)")
-    parser.add_argument("--batch", type=int_at_least(1), default=8, help="batch size (default 8)")
+    parser.add_argument("--batch", type=int_at_least(1, most=100_000), default=8, help="batch size (default 8)")
     parser.add_argument("--device", type=torch_device, default="cpu", help="torch device (default cpu)")
     parser.add_argument("--no-compare", dest="compare", action="store_false",
                         help="skip the side-by-side training run (plain vs memsched at --budget)")

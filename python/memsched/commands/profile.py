@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", choices=MODEL_NAMES, default="transformer", help="example model (default transformer)")
     parser.add_argument("--size", choices=SIZES, default="small", help="model size (default small)")
-    parser.add_argument("--batch", type=int_at_least(1), default=8, help="batch size (default 8)")
+    parser.add_argument("--batch", type=int_at_least(1, most=100_000), default=8, help="batch size (default 8)")
     parser.add_argument("--device", type=torch_device, default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     parser.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
                         help="also profile an optimizer step (default none)")

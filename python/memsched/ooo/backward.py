@@ -210,6 +210,8 @@ class OutOfOrderBackward:
         if not isinstance(model, nn.Module):
             raise MemschedError(f"model: expected a torch.nn.Module (or a DistributedDataParallel wrapping one), "
                                 f"got {type(model).__name__}")
+        if not isinstance(fuse_optimizer, bool):
+            raise MemschedError(f"fuse_optimizer: expected True or False, got {fuse_optimizer!r}")
         if fuse_optimizer and optimizer is None:
             raise MemschedError("fuse_optimizer=True needs optimizer=...: the torch.optim optimizer whose "
                                 "update runs per parameter during backward")
