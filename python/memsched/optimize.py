@@ -3,7 +3,7 @@
 Entry point: optimize(model, optimizer=None, budget=None, planner="dp", ...) -> Run,
 a context manager:
 
-    with memsched.optimize(model, optimizer=opt, budget="6GiB") as run:
+    with memsched.optimize(model, optimizer=opt, budget="6GiB", timeline=True) as run:
         for batch in loader:
             loss_fn(model(batch)).backward()
             run.step()          # optimizer.step() + zero_grad(); plans after the first step
