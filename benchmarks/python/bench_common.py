@@ -1,6 +1,9 @@
-"""Shared by the benchmarks that replay or plan real traces: the three model
-families at realistic sizes, profiled once per process, and where results go."""
+"""Shared by the benchmarks: the three model families at realistic sizes, profiled once per
+process, and where results go (replay and planner benchmarks); interleaved step timing (the
+host-overhead benchmarks)."""
 import os
+import statistics
+import time
 
 import memsched
 from memsched import models
@@ -22,3 +25,21 @@ def profiled_trace(family, batch):
         step = models.make_step_fn(model, family, batch=batch, size="realistic")
         _TRACES[key] = memsched.profile(step, model=model)
     return _TRACES[key]
+
+
+def interleaved_medians(plain, other, rounds, warmup=3):
+    """(plain median s, other median s): the two step functions run alternately, so machine load
+    hits both alike; `warmup` rounds of each first."""
+    for _ in range(warmup):
+        plain()
+        other()
+    plain_t, other_t = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        plain()
+        t1 = time.perf_counter()
+        other()
+        t2 = time.perf_counter()
+        plain_t.append(t1 - t0)
+        other_t.append(t2 - t1)
+    return statistics.median(plain_t), statistics.median(other_t)

@@ -11,12 +11,11 @@ Run: python3 -m pytest -q -s benchmarks/python/bench_offload_overhead.py
 Plain and memsched steps are interleaved (so machine load hits both alike); medians, the ratio and
 the per-saved-tensor overhead are printed and stored in extra_info.
 """
-import statistics
-import time
 
 import pytest
 import torch
 
+from bench_common import interleaved_medians
 from memsched import models
 from memsched.optimize import optimize
 
@@ -69,20 +68,10 @@ def test_optimize_keep_all_overhead_per_saved_tensor(benchmark):
             step()
             run.step()
 
-        for _ in range(3):  # the first is profiled
-            memsched_step()
-        plain_t, ms_t = [], []
-        for _ in range(ROUNDS):
-            t0 = time.perf_counter()
-            plain()
-            t1 = time.perf_counter()
-            memsched_step()
-            t2 = time.perf_counter()
-            plain_t.append(t1 - t0)
-            ms_t.append(t2 - t1)
+        memsched_step()  # profiled
+        plain_s, ms_s = interleaved_medians(plain, memsched_step, ROUNDS)
         benchmark.group = "offload hooks: small transformer b8, CPU, keep everything"
         benchmark.pedantic(memsched_step, rounds=ROUNDS, warmup_rounds=2)
-    plain_s, ms_s = statistics.median(plain_t), statistics.median(ms_t)
     per_saved_us = (ms_s - plain_s) / saved * 1e6
     benchmark.extra_info.update(plain_median_ms=plain_s * 1e3, memsched_median_ms=ms_s * 1e3,
                                 ratio_vs_plain=ms_s / plain_s, saved_tensors_per_step=saved,

@@ -20,12 +20,11 @@ Measured on this machine (2 cores, torch 2.14 CPU, medians of 60 interleaved rou
 The rest of the fused row's gap is mostly ooo's own per-layer/per-parameter Python machinery.
 """
 import copy
-import statistics
-import time
 
 import pytest
 import torch
 
+from bench_common import interleaved_medians
 from memsched import models
 from memsched.ooo import OutOfOrderBackward
 
@@ -75,23 +74,11 @@ def test_ooo_host_overhead_per_parameter(benchmark, mode):
     plain = _step_fn(a, oa, None, x, y)
     with OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=(mode == "fused")) as ooo:
         ms = _step_fn(b, ob, ooo, x, y)
-        for _ in range(3):
-            plain()
-            ms()
-        plain_t, ms_t = [], []
-        for _ in range(ROUNDS):
-            t0 = time.perf_counter()
-            plain()
-            t1 = time.perf_counter()
-            ms()
-            t2 = time.perf_counter()
-            plain_t.append(t1 - t0)
-            ms_t.append(t2 - t1)
+        plain_s, ms_s = interleaved_medians(plain, ms, ROUNDS)
         benchmark.group = "ooo host overhead: 6-layer toy decoder b8, CPU, 1 thread, AdamW"
         benchmark.pedantic(ms, rounds=ROUNDS, warmup_rounds=2)
         if mode == "fused":
             assert ooo.report()["fused_updates"] > 0
-    plain_s, ms_s = statistics.median(plain_t), statistics.median(ms_t)
     per_param_us = (ms_s - plain_s) / n_params * 1e6
     goal = 1.10 if mode == "ooo" else 1.20
     benchmark.extra_info.update(mode=mode, plain_median_ms=plain_s * 1e3, mode_median_ms=ms_s * 1e3,
