@@ -5,6 +5,9 @@ import os
 import statistics
 import time
 
+import pytest
+import torch
+
 import memsched
 from memsched import models
 
@@ -43,3 +46,14 @@ def interleaved_medians(plain, other, rounds, warmup=3):
         plain_t.append(t1 - t0)
         other_t.append(t2 - t1)
     return statistics.median(plain_t), statistics.median(other_t)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a 2-core machine shared with builds, OpenMP spin-waits turn
+    multi-threaded small ops into noise; host overhead is single-threaded Python either way.
+    Autouse in the modules that import it by name (pytest collects fixtures per module)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -12,22 +12,13 @@ Plain and memsched steps are interleaved (so machine load hits both alike); medi
 the per-saved-tensor overhead are printed and stored in extra_info.
 """
 
-import pytest
 import torch
 
-from bench_common import interleaved_medians
+from bench_common import interleaved_medians, one_thread  # noqa: F401 (autouse fixture)
 from memsched import models
 from memsched.optimize import optimize
 
 ROUNDS = 60
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _saved_tensors_per_step(step):

@@ -24,21 +24,13 @@ import copy
 import pytest
 import torch
 
-from bench_common import interleaved_medians
+from bench_common import interleaved_medians, one_thread  # noqa: F401 (autouse fixture)
 from memsched import models
 from memsched.ooo import OutOfOrderBackward
 
 ROUNDS = 60
 BATCH = 8
 CFG = models._TransformerCfg(vocab=64, d_model=32, heads=2, layers=6, seq=16)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model():

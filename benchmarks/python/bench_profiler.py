@@ -14,21 +14,11 @@ import time
 import pytest
 import torch
 
+from bench_common import one_thread  # noqa: F401 (autouse fixture)
 import memsched
 from memsched import models
 
 ROUNDS = 40
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a 2-core machine shared with builds, OpenMP
-    spin-waits turn multi-threaded small ops into noise; the profiler's own
-    cost is single-threaded Python either way."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _setup(batch):

@@ -7,15 +7,7 @@ import pytest
 
 import memsched
 from memsched import planning
-
-
-def _trace():
-    t = memsched.Trace()
-    for name, phase in (("f", "forward"), ("g", "forward"), ("gb", "backward"), ("fb", "backward")):
-        t.add_op(name, phase=phase, duration_us=1.0)
-    t.add_tensor(100, "float32", "activation", 0, [1, 2], 2)
-    t.add_tensor(200, "float32", "activation", 1, [3], 3)
-    return t
+from trace_helpers import two_activation_trace
 
 
 @pytest.mark.parametrize("trace", [None, "t.json", 5])
@@ -25,7 +17,7 @@ def test_compare_checks_the_trace(trace):
 
 
 def test_compare_reads_one_planner_name_as_one_planner():
-    rows = planning.compare(_trace(), None, planners="dp")
+    rows = planning.compare(two_activation_trace(), None, planners="dp")
     assert [r["planner"] for r in rows] == ["dp"]  # was: rows for planners 'd' and 'p'
     assert rows[0]["ok"]
 
@@ -33,12 +25,12 @@ def test_compare_reads_one_planner_name_as_one_planner():
 @pytest.mark.parametrize("planners", [["nope"], "nope", ["dp", 3], 5])
 def test_compare_refuses_unknown_planners(planners):
     with pytest.raises(ValueError, match="planners"):
-        planning.compare(_trace(), None, planners=planners)
+        planning.compare(two_activation_trace(), None, planners=planners)
 
 
 @pytest.mark.parametrize("planners", ["all", None, ["keep_all", "dp"]])
 def test_compare_planner_forms(planners):
-    rows = planning.compare(_trace(), None, planners=planners)
+    rows = planning.compare(two_activation_trace(), None, planners=planners)
     assert rows and all(r["ok"] for r in rows)
 
 
@@ -55,7 +47,7 @@ def _model(**fields):
                                    "d2h_bw_gbps", "h2d_bw_gbps"])
 def test_device_model_with_an_infinite_field_is_refused(field):
     d = _model(**{field: math.inf})
-    t = _trace()
+    t = two_activation_trace()
     with pytest.raises(ValueError, match=f"device: .*'{field}' must be a finite number"):
         planning.plan(t, None, "offload_all_sync", device=d)
     with pytest.raises(ValueError, match=field):
@@ -64,6 +56,6 @@ def test_device_model_with_an_infinite_field_is_refused(field):
 
 def test_device_model_with_finite_fields_simulates_finitely():
     d = _model()
-    t = _trace()
+    t = two_activation_trace()
     r = planning.simulate(t, planning.plan(t, None, "offload_all_sync", device=d), device=d)
     assert math.isfinite(r.step_time_us) and math.isfinite(r.stall_us)

@@ -4,29 +4,20 @@ ValueError from inside savefig after the planning, and a name without an extensi
 written as NAME.png."""
 import pytest
 
-import memsched
 from memsched import planning
 from memsched.__main__ import main as cli_main
 from memsched.offload.report import save_timeline as report_save_timeline
-
-
-def _trace():
-    t = memsched.Trace()
-    for name, phase in (("f", "forward"), ("g", "forward"), ("gb", "backward"), ("fb", "backward")):
-        t.add_op(name, phase=phase, duration_us=1.0)
-    t.add_tensor(100, "float32", "activation", 0, [1, 2], 2)
-    t.add_tensor(200, "float32", "activation", 1, [3], 3)
-    return t
+from trace_helpers import two_activation_trace
 
 
 def _result():
-    t = _trace()
+    t = two_activation_trace()
     return planning.simulate(t, planning.plan(t, None, "offload_all_sync"))
 
 
 def test_plan_out_with_an_unknown_extension_is_refused_before_the_work(tmp_path, capsys, monkeypatch):
     trace = tmp_path / "t.json"
-    _trace().to_json(str(trace))
+    two_activation_trace().to_json(str(trace))
     monkeypatch.setattr(planning, "compare", lambda *a, **k: pytest.fail("planned before checking --out"))
     out = tmp_path / "timeline.unknownext"
     assert cli_main(["plan", str(trace), "--budget", "1.0", "--out", str(out)]) == 2
@@ -36,7 +27,7 @@ def test_plan_out_with_an_unknown_extension_is_refused_before_the_work(tmp_path,
 
 def test_plan_out_without_extension_writes_that_exact_file(tmp_path, capsys):
     trace = tmp_path / "t.json"
-    _trace().to_json(str(trace))
+    two_activation_trace().to_json(str(trace))
     out = tmp_path / "timeline"
     assert cli_main(["plan", str(trace), "--budget", "1.0", "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
