@@ -36,11 +36,11 @@ Note [Storage keys and reuse]
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from memsched import _C
 from memsched.copy_inert import inert_on_copy
 
 __all__ = ["ModuleStack", "ActivationNumbering", "Activation", "storage_key", "activation_label", "dtype_name"]
@@ -67,11 +67,10 @@ def activation_label(ordinal: int, module_path: str, tensor: torch.Tensor) -> st
     """`act:<ordinal>:<module_path>:<shape>:<dtype>` (Note [Activation identity]).
 
     shape is the storage-owning tensor's shape: the view base (`tensor._base`)
-    when `tensor` is an autograd-tracked view, else `tensor` itself.
+    when `tensor` is an autograd-tracked view, else `tensor` itself. Formatted
+    in C++, where ActivationNumbering labels too.
     """
-    owner = tensor._base if tensor._base is not None else tensor
-    shape = "[" + ", ".join(str(int(s)) for s in owner.shape) + "]"
-    return f"act:{ordinal}:{module_path}:{shape}:{dtype_name(owner.dtype)}"
+    return _C.activation_label(ordinal, module_path, tensor)
 
 
 class ModuleStack:
@@ -165,54 +164,35 @@ class ActivationNumbering:
     Activation. Views of one storage share an ordinal; the label is fixed at the
     storage's first pack. Call start_step() at the start of every step (it also
     re-reads the parameter storages, so replaced parameters are seen).
+
+    The rule is implemented once, in C++ (csrc/torch/activation_numbering.h),
+    and shared with the offload executor's hooks (Note [The saved-tensor fast
+    path]), so a profiled step and an executed step number alike.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None):
         self._model = model
-        self._param_refs: Dict[int, StorageWeakRef] = {}
-        self._seen: Dict[int, Tuple[StorageWeakRef, Activation]] = {}
-        self._labels: List[str] = []
+        self._impl = _C.ActivationNumbering()
         self.start_step()
 
     def start_step(self) -> None:
-        self._seen.clear()
-        self._labels.clear()
-        self._param_refs.clear()
         if self._model is not None:
-            for t in list(self._model.parameters()) + list(self._model.buffers()):
-                key = storage_key(t)
-                if key is not None:
-                    self._param_refs[key] = StorageWeakRef(t.untyped_storage())
+            self._impl.set_parameters(list(self._model.parameters()) + list(self._model.buffers()))
+        self._impl.start_step()
 
     @property
     def count(self) -> int:
         """Activations numbered so far in this step."""
-        return len(self._labels)
+        return self._impl.count
 
     @property
     def labels(self) -> List[str]:
         """Labels by ordinal, for this step so far (a copy)."""
-        return list(self._labels)
+        return self._impl.labels
 
     def is_parameter(self, tensor: torch.Tensor) -> bool:
-        key = storage_key(tensor)
-        return key is not None and key in self._param_refs
+        return self._impl.is_parameter(tensor)
 
     def number(self, tensor: torch.Tensor, module_path: str = "") -> Optional[Activation]:
-        key = storage_key(tensor)
-        if key is not None and key in self._param_refs:
-            return None
-        if key is not None:
-            hit = self._seen.get(key)
-            if hit is not None:
-                # Holding the weak ref means the address cannot have been reused
-                # (Note [Storage keys and reuse]); expired() is a cheap guard.
-                ref, again = hit
-                if not ref.expired():
-                    return again
-        ordinal = len(self._labels)
-        label = activation_label(ordinal, module_path, tensor)
-        self._labels.append(label)
-        if key is not None:
-            self._seen[key] = (StorageWeakRef(tensor.untyped_storage()), Activation(ordinal, False, label))
-        return Activation(ordinal, True, label)
+        hit = self._impl.number(tensor, module_path)
+        return None if hit is None else Activation(*hit)

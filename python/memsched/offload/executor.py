@@ -12,13 +12,13 @@ Note [Executor hooks and their lifetime]
   pushes the saved-tensor hooks (torch._C._autograd._push_saved_tensors_default_hooks);
   end_step() (run.step()) pops them. So the hooks cover what the profiler
   covered -- forward, the loss, backward (a reentrant checkpoint's recompute) --
-  and ordinals match the trace's. ModuleStack (memsched.saved_tensors) gives
-  the module path for labels. An exception inside forward (seen by an
-  always-called forward hook: output None) abandons the step: later packs
-  pass through untouched and the next forward pops our pair and starts a
-  fresh step. Always-called hooks do not run on KeyboardInterrupt; the next
-  forward notices (`in_forward_` still set, ModuleStack unbalanced) and
-  restarts both; remove() pops our pair after checking it is on top.
+  and ordinals match the trace's. Labels carry no module path in executed
+  steps, so no hook runs per submodule (docs/CONVENTIONS-activation-identity.md).
+  An exception inside forward (seen by an always-called forward hook: output
+  None) abandons the step: later packs pass through untouched and the next
+  forward pops our pair and starts a fresh step. Always-called hooks do not
+  run on KeyboardInterrupt; the next forward notices (`in_forward_` still set)
+  and restarts; remove() pops our pair after checking it is on top.
   Unpack hooks are stored per saved tensor at pack time, so backward works
   whether or not our pair is still pushed. A forward that raises pops our
   pair at once and drops the step; what a step that raised later leaves is
@@ -117,7 +117,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memsched import _C
 from memsched.copy_inert import inert_on_copy
 from memsched.offload.copy_engine import CopyEngine
-from memsched.saved_tensors import ActivationNumbering, ModuleStack, storage_key
+from memsched.saved_tensors import storage_key
 
 
 @dataclass
@@ -201,16 +201,21 @@ def _modified_error(what, version, expected):
 
 
 class _View:
-    """What autograd stores for an offloaded save: the storage handle plus the view geometry."""
+    """What autograd stores for an offloaded save: the storage handle plus the view geometry.
+    The C++ unpack hook calls unpack() (See Note [The saved-tensor fast path])."""
 
-    __slots__ = ("handle", "dtype", "size", "stride", "offset")
+    __slots__ = ("handle", "dtype", "size", "stride", "offset", "owner")
 
-    def __init__(self, handle, t):
+    def __init__(self, handle, t, owner):
         self.handle = handle
         self.dtype = t.dtype
         self.size = tuple(t.size())
         self.stride = tuple(t.stride())
         self.offset = t.storage_offset()
+        self.owner = owner  # the executor: a retained graph may be unpacked after the Run ended
+
+    def unpack(self):
+        return self.owner._unpack_view(self)
 
 
 class OffloadExecutor:
@@ -223,24 +228,51 @@ class OffloadExecutor:
         self.min_bytes = int(min_bytes)          # size floor for offload, bytes
         self.engine = CopyEngine(self.device, host_buffers)
         self.on_mismatch = on_mismatch           # callback(str) on the first mismatch of a step
-        self.numbering = ActivationNumbering(model)
-        self.stack = ModuleStack(model)
+        # See Note [The saved-tensor fast path] (csrc/torch/saved_tensor_path.h): the hooks are C++;
+        # they call back into this object (held weakly) only for the slow path.
+        self.path = _C.SavedTensorPath(str(self.device), self)
+        self.path.timeline = self.timeline
+        self.pack_fn_ = self.path.pack_function()
+        self.unpack_fn_ = self.path.unpack_function()
         self.schedule = None                     # OffloadSchedule for the next step; None: plain
         self.active = True                       # False: forward runs untouched (e.g. while profiling)
         self.handles_ = []                       # hook handles on the root module
         self.pushed_ = False                     # our saved-tensor hooks are on the hook stack
         self.buried_ = False                     # popped by us but under the caller's hooks: pop when on top
-        self.in_step_ = False                    # a step has started (first forward seen)
-        self.forward_failed_ = False             # the last forward raised: restart numbering
+        self.in_step__ = False                   # a step has started (first forward seen)
+        self.forward_failed__ = False            # the last forward raised: restart numbering
         self.in_forward_ = False                 # between the root's forward pre-hook and forward hook
         self._reset_step()
+
+    # The C++ hooks pack through (act on) a step only while it runs and its forward has not failed.
+    @property
+    def in_step_(self):
+        return self.in_step__
+
+    @in_step_.setter
+    def in_step_(self, value):
+        self.in_step__ = value
+        self.path.step_active = value and not self.forward_failed__
+
+    @property
+    def forward_failed_(self):
+        return self.forward_failed__
+
+    @forward_failed_.setter
+    def forward_failed_(self, value):
+        self.forward_failed__ = value
+        self.path.step_active = self.in_step__ and not value
+
+    @property
+    def diverged_(self):
+        return self.path.diverged
 
     # -- lifetime ---------------------------------------------------------------------------------
     def install(self):
         if self.handles_:
             raise RuntimeError("OffloadExecutor.install(): already installed")
         try:
-            self.stack.install()
+            self._read_parameters()
             # See Note [Copies of a model under memsched] (copy_inert.py)
             self.handles_.append(self.model.register_forward_pre_hook(inert_on_copy(self._forward_pre)))
             self.handles_.append(self.model.register_forward_hook(inert_on_copy(self._forward_post),
@@ -260,16 +292,26 @@ class OffloadExecutor:
         for h in self.handles_:
             h.remove()
         self.handles_ = []
-        self.stack.remove()
         self.engine.finish()
         self._reset_step()
         self.in_step_ = False
         self.in_forward_ = False
         self.forward_failed_ = False
 
+    def _read_parameters(self):
+        """The model's parameter and buffer storages are never activations (read again whenever a
+        schedule is set: a re-profile after a parameter was replaced sees the new one)."""
+        self.path.set_parameters(list(self.model.parameters()) + list(self.model.buffers()))
+
     def set_schedule(self, schedule):
         """Schedule for the steps that follow (None: plain PyTorch with measurement)."""
         self.schedule = schedule
+        self._read_parameters()
+        if schedule is None:
+            self.path.clear_schedule()
+        else:
+            self.path.set_schedule(schedule.labels, schedule.offload, schedule.first_bwd_op,
+                                   [q for q, ks in schedule.prefetch_at.items() if ks])
         self.engine.on_compute_stream = bool(schedule is not None and schedule.copies_on_compute_stream)
 
     # -- step bookkeeping -------------------------------------------------------------------------
@@ -282,17 +324,13 @@ class OffloadExecutor:
         self.queued_op_ = -1        # autograd sequence number when they were queued
         self.fetched_ = {}          # storage key of a fetched copy -> (StorageWeakRef, ordinal)
         self.stall_events_ = []     # CUDA: (before, after) events around each compute-stream wait
-        self.generation_ = getattr(self, "generation_", 0) + 1  # invalidates last step's callbacks
-        self.watch_ = {}            # id -> weakref with a free callback, per watched device storage (CPU)
-        self.alive_bytes_ = 0       # bytes of watched storages alive now (CPU samples)
-        self.fired_upto_ = -2       # last trigger op fired (-2: none, -1: backward start)
-        self.diverged_ = False
         self.t0_ = time.perf_counter()
         self.t0_event_ = None
+        # counters, memory samples, the prefetch trigger and `diverged` live in self.path
+        self.path.begin_step(self.t0_)
 
     def _begin_step(self):
         self.engine.finish()
-        self.numbering.start_step()
         self._reset_step()
         self.in_step_ = True
         self.forward_failed_ = False
@@ -319,6 +357,11 @@ class OffloadExecutor:
             torch.cuda.synchronize(self.device)  # before the clock: the step's kernels have finished
         stats.duration_s = time.perf_counter() - self.t0_
         self._sample()
+        stats.activations = self.path.activations
+        stats.activation_bytes = self.path.activation_bytes
+        stats.peak_bytes = self.path.peak_bytes
+        if self.timeline:
+            stats.samples = list(self.path.samples)
         if self.engine.is_cuda:
             stats.peak_bytes = max(stats.peak_bytes, torch.cuda.max_memory_allocated(self.device))
             stats.stall_s = sum(a.elapsed_time(b) for a, b in self.stall_events_) / 1e3
@@ -340,12 +383,10 @@ class OffloadExecutor:
     # -- forward hooks on the root module -----------------------------------------------------------
     def _forward_pre(self, module, args):
         self._reap_buried()
-        if self.in_forward_ or self.stack.depth > 1:
+        if self.in_forward_:
             # The previous forward was interrupted by a BaseException (KeyboardInterrupt), which skips
-            # always_call hooks -- ours and ModuleStack's. Restart both.
+            # always_call hooks: restart.
             self.forward_failed_ = True
-            self.stack.remove()
-            self.stack.install()
         self.in_forward_ = True
         if not self.active:
             return
@@ -358,7 +399,7 @@ class OffloadExecutor:
                 # See Note [Foreign saved-tensor hooks]: run this step plainly, never push ours.
                 self._diverge(foreign)
                 return
-            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            torch._C._autograd._push_saved_tensors_default_hooks(self.pack_fn_, self.unpack_fn_)
             self.pushed_ = True
 
     def _forward_post(self, module, args, output):
@@ -393,43 +434,16 @@ class OffloadExecutor:
         if not self.buried_:
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] == self._pack:
+        if top is not None and top[0] is self.pack_fn_:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self.buried_ = False
 
-    # -- pack / unpack -----------------------------------------------------------------------------
-    def _pack(self, t):
-        if self.forward_failed_ or not self.in_step_:
-            return t if t.grad_fn is None else t.detach()  # an abandoned step: PyTorch's behaviour
-        if self.queued_ and _C.autograd_sequence_peek() != self.queued_op_:
-            self._issue_copies()  # See Note [Copy after the op]
-        self.engine.poll()
-        alias = self.fetched_.get(storage_key(t))
-        if alias is not None and not alias[0].expired():
-            # A fetched copy saved again (e.g. a reentrant checkpoint's recompute): the profiled step
-            # saw the original storage here, so this is a re-pack of the same ordinal.
-            return (alias[1], t.detach(), t._version)
-        act = self.numbering.number(t, self.stack.current)
-        if act is None:
-            return (-1, t, t._version)  # parameter or buffer: a leaf (no cycle); kept, version-checked
-        k = act.ordinal
+    # -- the slow path of the C++ hooks (See Note [The saved-tensor fast path]) ----------------------
+    def _pack_slow(self, t, k, may_offload, nbytes):
+        """A save of ordinal k, which the plan offloads. may_offload: its first pack, matching the trace."""
         h = None
-        if act.is_first_pack:
-            # A tensor without a storage (sparse, mkldnn) counts 0 bytes and is never offloaded.
-            # The trace has no record (so no label) for it, and the step-end count is of storages.
-            has_storage = storage_key(t) is not None
-            nbytes = t.untyped_storage().nbytes() if has_storage else 0
-            self.stats.activations += int(has_storage)
-            self.stats.activation_bytes += nbytes
-            if nbytes > 0 and t.device == self.device:
-                self._track(t, nbytes)
-            if self.schedule is not None and not self.diverged_:
-                expected = self.schedule.labels.get(k)
-                if expected != act.label and (has_storage or expected is not None):
-                    self._diverge(f"activation {k}: trace has {expected!r}, this step has {act.label!r}")
-                elif k in self.schedule.offload and self._offloadable(t, nbytes):
-                    h = self._offload(k, t, nbytes)  # held here: the table's reference is weak
-            self._sample()
+        if may_offload and self._offloadable(t, nbytes):
+            h = self._offload(k, t, nbytes)  # held here: the table's reference is weak
         if h is None:
             h = self.offloaded_.get(k)
             if h is None and k in self.dropped_ and not self.diverged_ and storage_key(t) is not None:
@@ -443,33 +457,42 @@ class OffloadExecutor:
         if h is not None and t._version == h.version:
             h.packs += 1
             if h.label == "":
-                h.label = act.label
-            return _View(h, t)
+                h.label = self.path.label(k)
+            return _View(h, t, self)
         return (k, t.detach(), t._version)  # See Notes [Packing without reference cycles], [Version checks]
 
-    def _unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        if self.queued_:
-            self._issue_copies()
+    def _pack_fetched(self, t):
+        """A fetched copy saved again (e.g. a reentrant checkpoint's recompute): the profiled step saw
+        the original storage here, so this is a re-pack of the same ordinal. None: not a fetched copy."""
+        alias = self.fetched_.get(storage_key(t))
+        if alias is not None and not alias[0].expired():
+            return (alias[1], t.detach(), t._version)
+        return None
+
+    def _diverge_label(self, k, expected, label):
+        self._diverge(f"activation {k}: trace has {expected!r}, this step has {label!r}")
+
+    def _poll(self):
+        """Release what completed copies held; True while copies are still in flight."""
         self.engine.poll()
-        if isinstance(packed, tuple):
-            k, t, version = packed
-            if t._version != version:
-                raise _modified_error(f"a saved tensor of shape {list(t.shape)}", t._version, version)
-            if k >= 0:
-                self._observe(k)
-            return t
+        return self.engine.pending_count() > 0
+
+    def _memory_allocated(self):
+        return torch.cuda.memory_allocated(self.device)
+
+    def _unpack_view(self, packed):
+        """An offloaded save's unpack (the C++ hook issued queued copies and polled already)."""
         h = packed.handle
         self._check_version(h)
         if h.modified_to is not None:
             raise _modified_error(f"saved activation {h.label}", h.modified_to, h.version)
-        self._observe(h.ordinal)
+        self.path.observe(h.ordinal)
         if h.device_bytes is None:
             self._materialize(h)
         h.unpacks += 1
         dev = h.device_bytes
         self.fetched_[storage_key(dev)] = (StorageWeakRef(dev.untyped_storage()), h.ordinal)
+        self.path.check_fetched = True
         if h.unpacks % h.packs == 0:
             # Every save of it has been used once: the returned tensor owns the copy now. Another
             # backward of a retained graph (or a later micro-batch saving it again) fetches again.
@@ -503,14 +526,18 @@ class OffloadExecutor:
         h.tensor = weakref.ref(t)
         self.queued_.append((h, flat))
         self.queued_op_ = _C.autograd_sequence_peek()
+        self.path.queued_op = self.queued_op_
+        self.path.has_queued = True
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += nbytes
         return h
 
     def _issue_copies(self):
         queued, self.queued_ = self.queued_, []
+        self.path.has_queued = False
         for h, flat in queued:
             h.d2h = self.engine.offload(flat)
+        self.path.need_poll = self.engine.pending_count() > 0
 
     def _copy_for(self, h, t):
         """The host copy of h's storage that a later save of `t` may use, or None (keep t on the device).
@@ -554,15 +581,11 @@ class OffloadExecutor:
         elif t._version != h.version and h.modified_to is None:
             h.modified_to = t._version
 
-    def _observe(self, k):
-        """An unpack of ordinal k: fire every prefetch trigger up to its first backward op."""
+    def _fire(self, op, fired_upto):
+        """An unpack reached trace op `op` (the C++ hook's observe()): issue every prefetch whose
+        trigger lies after `fired_upto` and at or before `op`."""
         s = self.schedule
-        if s is None or self.diverged_:
-            return
-        op = s.first_bwd_op.get(k)
-        if op is None or op <= self.fired_upto_:
-            return
-        for q in s.triggers_through(op, self.fired_upto_):
+        for q in s.triggers_through(op, fired_upto):
             for j in s.prefetch_at[q]:
                 first = self.offloaded_.get(j)
                 for h in first.copies() if first is not None else ():
@@ -570,7 +593,7 @@ class OffloadExecutor:
                         h.h2d = self.engine.fetch(h.d2h.dst, after=h.d2h)
                         self._track(h.h2d.dst, h.nbytes)
                         self.stats.prefetched += 1
-        self.fired_upto_ = op
+        self.path.need_poll = self.engine.pending_count() > 0
 
     def _materialize(self, h):
         """Make h's bytes available on the compute stream: wait for its prefetch, or fetch now.
@@ -588,6 +611,7 @@ class OffloadExecutor:
             ticket = self.engine.fetch(h.d2h.dst, after=h.d2h)
             self._track(ticket.dst, h.nbytes)
             self.stats.on_demand += 1
+            self.path.need_poll = self.engine.pending_count() > 0
             if not self.engine.is_cuda:
                 self.stats.stall_s += time.perf_counter() - start
         waited = self.engine.wait(ticket)
@@ -596,7 +620,7 @@ class OffloadExecutor:
         h.device_bytes = ticket.dst
 
     def _diverge(self, why):
-        self.diverged_ = True
+        self.path.diverged = True
         self.stats.mode = "diverged"
         self.stats.mismatch = why
         if self.on_mismatch is not None:
@@ -606,38 +630,15 @@ class OffloadExecutor:
                           "it runs without offloading from there on", RuntimeWarning, stacklevel=3)
 
     def _track(self, t, nbytes):
-        """Watch a device storage for the CPU memory samples (CUDA reads the allocator instead).
-
-        A weakref callback on the storage's Python object fires when the StorageImpl dies (torch
-        keeps that object alive exactly as long; see Note [Free detection] in profiler/recorder.py),
-        so alive_bytes_ is exact and O(1) per event.
-        """
-        if self.engine.is_cuda:
-            return
-        storage = t.untyped_storage()
-        generation = self.generation_
-
-        def freed(ref, nbytes=nbytes):
-            if self.generation_ == generation and self.watch_.pop(id(ref), None) is not None:
-                self.alive_bytes_ -= nbytes
-
-        ref = weakref.ref(storage, freed)
-        self.watch_[id(ref)] = ref
-        self.alive_bytes_ += nbytes
+        """Count a device storage's bytes while it lives (CPU memory samples; CUDA reads the allocator).
+        See Note [CPU memory by weak references] in csrc/torch/saved_tensor_path.cpp."""
+        self.path.track(t)
 
     def _sample(self):
-        """A memory sample for the timeline (timeline=True); otherwise only the CPU peak is kept (CUDA
-        reads max_memory_allocated at the step's end), so no per-tensor list grows and no allocator
-        query runs per saved tensor."""
-        if not self.timeline:
-            if not self.engine.is_cuda and self.alive_bytes_ > self.stats.peak_bytes:
-                self.stats.peak_bytes = self.alive_bytes_
-            return
-        now = time.perf_counter() - self.t0_
-        value = torch.cuda.memory_allocated(self.device) if self.engine.is_cuda else self.alive_bytes_
-        self.stats.samples.append((now, value))
-        if value > self.stats.peak_bytes:
-            self.stats.peak_bytes = value
+        """A memory sample: the timeline's (timeline=True), otherwise only the CPU peak (CUDA reads
+        max_memory_allocated at the step's end), so no per-tensor list grows and no allocator query
+        runs per saved tensor."""
+        self.path.sample()
 
     def check_invariants(self):
         self.engine.check_invariants()

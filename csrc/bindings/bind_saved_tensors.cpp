@@ -1,0 +1,101 @@
+// bind_saved_tensors.cpp -- the saved-tensor hot path (Note [The saved-tensor fast path]) and the
+// activation numbering it shares with the profiler. Includes torch headers (See Note [One module,
+// several binding files]).
+#include <torch/python.h>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "bindings/bindings.h"
+#include "core/check.h"
+#include "torch/activation_numbering.h"
+#include "torch/saved_tensor_path.h"
+
+namespace memsched::bindings {
+
+namespace py = pybind11;
+
+namespace {
+
+const at::Tensor& tensor_arg(const py::handle& obj, const char* where) {
+  MEMSCHED_CHECK(THPVariable_Check(obj.ptr()), where, ": expected a torch.Tensor, got ",
+                 std::string(py::str(py::type::of(obj).attr("__name__"))));
+  return THPVariable_Unpack(obj.ptr());
+}
+
+}  // namespace
+
+void bind_saved_tensors(py::module_& m) {
+  prepare_kept_type(m);
+  m.def(
+      "activation_label",
+      [](int64_t ordinal, const std::string& module_path, const py::handle& tensor) {
+        return activation_label(ordinal, module_path, tensor_arg(tensor, "activation_label"));
+      },
+      py::arg("ordinal"), py::arg("module_path"), py::arg("tensor"),
+      "act:<ordinal>:<module_path>:<shape>:<dtype> (Note [Activation identity]).");
+
+  py::class_<ActivationNumbering, std::shared_ptr<ActivationNumbering>>(
+      m, "ActivationNumbering",
+      "Numbers the saved activations of one step (Note [Activation identity]); the executor's hot "
+      "path uses the same rule.")
+      .def(py::init<>())
+      .def("set_parameters", &ActivationNumbering::set_parameters, py::arg("parameters"))
+      .def("start_step", &ActivationNumbering::start_step)
+      .def(
+          "number",
+          [](ActivationNumbering& n, const py::handle& tensor, const std::string& module_path) -> py::object {
+            const at::Tensor& t = tensor_arg(tensor, "ActivationNumbering.number");
+            const StorageIdentity id = SavedTensorPath::identity_of(tensor.ptr(), t);
+            const ActivationNumbering::Result r = n.number(t, id, module_path);
+            if (r.ordinal < 0) return py::none();
+            return py::make_tuple(r.ordinal, r.is_first_pack, n.label(r.ordinal));
+          },
+          py::arg("tensor"), py::arg("module_path") = "",
+          "None for a parameter/buffer storage, else (ordinal, is_first_pack, label).")
+      .def(
+          "is_parameter",
+          [](ActivationNumbering& n, const py::handle& tensor) {
+            const at::Tensor& t = tensor_arg(tensor, "ActivationNumbering.is_parameter");
+            return n.is_parameter(SavedTensorPath::identity_of(tensor.ptr(), t).key);
+          },
+          py::arg("tensor"))
+      .def_property_readonly("count", &ActivationNumbering::count)
+      .def_property_readonly("labels", [](const ActivationNumbering& n) { return n.labels(); });
+
+  py::class_<SavedTensorPath, std::shared_ptr<SavedTensorPath>>(
+      m, "SavedTensorPath", "The offload executor's saved-tensor hooks (Note [The saved-tensor fast path]).")
+      .def(py::init([](const std::string& device, py::object owner) {
+             return std::make_shared<SavedTensorPath>(at::Device(device), std::move(owner));
+           }),
+           py::arg("device"), py::arg("owner"))
+      .def("pack_function", &SavedTensorPath::pack_function)
+      .def("unpack_function", &SavedTensorPath::unpack_function)
+      .def("set_parameters",
+           [](SavedTensorPath& p, std::vector<at::Tensor> params) { p.numbering().set_parameters(std::move(params)); },
+           py::arg("parameters"))
+      .def("begin_step", &SavedTensorPath::begin_step, py::arg("t0_s"))
+      .def("set_schedule", &SavedTensorPath::set_schedule, py::arg("labels"), py::arg("planned"),
+           py::arg("first_bwd_op"), py::arg("triggers"))
+      .def("clear_schedule", &SavedTensorPath::clear_schedule)
+      .def("observe", &SavedTensorPath::observe, py::arg("ordinal"))
+      .def("track", [](SavedTensorPath& p, const py::handle& t) { p.track(tensor_arg(t, "SavedTensorPath.track")); },
+           py::arg("tensor"))
+      .def("sample", &SavedTensorPath::sample)
+      .def("alive_bytes", &SavedTensorPath::alive_bytes)
+      .def("label", [](SavedTensorPath& p, int64_t k) { return p.numbering().label(k); }, py::arg("ordinal"))
+      .def_property_readonly("count", [](SavedTensorPath& p) { return p.numbering().count(); })
+      .def_readwrite("step_active", &SavedTensorPath::step_active)
+      .def_readwrite("diverged", &SavedTensorPath::diverged)
+      .def_readwrite("check_fetched", &SavedTensorPath::check_fetched)
+      .def_readwrite("need_poll", &SavedTensorPath::need_poll)
+      .def_readwrite("has_queued", &SavedTensorPath::has_queued)
+      .def_readwrite("queued_op", &SavedTensorPath::queued_op)
+      .def_readwrite("timeline", &SavedTensorPath::timeline)
+      .def_readonly("fired_upto", &SavedTensorPath::fired_upto)
+      .def_readonly("activations", &SavedTensorPath::activations)
+      .def_readonly("activation_bytes", &SavedTensorPath::activation_bytes)
+      .def_readonly("peak_bytes", &SavedTensorPath::peak_bytes)
+      .def_readonly("samples", &SavedTensorPath::samples);
+}
+
+}  // namespace memsched::bindings

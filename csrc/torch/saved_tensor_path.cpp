@@ -1,0 +1,400 @@
+// saved_tensor_path.cpp -- see saved_tensor_path.h, Note [The saved-tensor fast path].
+#include "torch/saved_tensor_path.h"
+
+#include <algorithm>
+#include <limits>
+
+#include <ATen/SequenceNumber.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "core/check.h"
+
+namespace py = pybind11;
+
+namespace memsched {
+
+namespace {
+
+constexpr int64_t kNoOp = std::numeric_limits<int64_t>::min();
+constexpr const char* kCapsuleName = "memsched.SavedTensorPath";
+
+SavedTensorPath* path_of(PyObject* capsule) {
+  return static_cast<std::shared_ptr<SavedTensorPath>*>(PyCapsule_GetPointer(capsule, kCapsuleName))->get();
+}
+
+PyObject* pack_entry(PyObject* capsule, PyObject* tensor) { return path_of(capsule)->pack(tensor); }
+PyObject* unpack_entry(PyObject* capsule, PyObject* packed) { return path_of(capsule)->unpack(packed); }
+
+PyMethodDef pack_def{"memsched_pack", pack_entry, METH_O,
+                     "memsched's saved-tensor pack hook (See Note [The saved-tensor fast path])."};
+PyMethodDef unpack_def{"memsched_unpack", unpack_entry, METH_O,
+                       "memsched's saved-tensor unpack hook (See Note [The saved-tensor fast path])."};
+
+py::object make_function(PyMethodDef* def, const std::shared_ptr<SavedTensorPath>& path) {
+  auto* holder = new std::shared_ptr<SavedTensorPath>(path);
+  PyObject* capsule = PyCapsule_New(holder, kCapsuleName, [](PyObject* c) {
+    delete static_cast<std::shared_ptr<SavedTensorPath>*>(PyCapsule_GetPointer(c, kCapsuleName));
+  });
+  if (capsule == nullptr) {
+    delete holder;
+    throw py::error_already_set();
+  }
+  PyObject* fn = PyCFunction_New(def, capsule);
+  Py_DECREF(capsule);
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
+// Note [Kept saves are not Python containers]
+//   A kept save is a KeptSave: a C object holding the (detached) at::Tensor, its ordinal and its
+//   version -- not a tuple holding a Python tensor. Tuples and tensors are tracked by Python's
+//   cyclic GC, and allocating two of them per saved tensor made gc_collect_main the top symbol of
+//   a profile of the hooks (12% of the time). A KeptSave is not GC-tracked (it refers to no
+//   Python object) and the Python tensor is made only at unpack. The Python slow path packs kept
+//   tensors as `(ordinal, tensor, version)` tuples; unpack() accepts both.
+struct KeptSave {
+  PyObject_HEAD
+  at::Tensor tensor;
+  int64_t ordinal;
+  uint32_t version;
+};
+
+void kept_dealloc(PyObject* self) {
+  reinterpret_cast<KeptSave*>(self)->tensor.~Tensor();
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject kept_type = [] {
+  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
+  type.tp_name = "memsched._C.KeptSave";
+  type.tp_basicsize = sizeof(KeptSave);
+  type.tp_dealloc = kept_dealloc;
+  type.tp_flags = Py_TPFLAGS_DEFAULT;
+  type.tp_doc = "A saved tensor memsched keeps on its device (See Note [Kept saves are not Python containers]).";
+  return type;
+}();
+
+PyObject* kept_save(int64_t ordinal, at::Tensor tensor, uint32_t version) {
+  auto* kept = PyObject_New(KeptSave, &kept_type);
+  if (kept == nullptr) return nullptr;
+  new (&kept->tensor) at::Tensor(std::move(tensor));
+  kept->ordinal = ordinal;
+  kept->version = version;
+  return reinterpret_cast<PyObject*>(kept);
+}
+
+// act:<k>:<module path>:<shape>:<dtype> -> act:<k>::<shape>:<dtype>. The shape is the last ":["
+// (a module path may hold ':' but the shape and dtype hold no ":["). A label of another form is
+// kept whole, so it matches nothing.
+std::string without_module_path(int64_t k, const std::string& label) {
+  const std::string prefix = "act:" + std::to_string(k) + ":";
+  const size_t shape = label.rfind(":[");
+  if (label.compare(0, prefix.size(), prefix) != 0 || shape == std::string::npos || shape + 1 < prefix.size()) {
+    return label;
+  }
+  return prefix + label.substr(shape);
+}
+
+std::string shape_string(const at::Tensor& t) {
+  std::string out = "[";
+  bool first = true;
+  for (const c10::SymInt& size : t.sym_sizes()) {
+    if (!first) out += ", ";
+    first = false;
+    out += symint_string(size);
+  }
+  return out + "]";
+}
+
+const py::object& python_storage_key() {
+  static py::object* fn = new py::object(py::module_::import("memsched.saved_tensors").attr("storage_key"));
+  return *fn;
+}
+
+}  // namespace
+
+SavedTensorPath::SavedTensorPath(at::Device device, py::object owner)
+    : device_(device),
+      is_cpu_(device.is_cpu()),
+      owner_ref_(py::module_::import("weakref").attr("ref")(owner)) {}
+
+py::object SavedTensorPath::pack_function() { return make_function(&pack_def, shared_from_this()); }
+py::object SavedTensorPath::unpack_function() { return make_function(&unpack_def, shared_from_this()); }
+
+py::object SavedTensorPath::owner() const { return owner_ref_(); }
+
+template <typename... Args>
+py::object SavedTensorPath::call_owner(const char* method, Args&&... args) {
+  py::object executor = owner();
+  MEMSCHED_CHECK(!executor.is_none(), "memsched: the offload executor of this step is gone (", method, ")");
+  return executor.attr(method)(std::forward<Args>(args)...);
+}
+
+StorageIdentity SavedTensorPath::identity_of(PyObject* obj, const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.unsafeGetTensorImpl()->is_python_dispatch()) return storage_identity(tensor);
+  // A tensor subclass: ask Python, exactly as memsched.saved_tensors.storage_key does.
+  StorageIdentity id;
+  py::object key = python_storage_key()(py::handle(obj));
+  if (key.is_none()) return id;
+  id.key = key.cast<uintptr_t>();
+  id.nbytes = py::handle(obj).attr("untyped_storage")().attr("nbytes")().cast<int64_t>();
+  try {
+    id.weak = tensor.storage().getWeakStorageImpl();
+  } catch (const std::exception&) {
+    // no reuse guard; see StorageIdentity
+  }
+  return id;
+}
+
+PyObject* SavedTensorPath::pack(PyObject* obj) {
+  HANDLE_TH_ERRORS
+  if (!THPVariable_Check(obj)) {
+    PyErr_SetString(PyExc_TypeError, "memsched pack hook: expected a torch.Tensor");
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (!step_active) {
+    // An abandoned step or a pass-through pair: PyTorch's own behaviour.
+    if (t.grad_fn() == nullptr) return Py_NewRef(obj);
+    return THPVariable_Wrap(t.detach());
+  }
+  // See Note [Copy after the op] (executor.py): queued copies go out at a later op's first save.
+  if (has_queued && at::sequence_number::peek() != queued_op) call_owner("_issue_copies");
+  if (need_poll) need_poll = call_owner("_poll").cast<bool>();
+  if (check_fetched) {
+    py::object packed = call_owner("_pack_fetched", py::handle(obj));
+    if (!packed.is_none()) return packed.release().ptr();
+  }
+  const StorageIdentity id = identity_of(obj, t);
+  // No module path in executed steps (docs/CONVENTIONS-activation-identity.md).
+  const ActivationNumbering::Result act = numbering_.number(t, id, "");
+  const uint32_t version = t._version();
+  if (act.ordinal < 0) {
+    // A parameter or buffer: a leaf (no reference cycle), kept and version-checked.
+    return kept_save(-1, t, version);
+  }
+  const int64_t k = act.ordinal;
+  bool may_offload = false;
+  if (act.is_first_pack) {
+    // A tensor without a storage counts 0 bytes and is never offloaded; the step-end count is of storages.
+    activations += id.key != 0;
+    activation_bytes += id.nbytes;
+    if (id.nbytes > 0 && t.device() == device_) track(t);
+    if (has_schedule_ && !diverged) {
+      check_label(k, id.key != 0);
+      may_offload = !diverged && planned(k);
+    }
+    sample();
+  }
+  if (planned(k)) {
+    return call_owner("_pack_slow", py::handle(obj), k, may_offload, id.nbytes).release().ptr();
+  }
+  // See Notes [Packing without reference cycles], [Version checks] (executor.py).
+  return kept_save(k, t.detach(), version);
+  END_HANDLE_TH_ERRORS
+}
+
+void SavedTensorPath::check_label(int64_t k, bool has_storage) {
+  const bool known = k < static_cast<int64_t>(has_expected_.size()) && has_expected_[static_cast<size_t>(k)];
+  const std::string& label = numbering_.label(k);
+  if (known ? expected_[static_cast<size_t>(k)] == label : !has_storage) return;
+  py::object expected = known ? py::object(py::str(expected_full_[static_cast<size_t>(k)])) : py::object(py::none());
+  call_owner("_diverge_label", k, expected, py::str(label));
+  diverged = true;
+}
+
+PyObject* SavedTensorPath::unpack(PyObject* packed) {
+  HANDLE_TH_ERRORS
+  if (THPVariable_Check(packed)) return Py_NewRef(packed);
+  if (has_queued) call_owner("_issue_copies");
+  if (need_poll) need_poll = call_owner("_poll").cast<bool>();
+  int64_t k = -1;
+  uint64_t expected = 0;
+  const at::Tensor* t = nullptr;
+  PyObject* obj = nullptr;  // the Python tensor to return, when the save holds one
+  if (Py_IS_TYPE(packed, &kept_type)) {
+    auto* kept = reinterpret_cast<KeptSave*>(packed);
+    k = kept->ordinal;
+    expected = kept->version;
+    t = &kept->tensor;
+  } else if (PyTuple_CheckExact(packed) && PyTuple_GET_SIZE(packed) == 3) {
+    obj = PyTuple_GET_ITEM(packed, 1);
+    k = PyLong_AsLongLong(PyTuple_GET_ITEM(packed, 0));
+    expected = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(packed, 2));
+    if (PyErr_Occurred() || !THPVariable_Check(obj)) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "memsched unpack hook: not a memsched-packed tensor");
+      return nullptr;
+    }
+    t = &THPVariable_Unpack(obj);
+  } else {
+    return PyObject_CallMethod(packed, "unpack", nullptr);  // an offloaded tensor's _View
+  }
+  const uint32_t version = t->_version();
+  if (version != expected) {
+    // See Note [Version checks] (executor.py): the error plain PyTorch raises.
+    const std::string message =
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        "a saved tensor of shape " + shape_string(*t) + " is at version " + std::to_string(version) +
+        "; expected version " + std::to_string(expected) +
+        " instead. (memsched checks this itself because saved-tensor hooks turn PyTorch's own check off; "
+        "plain PyTorch raises the same error.)";
+    PyErr_SetString(PyExc_RuntimeError, message.c_str());
+    return nullptr;
+  }
+  if (k >= 0) observe(k);
+  return obj != nullptr ? Py_NewRef(obj) : THPVariable_Wrap(*t);
+  END_HANDLE_TH_ERRORS
+}
+
+void prepare_kept_type(py::module_& m) {
+  if (PyType_Ready(&kept_type) < 0) throw py::error_already_set();
+  Py_INCREF(&kept_type);
+  m.attr("KeptSave") = py::handle(reinterpret_cast<PyObject*>(&kept_type));
+}
+
+void SavedTensorPath::begin_step(double t0_s) {
+  numbering_.start_step();
+  diverged = false;
+  check_fetched = false;
+  need_poll = false;
+  has_queued = false;
+  fired_upto = -2;
+  activations = 0;
+  activation_bytes = 0;
+  peak_bytes = 0;
+  samples.clear();
+  drop_tracked();
+  t0_s_ = t0_s;
+}
+
+void SavedTensorPath::set_schedule(const py::dict& labels, const py::iterable& planned,
+                                   const py::dict& first_bwd_op, const py::iterable& triggers) {
+  clear_schedule();
+  auto grow = [](auto& v, int64_t k, auto fill) {
+    MEMSCHED_CHECK(k >= 0 && k < (int64_t{1} << 40), "SavedTensorPath.set_schedule: ordinal ", k, " out of range");
+    if (static_cast<int64_t>(v.size()) <= k) v.resize(static_cast<size_t>(k) + 1, fill);
+  };
+  for (auto item : labels) {
+    const int64_t k = item.first.cast<int64_t>();
+    grow(expected_, k, std::string());
+    grow(expected_full_, k, std::string());
+    grow(has_expected_, k, char{0});
+    const std::string label = item.second.cast<std::string>();
+    expected_full_[static_cast<size_t>(k)] = label;
+    expected_[static_cast<size_t>(k)] = without_module_path(k, label);
+    has_expected_[static_cast<size_t>(k)] = 1;
+  }
+  for (auto item : planned) {
+    const int64_t k = item.cast<int64_t>();
+    grow(planned_, k, char{0});
+    planned_[static_cast<size_t>(k)] = 1;
+  }
+  for (auto item : first_bwd_op) {
+    const int64_t k = item.first.cast<int64_t>();
+    grow(first_bwd_op_, k, kNoOp);
+    first_bwd_op_[static_cast<size_t>(k)] = item.second.cast<int64_t>();
+  }
+  for (auto item : triggers) triggers_.push_back(item.cast<int64_t>());
+  std::sort(triggers_.begin(), triggers_.end());
+  has_schedule_ = true;
+}
+
+void SavedTensorPath::clear_schedule() {
+  has_schedule_ = false;
+  expected_.clear();
+  expected_full_.clear();
+  has_expected_.clear();
+  planned_.clear();
+  first_bwd_op_.clear();
+  triggers_.clear();
+}
+
+void SavedTensorPath::observe(int64_t k) {
+  if (!has_schedule_ || diverged || k < 0 || k >= static_cast<int64_t>(first_bwd_op_.size())) return;
+  const int64_t op = first_bwd_op_[static_cast<size_t>(k)];
+  if (op == kNoOp || op <= fired_upto) return;
+  // Python only when a trigger with prefetches lies in (fired_upto, op].
+  auto next = std::upper_bound(triggers_.begin(), triggers_.end(), fired_upto);
+  if (next != triggers_.end() && *next <= op) call_owner("_fire", op, fired_upto);
+  fired_upto = op;
+}
+
+// Note [CPU memory by weak references]
+//   On CPU the executor measures memory as the bytes of saved-activation storages alive (CUDA reads
+//   the allocator; the GPU path never tracks). A tracked storage gets a Python weak reference
+//   whose callback subtracts its bytes when it dies: torch keeps a storage's Python object exactly
+//   as long as its StorageImpl (Note [Free detection] in profiler/recorder.py), so the count is
+//   exact and costs O(1) per storage -- a scan of C++ weak pointers at each sample was O(n^2)
+//   per step. The callback holds a raw pointer to this object: every weak reference is owned by
+//   `tracked_` and dropped (which cancels its callback) by begin_step() and the destructor.
+namespace {
+
+PyObject* storage_died(PyObject* capsule, PyObject* ref) {
+  auto* path = static_cast<SavedTensorPath*>(PyCapsule_GetPointer(capsule, "memsched.SavedTensorPath.raw"));
+  if (path != nullptr) path->forget(ref);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef storage_died_def{"memsched_storage_died", storage_died, METH_O,
+                             "A tracked storage died (See Note [CPU memory by weak references])."};
+
+}  // namespace
+
+void SavedTensorPath::track(const at::Tensor& t) {
+  if (!is_cpu_ || !t.has_storage()) return;
+  if (death_callback_.is_none()) {
+    PyObject* capsule = PyCapsule_New(this, "memsched.SavedTensorPath.raw", nullptr);
+    if (capsule == nullptr) throw py::error_already_set();
+    PyObject* fn = PyCFunction_New(&storage_died_def, capsule);
+    Py_DECREF(capsule);
+    if (fn == nullptr) throw py::error_already_set();
+    death_callback_ = py::reinterpret_steal<py::object>(fn);
+  }
+  const c10::Storage& storage = t.storage();
+  const auto nbytes = static_cast<int64_t>(storage.nbytes());
+  py::object obj = py::reinterpret_steal<py::object>(THPStorage_Wrap(storage));
+  if (!obj) throw py::error_already_set();
+  PyObject* ref = PyWeakref_NewRef(obj.ptr(), death_callback_.ptr());
+  if (ref == nullptr) throw py::error_already_set();
+  tracked_.emplace(ref, nbytes);
+  tracked_bytes_ += nbytes;
+}
+
+void SavedTensorPath::forget(PyObject* ref) {
+  auto it = tracked_.find(ref);
+  if (it == tracked_.end()) return;
+  tracked_bytes_ -= it->second;
+  tracked_.erase(it);
+  Py_DECREF(ref);
+}
+
+void SavedTensorPath::drop_tracked() {
+  // Dropping a weak reference cancels its callback.
+  for (auto& [ref, nbytes] : tracked_) Py_DECREF(ref);
+  tracked_.clear();
+  tracked_bytes_ = 0;
+}
+
+SavedTensorPath::~SavedTensorPath() {
+  if (!tracked_.empty() && Py_IsInitialized()) {
+    py::gil_scoped_acquire gil;
+    drop_tracked();
+  }
+}
+
+int64_t SavedTensorPath::alive_bytes() { return tracked_bytes_; }
+
+void SavedTensorPath::sample() {
+  if (!timeline) {
+    peak_bytes = std::max(peak_bytes, tracked_bytes_);
+    return;
+  }
+  const double now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  const int64_t value = is_cpu_ ? alive_bytes() : call_owner("_memory_allocated").cast<int64_t>();
+  samples.emplace_back(now - t0_s_, value);
+  peak_bytes = std::max(peak_bytes, value);
+}
+
+}  // namespace memsched

@@ -1,0 +1,119 @@
+// saved_tensor_path.h -- the offload executor's per-saved-tensor hot path, in C++.
+//
+// Note [The saved-tensor fast path]
+//   Rationale: PyTorch calls a saved-tensor pack hook for every tensor autograd saves and an
+//   unpack hook for every use in backward. Written in Python (numbering, identity, label check,
+//   bookkeeping, a tuple) the pair cost ~18 us per saved tensor on CPU -- 1.4x a plain step of a
+//   small decoder, and 630 us of host time per addmm on an H100 -- while all but a few saved
+//   tensors are simply kept.
+//   Approach: pack and unpack are C functions (METH_O PyCFunctions over a capsule that shares
+//   ownership of this object), pushed as the default hooks. Everything a KEPT tensor needs runs
+//   here: storage identity and numbering (ActivationNumbering, shared with the profiler), the
+//   first pack's label check against the trace, the step's counters, CPU memory tracking, the
+//   kept tuple `(ordinal, detached tensor, version)` and, at unpack, the version check and the
+//   prefetch trigger test. Python (OffloadExecutor) keeps the policy and the slow path, called
+//   through a weak reference to it only when there is something to do: a tensor the plan
+//   offloads (`_pack_slow`), queued copies to issue (`_issue_copies`), copies to poll (`_poll`),
+//   a mismatch (`_diverge_label`), a prefetch trigger that fires (`_fire`), a save of a fetched
+//   copy (`_pack_fetched`), an offloaded tensor's unpack (its `_View.unpack()`).
+//   Executed steps label activations without the module path, so no Python hook runs per module
+//   call (docs/CONVENTIONS-activation-identity.md).
+//   Limitations: copies and their events are still issued from Python (`_pack_slow`), so an
+//   offloaded tensor costs a Python call at pack and at unpack.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <torch/python.h>
+
+#include "torch/activation_numbering.h"
+
+namespace memsched {
+
+// Registers the KeptSave type (See Note [Kept saves are not Python containers]) as m.KeptSave;
+// call once at module import, before any hook runs.
+void prepare_kept_type(pybind11::module_& m);
+
+class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
+ public:
+  // owner: the Python OffloadExecutor (held weakly).
+  SavedTensorPath(at::Device device, pybind11::object owner);
+
+  // New pack and unpack callables to push. Each shares ownership of this object (a saved tensor's
+  // unpack may run after the executor is gone); the executor creates them once and compares
+  // their identity with the hook stack's top.
+  pybind11::object pack_function();
+  pybind11::object unpack_function();
+
+  // The hooks themselves: a new reference, or nullptr with a Python error set.
+  PyObject* pack(PyObject* tensor);
+  PyObject* unpack(PyObject* packed);
+
+  // Numbering with the same identity rule as the hooks (the profiler's entry point).
+  ActivationNumbering& numbering() { return numbering_; }
+  static StorageIdentity identity_of(PyObject* obj, const at::Tensor& tensor);
+
+  // -- step state, driven by the executor ---------------------------------------------------------
+  void begin_step(double t0_s);
+  void set_schedule(const pybind11::dict& labels, const pybind11::iterable& planned,
+                    const pybind11::dict& first_bwd_op, const pybind11::iterable& triggers);
+  void clear_schedule();
+  void observe(int64_t ordinal);                  // an unpack of `ordinal`: fire prefetch triggers
+  void track(const at::Tensor& device_tensor);    // CPU: count this storage's bytes while it lives
+  void sample();                                  // a memory sample (peak; timeline when enabled)
+  int64_t alive_bytes();                          // CPU: tracked storages alive now
+  void forget(PyObject* weak_ref);                // a tracked storage died
+  ~SavedTensorPath();
+  SavedTensorPath(const SavedTensorPath&) = delete;
+  SavedTensorPath& operator=(const SavedTensorPath&) = delete;
+
+  bool step_active = false;     // a step runs and its forward has not failed
+  bool diverged = false;        // the step left the trace: nothing more is offloaded
+  bool check_fetched = false;   // fetched copies exist: a save may be one of them
+  bool need_poll = false;       // copies in flight: poll at each hook call
+  bool has_queued = false;      // D2H copies queued until their op has run
+  uint64_t queued_op = 0;       // autograd sequence number when they were queued
+  bool timeline = false;        // keep (t, bytes) samples
+  int64_t fired_upto = -2;      // last trigger op fired (-2: none, -1: backward start)
+  int64_t activations = 0;      // COUNT activation storages packed this step
+  int64_t activation_bytes = 0; // SUM their bytes
+  int64_t peak_bytes = 0;       // max sampled memory this step
+  std::vector<std::pair<double, int64_t>> samples;  // timeline=True: (seconds since t0, bytes)
+
+ private:
+  pybind11::object owner() const;  // the executor, or None once it died
+  template <typename... Args>
+  pybind11::object call_owner(const char* method, Args&&... args);
+  void check_label(int64_t ordinal, bool has_storage);
+  bool planned(int64_t ordinal) const {
+    return has_schedule_ && ordinal >= 0 && ordinal < static_cast<int64_t>(planned_.size()) &&
+           planned_[static_cast<size_t>(ordinal)];
+  }
+
+  at::Device device_;
+  bool is_cpu_;
+  pybind11::object owner_ref_;     // weakref.ref(executor)
+  ActivationNumbering numbering_;
+
+  bool has_schedule_ = false;
+  std::vector<std::string> expected_;       // ordinal -> the trace's label without its module path
+  std::vector<std::string> expected_full_;  // ordinal -> the trace's label (messages)
+  std::vector<char> has_expected_;          // ordinal -> the trace has a label for it
+  std::vector<char> planned_;               // ordinal -> the plan offloads it
+  std::vector<int64_t> first_bwd_op_;       // ordinal -> its first backward op (kNoOp: none)
+  std::vector<int64_t> triggers_;           // sorted trigger ops that prefetch something (-1: backward start)
+
+  void drop_tracked();
+  pybind11::object death_callback_ = pybind11::none();
+  std::unordered_map<PyObject*, int64_t> tracked_;  // weak reference (owned) -> storage bytes
+  int64_t tracked_bytes_ = 0;
+  double t0_s_ = 0.0;
+};
+
+}  // namespace memsched

@@ -1,0 +1,152 @@
+"""The executor's C++ saved-tensor hooks (Note [The saved-tensor fast path] in
+csrc/torch/saved_tensor_path.h): labels, kept saves, version checks, executed-step identity
+without module paths, and a graph that outlives its Run."""
+import copy
+import gc
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from memsched import _C
+from memsched.offload.executor import OffloadExecutor
+from memsched.offload.host_buffers import HostBuffers
+from memsched.optimize import optimize
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.zeros(2, 3),
+    lambda: torch.zeros(2, 3, dtype=torch.bfloat16)[1:],        # a view: the base's shape
+    lambda: torch.zeros((), dtype=torch.int64),
+    lambda: torch.zeros(4, dtype=torch.bool).view(2, 2),
+    lambda: torch.zeros(1, 5, dtype=torch.complex64).t(),
+    lambda: torch.zeros(3, dtype=torch.float8_e4m3fn),
+], ids=["f32", "bf16-view", "scalar", "bool-view", "c64-t", "fp8"])
+def test_labels_follow_the_documented_format(make):
+    t = make()
+    owner = t._base if t._base is not None else t
+    shape = "[" + ", ".join(str(s) for s in owner.shape) + "]"
+    dtype = str(owner.dtype).replace("torch.", "")
+    assert _C.activation_label(7, "block.0.attn", t) == f"act:7:block.0.attn:{shape}:{dtype}"
+
+
+@pytest.fixture
+def hooks():
+    model = nn.Linear(4, 4)
+    ex = OffloadExecutor(model, "cpu", HostBuffers(False)).install()
+    ex._begin_step()
+    ex.in_step_ = True
+    yield model, ex
+    ex.in_step_ = False
+    ex.remove()
+
+
+def test_a_kept_save_is_no_python_container_and_unpacks_to_the_same_storage(hooks):
+    model, ex = hooks
+    x = torch.randn(3, 4, requires_grad=True) * 2
+    packed = ex.pack_fn_(x)
+    assert type(packed) is _C.KeptSave
+    assert not gc.is_tracked(packed)          # See Note [Kept saves are not Python containers]
+    out = ex.unpack_fn_(packed)
+    assert out.grad_fn is None and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert torch.equal(out, x)
+    assert ex.path.activations == 1 and ex.path.activation_bytes == x.untyped_storage().nbytes()
+    assert ex.unpack_fn_(ex.pack_fn_(model.weight)) is model.weight  # a parameter: no ordinal, as is
+
+
+def test_a_kept_save_changed_in_place_raises_plain_pytorchs_error(hooks):
+    _, ex = hooks
+    x = torch.randn(3, 4, requires_grad=True) * 2
+    packed = ex.pack_fn_(x)
+    x.mul_(2)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: a saved tensor of shape \[3, 4\] "
+                                           r"is at version 1; expected version 0"):
+        ex.unpack_fn_(packed)
+
+
+def test_a_step_that_modifies_a_saved_tensor_in_place_raises_like_plain_pytorch():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid())
+    with optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=None) as run:
+        for step in range(3):
+            y = model(torch.randn(2, 4))
+            if step == 2:
+                y.mul_(2)  # sigmoid saved its output
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    y.sum().backward()
+                break
+            y.sum().backward()
+            run.step()
+
+
+class Twins(nn.Module):
+    """Two identical blocks; `swap` routes the input through them in the other order."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.swap = False
+
+    def forward(self, x):
+        first, second = (self.b, self.a) if self.swap else (self.a, self.b)
+        return second(first(x))
+
+
+def _train(model, steps, run=None, opt=None, swap_from=None):
+    torch.manual_seed(1)
+    for i in range(steps):
+        model.swap = swap_from is not None and i >= swap_from
+        model(torch.randn(4, 8)).square().sum().backward()
+        if run is not None:
+            run.step()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def test_executed_steps_match_the_trace_without_module_paths():
+    torch.manual_seed(0)
+    model = Twins()
+    twin = copy.deepcopy(model)
+    _train(twin, 4, opt=torch.optim.AdamW(twin.parameters(), lr=0.1), swap_from=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a mismatch would warn
+        with optimize(model, torch.optim.AdamW(model.parameters(), lr=0.1), budget=0.5,
+                      planner="offload_all_prefetch") as run:
+            _train(model, 4, run=run, swap_from=2)
+    assert run.steps_planned == 3 and run.mismatches == 0
+    assert run.step_stats[-1].offloaded > 0
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_graph_backpropagated_after_its_run_ended_gets_plain_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh())
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    with optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), planner="offload_all_prefetch",
+                  budget=0.5) as run:
+        model(x).sum().backward()
+        run.step()                    # profiled and planned
+        loss = model(x).sum()         # executed: its saves are offloaded
+        twin.load_state_dict(model.state_dict())
+    del run
+    gc.collect()
+    loss.backward()                   # after the Run (and its hooks) are gone
+    twin(x).sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_parameters_replaced_through_data_between_steps_are_not_activations():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    with optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=None) as run:
+        for _ in range(3):
+            model[0].weight.data = model[0].weight.data.clone()   # a new storage each step
+            model(torch.randn(4, 8)).sum().backward()
+            run.step()
+    assert run.mismatches == 0
+    assert run.step_stats[-1].activations == run.step_stats[0].activations
