@@ -114,7 +114,6 @@ Note [Budgets]
   from the first run.step().
 """
 import collections
-import time
 import warnings
 
 import torch
@@ -306,9 +305,10 @@ class Run:
         else:
             stats = self.executor.end_step()
             if stats is not None:
-                t0 = time.perf_counter()
                 self._optimizer_step()
-                stats.duration_s += self._sync_elapsed(t0)
+                self.executor.stamp(stats)  # no host wait: See Note [No host synchronisation in a step]
+                if self.step_stats:
+                    self.step_stats[-1].try_resolve()
                 self.step_stats.append(stats)
                 if stats.mode == "diverged" or self._count_mismatch(stats):
                     self.mismatches += 1
@@ -339,11 +339,6 @@ class Run:
             stats.mode = "diverged"
             return True
         return False
-
-    def _sync_elapsed(self, t0):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
 
     # -- profiling and planning ----------------------------------------------------------------------
     def _start_profiling(self):

@@ -23,7 +23,9 @@ Note [Offload copy ordering]
     in use by earlier compute-stream kernels), then copies. The consumer makes
     the compute stream wait for the copy's done-event before use (`wait()`).
     The host block stays referenced in `pending_` until that copy finished.
-  - finish() synchronises both copy streams and empties `pending_`.
+  - end_step() leaves copies in flight with their holds (no host wait; Note [No host
+    synchronisation in a step] in executor.py); finish() -- at the end of a Run or of a step
+    that raised -- synchronises both copy streams and empties `pending_`.
   - on_compute_stream (plans with copies_on_compute_stream, i.e. offload_all_sync
     -- torch's save_on_cpu): the same copies, events and holds, on the compute
     stream, so compute waits for every copy.
@@ -165,6 +167,16 @@ class CopyEngine:
             self.d2h_stream.synchronize()
             self.h2d_stream.synchronize()
         self.pending_ = []
+
+    def end_step(self):
+        """The step's copy log and bytes moved, without waiting: copies in flight keep what they read
+        until they complete (poll()). Returns (copy log, (d2h bytes, h2d bytes))."""
+        self.poll()
+        log = self.log_
+        self.log_ = []
+        moved = (self.bytes_d2h, self.bytes_h2d)
+        self.bytes_d2h = self.bytes_h2d = 0
+        return log, moved
 
     def finish(self):
         """Wait for every copy, release everything held; returns (copy log, (d2h bytes, h2d bytes)).

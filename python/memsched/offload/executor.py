@@ -99,6 +99,18 @@ Note [Copy after the op]
   op has run (CPU) or been launched on the compute stream (CUDA).
   Limitations: a storage waits on the device for one more op than planned.
 
+Note [No host synchronisation in a step]
+  Rationale: a host that waits for the GPU at every step (torch.cuda.synchronize to read a
+  clock, or to release the copies' holds) cannot queue the next step's kernels while the GPU
+  runs this one; on a host-bound model that idles the GPU between steps.
+  Approach: nothing in a step or in run.step() waits for the GPU. end_step() issues what is
+  queued and leaves the copies in flight holding what they read (CopyEngine.end_step(); the
+  holds are polled at later hook calls and steps). The step's duration, stall and copy times
+  are CUDA events, read when first asked for (StepStats.resolve(); Run resolves the previous
+  step's stats once its events have completed, without waiting). The peak is the allocator's
+  host-side counter, final when the step's work is enqueued.
+  Limitations: reading a step's duration_s right after run.step() waits for that step.
+
 Note [Packing without reference cycles]
   A pack hook that returns the tensor it was given (or a tuple holding it)
   leaks when the tensor is the node's own output: tensor -> grad_fn -> saved
@@ -122,9 +134,13 @@ from memsched.saved_tensors import storage_key
 
 @dataclass
 class StepStats:
-    """What one step did, measured."""
+    """What one step did, measured.
+
+    On CUDA, duration_s, stall_s and copies come from CUDA events that are read when first asked
+    for (See Note [No host synchronisation in a step]); every other figure is final at once.
+    """
     mode: str = "plain"            # "plain" (no schedule), "planned", "diverged"
-    duration_s: float = 0.0        # wall clock from the first forward to end_step()
+    duration_s_: float = 0.0       # see duration_s
     activations: int = 0           # COUNT of activation storages packed
     activation_bytes: int = 0      # SUM of their storage bytes
     offloaded: int = 0             # COUNT of storages copied to host
@@ -134,12 +150,43 @@ class StepStats:
     prefetched: int = 0            # COUNT fetched ahead of use on the H2D stream
     on_demand: int = 0             # COUNT fetched synchronously at unpack (stalls)
     late_prefetches: int = 0       # COUNT prefetches still in flight when their tensor was needed
-    stall_s: float = 0.0           # seconds the compute stream waited for H2D copies (CPU: on-demand copy time)
+    stall_s_: float = 0.0          # see stall_s
     peak_bytes: int = 0            # max sampled memory (see memory_source)
     memory_source: str = ""        # what the samples measure
     mismatch: str = ""             # first identity mismatch, "" if none
     samples: list = field(default_factory=list)  # [(t_s, bytes)] memory over the step (timeline=True only)
-    copies: list = field(default_factory=list)   # [(kind, start_s, end_s, bytes)] copy streams (timeline=True)
+    copies_: list = field(default_factory=list)  # see copies
+    pending_: object = field(default=None, repr=False, compare=False)  # (ready, resolve) of CUDA events
+    clock_: object = field(default=None, repr=False, compare=False)    # (t0_s, t0 event, stall events, log)
+
+    def resolve(self):
+        """Read the step's CUDA timing events (waits for them if the GPU has not reached them)."""
+        if self.pending_ is not None:
+            _, resolve = self.pending_
+            self.pending_ = None
+            resolve(self)
+        return self
+
+    def try_resolve(self):
+        """resolve() if the step's events have completed; never waits."""
+        if self.pending_ is not None and self.pending_[0]():
+            self.resolve()
+
+    @property
+    def duration_s(self):
+        """Seconds from the first forward to the end of run.step() (CUDA: between events on the
+        compute stream)."""
+        return self.resolve().duration_s_
+
+    @property
+    def stall_s(self):
+        """Seconds the compute stream waited for H2D copies (CPU: on-demand copy time)."""
+        return self.resolve().stall_s_
+
+    @property
+    def copies(self):
+        """[(kind, start_s, end_s, bytes)] of the copy streams (timeline=True only)."""
+        return self.resolve().copies_
 
 
 def foreign_hooks_reason(check_dispatch_modes=False):
@@ -330,7 +377,6 @@ class OffloadExecutor:
         self.path.begin_step(self.t0_)
 
     def _begin_step(self):
-        self.engine.finish()
         self._reset_step()
         self.in_step_ = True
         self.forward_failed_ = False
@@ -345,17 +391,17 @@ class OffloadExecutor:
         self._sample()
 
     def end_step(self):
-        """Finish the step: pop the hooks, wait for copies, release what they held; return StepStats."""
+        """Finish the step: pop the hooks, issue what is queued and return its StepStats, without
+        waiting for the GPU (See Note [No host synchronisation in a step]). The copies still in
+        flight keep what they read until they complete."""
         self._pop_hooks()
         stats = self.stats
         if not self.in_step_:
             return None
         self._issue_copies()
-        log, (d2h, h2d) = self.engine.finish()
+        log, (d2h, h2d) = self.engine.end_step()
+        self.path.need_poll = self.engine.pending_count() > 0
         stats.d2h_bytes, stats.h2d_bytes = d2h, h2d
-        if self.engine.is_cuda:
-            torch.cuda.synchronize(self.device)  # before the clock: the step's kernels have finished
-        stats.duration_s = time.perf_counter() - self.t0_
         self._sample()
         stats.activations = self.path.activations
         stats.activation_bytes = self.path.activation_bytes
@@ -363,18 +409,36 @@ class OffloadExecutor:
         if self.timeline:
             stats.samples = list(self.path.samples)
         if self.engine.is_cuda:
+            # the allocator's counters are the host's: final once the step's work is enqueued
             stats.peak_bytes = max(stats.peak_bytes, torch.cuda.max_memory_allocated(self.device))
-            stats.stall_s = sum(a.elapsed_time(b) for a, b in self.stall_events_) / 1e3
-            if self.timeline:
-                for kind, nbytes, _, _, start_event, done in log:
-                    start = self.t0_event_.elapsed_time(start_event) / 1e3
-                    stats.copies.append((kind, start, start + start_event.elapsed_time(done) / 1e3, nbytes))
         elif self.timeline:
-            stats.copies = [(kind, issued - self.t0_, finished - self.t0_, nbytes)
-                            for kind, nbytes, issued, finished, _, _ in log]
+            stats.copies_ = [(kind, issued - self.t0_, finished - self.t0_, nbytes)
+                             for kind, nbytes, issued, finished, _, _ in log]
+        stats.clock_ = (self.t0_, self.t0_event_, self.stall_events_, log if self.timeline else ())
+        self.stamp(stats)
         self._reset_step()
         self.in_step_ = False
         return stats
+
+    def stamp(self, stats):
+        """End `stats`' step now: run.step() stamps again after the optimizer's update."""
+        t0, t0_event, stall_events, log = stats.clock_
+        if not self.engine.is_cuda:
+            stats.duration_s_ = time.perf_counter() - t0
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+
+        def resolve(s):
+            end.synchronize()
+            s.duration_s_ = t0_event.elapsed_time(end) / 1e3
+            s.stall_s_ = sum(a.elapsed_time(b) for a, b in stall_events) / 1e3
+            s.copies_ = []
+            for kind, nbytes, _, _, start_event, done in log:
+                start = t0_event.elapsed_time(start_event) / 1e3
+                s.copies_.append((kind, start, start + start_event.elapsed_time(done) / 1e3, nbytes))
+
+        stats.pending_ = (end.query, resolve)
 
     @property
     def diverged(self):
@@ -613,7 +677,7 @@ class OffloadExecutor:
             self.stats.on_demand += 1
             self.path.need_poll = self.engine.pending_count() > 0
             if not self.engine.is_cuda:
-                self.stats.stall_s += time.perf_counter() - start
+                self.stats.stall_s_ += time.perf_counter() - start
         waited = self.engine.wait(ticket)
         if waited is not None:
             self.stall_events_.append(waited)
