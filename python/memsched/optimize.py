@@ -122,7 +122,7 @@ from memsched import _C
 from memsched.copy_inert import inert_on_copy
 from memsched.device import resolve_device
 from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
-from memsched.offload.host_buffers import HostBuffers
+from memsched.offload.host_buffers import HostBuffers, parse_host_limit
 from memsched.offload.report import build_report, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
 from memsched.planning import fraction_budget, fraction_refusal, parse_budget, planner_names, resolve_budget
@@ -161,7 +161,7 @@ class Run:
 
     def __init__(self, model, optimizer=None, budget=None, planner="dp", device=None, ooo=False,
                  fuse_optimizer=False, min_offload_bytes=None, max_reprofiles=2, device_model=None,
-                 grad_accumulation_steps=1, timeline=False, history=100):
+                 grad_accumulation_steps=1, timeline=False, history=100, host_memory_limit=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not hasattr(optimizer, "step"):
@@ -217,7 +217,8 @@ class Run:
         if (ooo or fuse_optimizer) and not self.compiled_why_:
             self.ooo_ = self._make_ooo(fuse_optimizer)
         self.fuse_optimizer = bool(fuse_optimizer)
-        self.host = HostBuffers(pinned=self.device.type == "cuda")
+        limit, limit_text = parse_host_limit(host_memory_limit)  # See Note [Host memory limit]
+        self.host = HostBuffers(pinned=self.device.type == "cuda", limit_bytes=limit, limit_text=limit_text)
         self.executor = OffloadExecutor(model, self.device, self.host, min_bytes=self.min_offload_bytes,
                                         on_mismatch=self._on_mismatch, timeline=self.timeline)
         self.trace = None            # memsched.Trace of the last profiled step
@@ -414,8 +415,18 @@ class Run:
                 if isinstance(self.budget_spec, float) and "least budget" in str(err):
                     raise fraction_refusal(trace, self.budget_spec, err) from None
                 raise
+        schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes)
+        need = schedule.offloaded_bytes
+        if self.host.limit is not None and need > self.host.limit:
+            # See Note [Host memory limit] (offload/host_buffers.py): refused before any planned step.
+            raise _C.MemschedError(
+                f"run.step(): the {planner} plan for this budget keeps {format_bytes(need)} of activations in "
+                f"host memory per step, more than memsched may use ({format_bytes(self.host.limit)}: "
+                f"{self.host.limit_text}); pass optimize(..., host_memory_limit=...) of at least "
+                f"{format_bytes(need)} (bytes, '64GiB' or a fraction of RAM) if the machine can spare it, or a "
+                f"larger budget")
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
-        self.schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes)
+        self.schedule = schedule
         self.executor.set_schedule(self.schedule)
         self.executor.active = True
 
@@ -531,6 +542,10 @@ class Run:
                          "offloaded; pass the module before torch.compile() to offload)")
         if self.budget_note_:
             notes.append(self.budget_note_)
+        limited = sum(s.host_limited for s in self.step_stats)
+        if limited:
+            notes.append(f"{limited} offload(s) stayed on the device: host_memory_limit "
+                         f"({format_bytes(self.host.limit)}) was reached (Note [Host memory limit])")
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes,
@@ -578,7 +593,8 @@ class Run:
         return pts, []
 
 
-_OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumulation_steps", "timeline", "history")
+_OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumulation_steps", "timeline", "history",
+            "host_memory_limit")
 
 
 def compiled_module_reason(model):
@@ -606,7 +622,9 @@ def optimize(model, optimizer=None, budget=None, planner="dp", device=None, ooo=
     each of them or only the last -- See Note [Fused update and gradient accumulation] in
     ooo/backward.py), timeline (record per-step memory samples and copies for run.save_timeline(),
     default False), history (executed steps whose StepStats run.step_stats keeps, default 100;
-    run.report() counts every step).
+    run.report() counts every step), host_memory_limit (most bytes of host copies alive at once:
+    bytes, '64GiB' or a fraction of RAM; default half of the machine's RAM -- See Note [Host memory
+    limit] in offload/host_buffers.py).
     Every argument is checked here, before any step: a ValueError (TypeError for an unknown option)
     names the argument and what it accepts.
     """

@@ -154,6 +154,7 @@ class StepStats:
     peak_bytes: int = 0            # max sampled memory (see memory_source)
     memory_source: str = ""        # what the samples measure
     mismatch: str = ""             # first identity mismatch, "" if none
+    host_limited: int = 0          # COUNT offloads kept on the device: host_memory_limit reached
     samples: list = field(default_factory=list)  # [(t_s, bytes)] memory over the step (timeline=True only)
     copies_: list = field(default_factory=list)  # see copies
     pending_: object = field(default=None, repr=False, compare=False)  # (ready, resolve) of CUDA events
@@ -568,9 +569,14 @@ class OffloadExecutor:
 
     # -- helpers -----------------------------------------------------------------------------------
     def _offloadable(self, t, nbytes):
-        return (nbytes >= self.min_bytes and nbytes > 0 and t.device == self.device
+        if not (nbytes >= self.min_bytes and nbytes > 0 and t.device == self.device
                 and t.layout == torch.strided and type(t) is torch.Tensor
-                and not t.is_conj() and not t.is_neg() and not t.is_quantized)
+                and not t.is_conj() and not t.is_neg() and not t.is_quantized):
+            return False
+        if not self.engine.host.has_room(nbytes):
+            self.stats.host_limited += 1  # See Note [Host memory limit] (host_buffers.py)
+            return False
+        return True
 
     def _offload(self, k, t, nbytes):
         h = self._copy(k, t, nbytes)
