@@ -78,6 +78,9 @@ void bind_saved_tensors(py::module_& m) {
            py::arg("first_bwd_op"), py::arg("triggers"))
       .def("clear_schedule", &SavedTensorPath::clear_schedule)
       .def("observe", &SavedTensorPath::observe, py::arg("ordinal"))
+      .def("set_trigger_nodes", &SavedTensorPath::set_trigger_nodes, py::arg("node_to_op"))
+      .def("hook_nodes", &SavedTensorPath::hook_nodes, py::arg("roots"),
+           "Pre-hooks on the trigger nodes behind these tensors (Note [Backward node triggers]).")
       .def("track", [](SavedTensorPath& p, const py::handle& t) { p.track(tensor_arg(t, "SavedTensorPath.track")); },
            py::arg("tensor"))
       .def("sample", &SavedTensorPath::sample)

@@ -3,10 +3,13 @@
 
 #include <algorithm>
 #include <limits>
+#include <unordered_set>
 
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/node.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "core/check.h"
@@ -267,6 +270,8 @@ void SavedTensorPath::begin_step(double t0_s) {
   samples.clear();
   drop_tracked();
   t0_s_ = t0_s;
+  seq_base_ = at::sequence_number::peek();
+  ++generation_;
 }
 
 void SavedTensorPath::set_schedule(const py::dict& labels, const py::iterable& planned,
@@ -309,6 +314,7 @@ void SavedTensorPath::clear_schedule() {
   planned_.clear();
   first_bwd_op_.clear();
   triggers_.clear();
+  trigger_nodes_.clear();
 }
 
 void SavedTensorPath::observe(int64_t k) {
@@ -318,6 +324,78 @@ void SavedTensorPath::observe(int64_t k) {
   // Python only when a trigger with prefetches lies in (fired_upto, op].
   auto next = std::upper_bound(triggers_.begin(), triggers_.end(), fired_upto);
   if (next != triggers_.end() && *next <= op) call_owner("_fire", op, fired_upto);
+  fired_upto = op;
+}
+
+// Note [Backward node triggers]
+//   Rationale: the plan issues a prefetch when the compute stream reaches backward op p; unpacks
+//   alone show the executor only the ops that first read a saved tensor, so it used to fire at
+//   the latest such op before p -- early, holding the fetched copy while tensors the plan had
+//   already freed were still alive.
+//   Approach: the profiler records, for every backward op, the sequence number of the autograd
+//   node running it, as an offset from this thread's sequence number at the step's first forward
+//   (nodes are numbered in creation order, so a step that matches its trace numbers its nodes
+//   alike). The schedule turns a prefetch at op p into a trigger at the first op of p's node. At
+//   the end of each forward the executor walks the new graph from the forward's outputs (C++,
+//   not descending into nodes older than the step) and adds a pre-hook to each trigger node;
+//   the hook fires every trigger up to its op when the engine starts that node. Unpacks still
+//   fire triggers too, so a node the walk cannot reach (created outside the model's forward)
+//   costs an early prefetch, as before, never a late one.
+namespace {
+
+struct TriggerHook : torch::autograd::FunctionPreHook {
+  TriggerHook(std::weak_ptr<SavedTensorPath> path, uint64_t generation, int64_t op)
+      : path_(std::move(path)), generation_(generation), op_(op) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (auto path = path_.lock()) {
+      py::gil_scoped_acquire gil;
+      path->fire_at(op_, generation_);
+    }
+    return grads;
+  }
+  std::weak_ptr<SavedTensorPath> path_;
+  uint64_t generation_;
+  int64_t op_;
+};
+
+}  // namespace
+
+void SavedTensorPath::set_trigger_nodes(const py::dict& node_to_op) {
+  trigger_nodes_.clear();
+  for (auto item : node_to_op) {
+    trigger_nodes_[item.first.cast<uint64_t>()] = item.second.cast<int64_t>();
+  }
+}
+
+int64_t SavedTensorPath::hook_nodes(const std::vector<at::Tensor>& roots) {
+  if (trigger_nodes_.empty() || !has_schedule_) return 0;
+  std::vector<torch::autograd::Node*> todo;
+  std::unordered_set<torch::autograd::Node*> seen;
+  for (const at::Tensor& root : roots) {
+    if (root.defined() && root.grad_fn()) todo.push_back(root.grad_fn().get());
+  }
+  int64_t hooked = 0;
+  const std::weak_ptr<SavedTensorPath> self = weak_from_this();
+  while (!todo.empty()) {
+    torch::autograd::Node* node = todo.back();
+    todo.pop_back();
+    if (!seen.insert(node).second) continue;
+    const uint64_t seq = node->sequence_nr();
+    if (seq < seq_base_ || seq == std::numeric_limits<uint64_t>::max()) continue;  // older than the step
+    if (auto hit = trigger_nodes_.find(seq - seq_base_); hit != trigger_nodes_.end()) {
+      node->add_pre_hook(std::make_unique<TriggerHook>(self, generation_, hit->second));
+      ++hooked;
+    }
+    for (const torch::autograd::Edge& edge : node->next_edges()) {
+      if (edge.function) todo.push_back(edge.function.get());
+    }
+  }
+  return hooked;
+}
+
+void SavedTensorPath::fire_at(int64_t op, uint64_t generation) {
+  if (generation != generation_ || !has_schedule_ || diverged || op <= fired_upto) return;
+  call_owner("_fire", op, fired_upto);
   fired_upto = op;
 }
 

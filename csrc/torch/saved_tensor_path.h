@@ -65,6 +65,11 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
                     const pybind11::dict& first_bwd_op, const pybind11::iterable& triggers);
   void clear_schedule();
   void observe(int64_t ordinal);                  // an unpack of `ordinal`: fire prefetch triggers
+  // Note [Backward node triggers]: trigger nodes by their sequence offset in the step -> trace op.
+  void set_trigger_nodes(const pybind11::dict& node_to_op);
+  // Hook the trigger nodes of the graph behind `roots` (a forward's outputs); returns how many.
+  int64_t hook_nodes(const std::vector<at::Tensor>& roots);
+  void fire_at(int64_t op, uint64_t generation);   // a trigger node starts (the engine's thread)
   void track(const at::Tensor& device_tensor);    // CPU: count this storage's bytes while it lives
   void sample();                                  // a memory sample (peak; timeline when enabled)
   int64_t alive_bytes();                          // CPU: tracked storages alive now
@@ -108,6 +113,9 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   std::vector<char> planned_;               // ordinal -> the plan offloads it
   std::vector<int64_t> first_bwd_op_;       // ordinal -> its first backward op (kNoOp: none)
   std::vector<int64_t> triggers_;           // sorted trigger ops that prefetch something (-1: backward start)
+  std::unordered_map<uint64_t, int64_t> trigger_nodes_;  // node sequence offset -> trigger op
+  uint64_t seq_base_ = 0;                   // this thread's autograd sequence number at the step's start
+  uint64_t generation_ = 0;                 // steps begun: a hook of an older step's node does nothing
 
   void drop_tracked();
   pybind11::object death_callback_ = pybind11::none();

@@ -224,6 +224,7 @@ class Run:
         self.trace = None            # memsched.Trace of the last profiled step
         self.plan = None             # the plan executed now (None: keep everything)
         self.schedule = None         # OffloadSchedule of self.plan
+        self.node_of_op_ = {}        # the profiled step's backward op -> autograd node offset
         self.simulation = None       # memsched.simulate() result for (trace, plan)
         self.budget_bytes = None     # resolved budget, bytes (None: no budget)
         self.step_stats = collections.deque(maxlen=history)  # StepStats of the last `history` executed steps
@@ -288,6 +289,7 @@ class Run:
         if self.profile_ is not None:
             session, self.profile_ = self.profile_, None
             trace = session.stop()
+            self.node_of_op_ = session.node_of_op
             self.steps_profiled += 1
             try:
                 self._adopt_trace(trace)
@@ -415,7 +417,7 @@ class Run:
                 if isinstance(self.budget_spec, float) and "least budget" in str(err):
                     raise fraction_refusal(trace, self.budget_spec, err) from None
                 raise
-        schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes)
+        schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_)
         need = schedule.offloaded_bytes
         if self.host.limit is not None and need > self.host.limit:
             # See Note [Host memory limit] (offload/host_buffers.py): refused before any planned step.

@@ -33,6 +33,7 @@ class StandInProfiler:
 
     def __init__(self, model, optimizer=None):
         self.model = model
+        self.node_of_op = {}  # no autograd node offsets: prefetches fall back to observable ops
 
     def start(self):
         model = self.model

@@ -25,11 +25,6 @@ BUDGETS = ("1.0", "0.7", "least")
 PLANNERS = ("dp", "offload_all_prefetch")
 
 # (model, planner, budget) -> why the measured peak differs from the plan today.
-_EARLY_PREFETCH = (
-    "executor prefetches early: a prefetch planned at op p fires at the latest *observable* op <= p "
-    "(an unpack; Note [Plan ops to backward triggers] in offload/schedule.py), so a fetched copy "
-    "arrives while the tensors freed between that op and p are still alive; the executor needs to "
-    "observe backward node starts (grad_fn pre-hooks) to fire at p")
 _UNSAMPLED_ALLOCATION = (
     "executor undercounts: a saved storage is tracked from its first pack, not from its producer "
     "op, and memory is sampled only at packs/unpacks, so an output allocated while its input is "
@@ -38,14 +33,13 @@ _HELD_BY_CALLER_FRAME = (
     "trace/model gap: an offloaded activation is released in the plan after max(offload_after_op, "
     "last forward use), but the nested nn.Sequential's frame still holds its input (`input = "
     "module(input)` in the outer Sequential) until the inner block returns, so the storage stays "
-    "alive through the whole block (cnn: blocks.0's output during blocks.1, +8 KiB); the profiler "
+    "alive through the whole block (cnn: blocks.0's output during blocks.1, +8 KiB; mlp: layers.0's "
+    "output during layers.1, +1 KiB); the profiler "
     "would have to record when only the graph still references a saved storage")
 _KNOWN_GAPS = {}
 for _b in BUDGETS:
-    _KNOWN_GAPS[("mlp", "offload_all_prefetch", _b)] = _EARLY_PREFETCH
     _KNOWN_GAPS[("transformer", "offload_all_prefetch", _b)] = _UNSAMPLED_ALLOCATION
-_KNOWN_GAPS[("cnn", "offload_all_prefetch", "1.0")] = _EARLY_PREFETCH
-_KNOWN_GAPS[("cnn", "offload_all_prefetch", "0.7")] = _EARLY_PREFETCH
+    _KNOWN_GAPS[("mlp", "offload_all_prefetch", _b)] = _HELD_BY_CALLER_FRAME
 _KNOWN_GAPS[("cnn", "dp", "0.7")] = _HELD_BY_CALLER_FRAME
 _KNOWN_GAPS[("cnn", "dp", "least")] = _HELD_BY_CALLER_FRAME
 

@@ -125,6 +125,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 
 from memsched import _C
 from memsched.copy_inert import inert_on_copy
@@ -360,6 +361,7 @@ class OffloadExecutor:
         else:
             self.path.set_schedule(schedule.labels, schedule.offload, schedule.first_bwd_op,
                                    [q for q, ks in schedule.prefetch_at.items() if ks])
+            self.path.set_trigger_nodes(schedule.trigger_nodes)
         self.engine.on_compute_stream = bool(schedule is not None and schedule.copies_on_compute_stream)
 
     # -- step bookkeeping -------------------------------------------------------------------------
@@ -471,6 +473,10 @@ class OffloadExecutor:
         self.in_forward_ = False
         if self.queued_:
             self._issue_copies()
+        if output is not None and self.in_step_ and self.schedule is not None and self.schedule.trigger_nodes:
+            # See Note [Backward node triggers] (csrc/torch/saved_tensor_path.cpp)
+            roots = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            self.path.hook_nodes(roots)
         if self.in_step_:
             self._check_versions()
         if output is None and self.in_step_:

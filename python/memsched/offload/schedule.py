@@ -23,6 +23,11 @@ Note [Plan ops to backward triggers]
   Granularity: rounding p down to an observable op issues a prefetch at most
   one observable op early -- never late -- so it can cost memory (up to the
   tensors of that gap), never time.
+  With the profiled step's node offsets (ProfilerSession.node_of_op) a prefetch
+  at backward op p triggers at the first op of p's autograd node instead, and
+  the executor fires it from a pre-hook on that node (Note [Backward node
+  triggers] in csrc/torch/saved_tensor_path.cpp): early by at most the ops of
+  one node. Unpacks keep firing triggers up to their op, as a fallback.
   The D2H copy is issued when the activation is first packed, i.e. during its
   producer op, which is at or before the plan's offload_after_op: never late.
 
@@ -76,13 +81,20 @@ class OffloadSchedule:
                                    #   -1: at the first unpack of the step; absent: on demand
         self.prefetch_at = {}      # observable op (or -1) -> ordinals prefetched there, in plan order
         self.observable_ops = []   # sorted trace op indices that the unpack hook reveals
+        self.trigger_ops = []      # sorted keys of prefetch_at
+        self.trigger_nodes = {}    # autograd node offset -> trigger op at its start (Note [Backward node triggers])
         self.skipped_small = 0     # COUNT: planned offloads below the size floor (kept)
         self.skipped_held = 0      # COUNT: planned offloads of tensors held past the step (kept)
         self.copies_on_compute_stream = False  # the plan wants copies on the compute stream (offload_all_sync)
 
     @classmethod
-    def build(cls, trace, plan, min_bytes=0):
-        """Turn (trace, plan) into an OffloadSchedule. plan=None: keep everything."""
+    def build(cls, trace, plan, min_bytes=0, node_of_op=None):
+        """Turn (trace, plan) into an OffloadSchedule. plan=None: keep everything.
+
+        node_of_op: the profiled step's backward op -> autograd node offset (ProfilerSession.node_of_op);
+        with it a prefetch fires when its op's node starts (Note [Backward node triggers] in
+        csrc/torch/saved_tensor_path.cpp), without it at the latest observable op before it.
+        """
         s = cls()
         ops = trace.ops
         tensors = trace.tensors
@@ -106,6 +118,9 @@ class OffloadSchedule:
         if plan is None:
             return s
         s.copies_on_compute_stream = bool(getattr(plan, "copies_on_compute_stream", False))
+        node_first_op = {}
+        for op, node in sorted((node_of_op or {}).items()):
+            node_first_op.setdefault(node, op)
         for d in plan_decisions(plan):
             if not d.offload:
                 continue
@@ -121,24 +136,27 @@ class OffloadSchedule:
             s.offload.add(k)
             first_use = s.first_bwd_op[k]
             p = min(d.prefetch_at_op, first_use)
-            i = bisect.bisect_right(s.observable_ops, p) - 1
-            trigger = s.observable_ops[i] if i >= 0 else -1
-            if trigger == first_use:
+            node = node_of_op.get(p) if node_of_op else None
+            if node is not None and p < first_use:
+                trigger = node_first_op[node]  # the start of p's node: at most that node's ops early
+                s.trigger_nodes[node] = trigger
+            else:
+                i = bisect.bisect_right(s.observable_ops, p) - 1
+                trigger = s.observable_ops[i] if i >= 0 else -1
+            if trigger >= first_use:
                 continue  # on demand
             s.trigger_op[k] = trigger
             s.prefetch_at.setdefault(trigger, []).append(k)
+        s.trigger_ops = sorted(s.prefetch_at)
+        s.trigger_nodes = {n: q for n, q in s.trigger_nodes.items() if q in s.prefetch_at}
         s.check_invariants()
         return s
 
     def triggers_through(self, op, fired_upto):
         """Trigger ops in (fired_upto, op], in order; -1 (backward start) first when fired_upto < -1."""
-        out = []
-        if fired_upto < -1 and -1 in self.prefetch_at:
-            out.append(-1)
-        lo = bisect.bisect_right(self.observable_ops, fired_upto)
-        hi = bisect.bisect_right(self.observable_ops, op)
-        out.extend(q for q in self.observable_ops[lo:hi] if q in self.prefetch_at)
-        return out
+        lo = bisect.bisect_right(self.trigger_ops, fired_upto)
+        hi = bisect.bisect_right(self.trigger_ops, op)
+        return self.trigger_ops[lo:hi]
 
     @property
     def offloaded_bytes(self):

@@ -38,6 +38,9 @@ from memsched.profiler.op_timer import OpTimer
 from memsched.profiler.module_paths import ModulePathStack
 from memsched.saved_tensors import ActivationNumbering, dtype_name, storage_key
 
+_current_node = torch._C._current_autograd_node  # the node the engine runs now, or None
+_NO_SEQUENCE = 2**64 - 1                          # sequence_nr of nodes outside the count (AccumulateGrad)
+
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 _graph_task_id = torch._C._current_graph_task_id  # != -1 inside the autograd engine
 _grad_enabled = torch.is_grad_enabled
@@ -145,6 +148,10 @@ class Recorder:
         self.timer = OpTimer()
         self.in_optimizer = False
         self.closed = False
+        # backward op id -> sequence offset of the autograd node running it (Note [Backward node
+        # triggers] in csrc/torch/saved_tensor_path.cpp); offsets count from the step's start
+        self.seq_base = _C.autograd_sequence_peek()
+        self.node_of_op: Dict[int, int] = {}
         self.backward_open = False  # a backward pass has run ops and not ended (it may have raised)
         self._watch: Dict[int, _StorageRef] = {}  # storage key -> weakref with free callback; == builder's live keys
         self._on_free: Callable = self._make_free_callback()
@@ -222,6 +229,11 @@ class Recorder:
             if bmap._pending:
                 bmap.tag_pending()
             path = bmap.module_of_current_node()
+            node = _current_node()
+            if node is not None:
+                seq = node._sequence_nr()
+                if self.seq_base <= seq < _NO_SEQUENCE:
+                    self.node_of_op[self.builder.num_ops] = seq - self.seq_base
         else:
             phase = FORWARD
             if bmap._pending:

@@ -91,6 +91,7 @@ class ProfilerSession:
         self.optimizer = optimizer
         self.device = str(device) if device is not None else _device_of(model)
         self.optimizer_steps = 0   # optimizer.step() calls seen while recording
+        self.node_of_op = {}       # backward op id -> autograd node sequence offset, after stop()
         self._rec: Optional[Recorder] = None
         self._mode: Optional[RecordingMode] = None
         self._exits: Optional[contextlib.ExitStack] = None
@@ -181,4 +182,5 @@ class ProfilerSession:
         if self.optimizer is not None:
             _register_optimizer_state(rec, self.optimizer, upgrade_only=True)
         rec.timer.resolve(rec.builder)
+        self.node_of_op = rec.node_of_op  # Note [Backward node triggers] (csrc/torch/saved_tensor_path.cpp)
         return rec.builder.finish()
