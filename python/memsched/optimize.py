@@ -543,10 +543,20 @@ class Run:
         print(r.table, file=file)
         return r
 
-    def save_timeline(self, path):
-        """PNG of the last executed step: memory planned and measured, copy streams. Returns path."""
+    def save_timeline(self, path, torch_trace=None, offset_us=None):
+        """The last executed step: memory planned and measured, copy streams. Returns path.
+
+        A path ending in ".json" gets a Chrome trace event file (Perfetto): simulated ops, copies,
+        stalls and memory, plus the measured step with timeline=True; torch_trace= merges it into
+        torch.profiler's exported trace (Note [Timeline as a Chrome trace] in
+        offload/chrome_trace.py). Any other path gets an image (PNG by default; needs timeline=True)."""
         if self.trace is None:
             raise RuntimeError("run.save_timeline(): no step has been profiled yet; call it after a few run.step()")
+        if str(path).lower().endswith(".json"):
+            return self._save_timeline_json(path, torch_trace, offset_us)
+        if torch_trace is not None or offset_us is not None:
+            raise ValueError(f"torch_trace / offset_us: merging with a torch.profiler trace needs a '.json' path "
+                             f"(a Chrome trace), got {str(path)!r}")
         if not self.timeline:
             raise RuntimeError("run.save_timeline(): this Run recorded no timeline; pass "
                                "memsched.optimize(..., timeline=True) to record memory samples and copies per "
@@ -558,6 +568,23 @@ class Run:
                  f"planned vs measured ({last.memory_source if last else 'no executed step'})")
         return save_timeline(path, title, planned, last.samples if last else [], last.copies if last else [],
                              planned_copies)
+
+    def _save_timeline_json(self, path, torch_trace, offset_us):
+        from memsched.offload import chrome_trace
+        executed = [s for s in self.step_stats if s.mode == "planned"] or self.step_stats
+        last = executed[-1] if executed and self.timeline else None
+        planned, _ = self._planned_timeline()
+        memory_name = "device memory" if self.device.type == "cuda" else "saved activations"
+        summary = dict(device=str(self.device), planner=self.planner if self.plan is not None else "keep_all",
+                       budget_bytes=self.budget_bytes, planned=self.planned_figures(),
+                       measured_step=last.mode if last is not None else None,
+                       measured_memory=last.memory_source if last is not None else None)
+        obj = chrome_trace.timeline_trace(self.trace, self.simulation, planned, memory_name, last, summary)
+        if torch_trace is not None:
+            obj = chrome_trace.merge_with_torch_trace(obj, torch_trace, offset_us)
+        elif offset_us is not None:
+            raise ValueError("offset_us: applies with torch_trace= (where our step starts on its clock)")
+        return chrome_trace.write_json(path, obj)
 
     def _planned_timeline(self):
         """[(t_s, bytes)] of the plan (simulator timeline when given, else the op-level model) + copies."""
