@@ -8,7 +8,11 @@ a context manager:
             loss_fn(model(batch)).backward()
             run.step()          # optimizer.step() + zero_grad(); plans after the first step
     run.report()                # prints the planned-vs-measured table, returns a RunReport
-    run.save_timeline("step.png")
+    run.save_timeline("step.png")  # or "step.json": a Chrome trace (Perfetto)
+
+A loop that calls optimizer.step() and zero_grad() itself (Hugging Face Trainer, Lightning) needs
+no run.step(): see Note [optimizer.step() without run.step()] in step_hook.py, and
+memsched.integrations for the trainers' callbacks.
 
 Note [Profiling inside the user's first step]
   Rationale: memsched.profile(step_fn, ...) runs a step it is given, but here
@@ -35,6 +39,10 @@ Note [What a Run changes while it is active]
     forward to run.step(). All are removed by __exit__,
     also when the body raised (KeyboardInterrupt included).
   - ooo=True: memsched.ooo patches eligible layers' forward; removed likewise.
+  - optimizer.step is routed through the Run (a bound method on the optimizer instance), so a
+    loop that calls optimizer.step() itself -- Trainer, accelerate, Lightning -- needs no
+    run.step(); restored by __exit__. See Note [optimizer.step() without run.step()] in
+    step_hook.py.
   - CUDA: torch.cuda peak-memory statistics are reset at the start of every
     executed step (the measured peak is per step).
   Parameters, buffers, gradients and optimizer state are never touched except
@@ -126,6 +134,7 @@ from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers
 from memsched.offload.report import build_report, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
+from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure
 from memsched.planning import fraction_budget, fraction_refusal, parse_budget, planner_names, resolve_budget
 from memsched.units import format_bytes, parse_bytes
 
@@ -221,6 +230,9 @@ class Run:
         self.host = HostBuffers(pinned=self.device.type == "cuda")
         self.executor = OffloadExecutor(model, self.device, self.host, min_bytes=self.min_offload_bytes,
                                         on_mismatch=self._on_mismatch, timeline=self.timeline)
+        # Note [optimizer.step() without run.step()] (step_hook.py)
+        self.step_hook_ = (OptimizerStepHook(optimizer, self._framework_step)
+                           if isinstance(optimizer, torch.optim.Optimizer) else None)
         self.trace = None            # memsched.Trace of the last profiled step
         self.plan = None             # the plan executed now (None: keep everything)
         self.schedule = None         # OffloadSchedule of self.plan
@@ -258,6 +270,8 @@ class Run:
             self.executor.install()
             if self.ooo_ is not None:
                 self.ooo_.install()
+            if self.step_hook_ is not None:
+                self.step_hook_.install()
             self._start_profiling()
         except BaseException:
             self._cleanup()
@@ -272,6 +286,8 @@ class Run:
         """Remove every hook and session; safe to call twice and after a partial __enter__."""
         self._abort_profile()
         self.profile_armed_ = False
+        if self.step_hook_ is not None:
+            self.step_hook_.remove()
         for h in self.handles_:
             h.remove()
         self.handles_ = []
@@ -285,6 +301,51 @@ class Run:
         """End the current step: plan after a profiled step, run optimizer.step() and zero_grad()."""
         if not self.entered_:
             raise RuntimeError("run.step(): call it inside `with memsched.optimize(...) as run:`")
+        stats = self._finish_step()
+        t0 = time.perf_counter()
+        self._optimizer_step()
+        if stats is not None:
+            self._record_step(stats, t0)
+
+    def _framework_step(self, step, args, kwargs):
+        """optimizer.step(*args, **kwargs) called by the caller's loop instead of run.step(); `step`
+        is the optimizer's own. See Note [optimizer.step() without run.step()] in step_hook.py."""
+        if self.ooo_ is not None and self.ooo_.updating:
+            return step(*args, **kwargs)  # the fused update's own call (fused.py's view path), inside backward
+        closure, args, kwargs = split_closure(args, kwargs)
+        check_closure_optimizer(self.optimizer, closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.ooo_ is not None:
+            self._check_framework_accumulation()
+        stats = self._finish_step()
+        t0 = time.perf_counter()
+        if self.ooo_ is None or self.ooo_.step():
+            out = step(*args, **kwargs)
+            loss = out if closure is None else loss
+        # else: the fused update ran during backward (as run.step() skips optimizer.step() then)
+        if stats is not None:
+            self._record_step(stats, t0)
+        return loss
+
+    def _check_framework_accumulation(self):
+        """With ooo, optimizer.step() from the caller's loop must come after exactly
+        grad_accumulation_steps backward passes: the fused update (or ooo's step count) follows
+        that setting, the caller's loop its own. Refused before anything changes."""
+        k, n = self.grad_accumulation_steps, self.ooo_.backward_passes_since_step
+        if n != k:
+            raise _C.MemschedError(
+                f"optimizer.step() was called after {n} backward pass(es) since the last optimizer step, but "
+                f"memsched.optimize(..., grad_accumulation_steps={k}) expects {k}: with ooo=True / "
+                "fuse_optimizer=True the update follows grad_accumulation_steps, so it must equal the "
+                "training loop's gradient accumulation (the memsched callbacks for transformers and "
+                "Lightning pass the trainer's own setting)")
+
+    def _finish_step(self):
+        """The step boundary before the update: stop the profile and plan, or end the executed step.
+        Returns the executed step's StepStats (None for a profiled or not-profiled step)."""
         if self.profile_ is not None:
             session, self.profile_ = self.profile_, None
             trace = session.stop()
@@ -297,36 +358,39 @@ class Run:
                 # refused again -- rather than run plainly without a word.
                 self._start_profiling()
                 raise
-        elif self.profile_armed_:
+            return None
+        if self.profile_armed_:
             # no forward since the last step, or its forward could not be profiled (foreign hooks):
             # nothing recorded, nothing executed
             if self.not_profiled_why_:
                 self.steps_not_profiled += 1
                 self.not_profiled_why_ = ""
+            return None
+        return self.executor.end_step()
+
+    def _record_step(self, stats, t0):
+        """Book an executed step once its update ran (t0: when the update started)."""
+        stats.duration_s += self._sync_elapsed(t0)
+        self.step_stats.append(stats)
+        if stats.mode == "diverged" or self._count_mismatch(stats):
+            self.mismatches += 1
+            if self.reprofiles < self.max_reprofiles:
+                self.reprofiles += 1
+                self._start_profiling()
+        if stats.mode == "planned":
+            self.steps_planned += 1
         else:
-            stats = self.executor.end_step()
-            if stats is not None:
-                t0 = time.perf_counter()
-                self._optimizer_step()
-                stats.duration_s += self._sync_elapsed(t0)
-                self.step_stats.append(stats)
-                if stats.mode == "diverged" or self._count_mismatch(stats):
-                    self.mismatches += 1
-                    if self.reprofiles < self.max_reprofiles:
-                        self.reprofiles += 1
-                        self._start_profiling()
-                if stats.mode == "planned":
-                    self.steps_planned += 1
-                else:
-                    self.steps_plain += 1
-                return
-        self._optimizer_step()
+            self.steps_plain += 1
 
     def _optimizer_step(self):
         if self.ooo_ is not None and not self.ooo_.step():
             return  # fused: updated during backward (or a micro-step of gradient accumulation)
         if self.optimizer is not None:
-            self.optimizer.step()
+            if self.step_hook_ is not None:
+                with self.step_hook_.passing():  # run.step() is the step boundary: no second one
+                    self.optimizer.step()
+            else:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
     def _count_mismatch(self, stats):
