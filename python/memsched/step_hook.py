@@ -114,6 +114,7 @@ class OptimizerStepHook:
                 del opt.__dict__["step"]
         # else: wrapped after us (an LR scheduler made inside the Run): our layer passes calls through
         self.method_ = self.prev_ = None
+        self.on_step = None  # a layer left in place must not keep the Run (model, trace, buffers) alive
 
 
 def split_closure(args, kwargs):

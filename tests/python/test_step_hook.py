@@ -194,3 +194,15 @@ def test_lbfgs_closure_is_refused_and_one_run_per_optimizer():
         with pytest.raises(memsched.MemschedError, match="already routed through another"):
             memsched.optimize(Net(), opt2).__enter__()
     assert "step" not in opt2.__dict__
+
+
+def test_a_layer_left_under_a_later_lr_scheduler_keeps_no_run_alive():
+    import gc
+    import weakref
+    model, opt, _, _ = _pair()
+    with memsched.optimize(model, opt, budget=0.7, planner="dp") as run:
+        torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps our layer
+    ref = weakref.ref(run)
+    del run
+    gc.collect()
+    assert ref() is None
