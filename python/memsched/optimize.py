@@ -134,8 +134,8 @@ from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers
 from memsched.offload.report import build_report, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
-from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure
 from memsched.planning import fraction_budget, fraction_refusal, parse_budget, planner_names, resolve_budget
+from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure
 from memsched.units import format_bytes, parse_bytes
 
 __all__ = ["optimize", "Run"]

@@ -107,8 +107,9 @@ def test_png_timeline_still_works_and_json_options_are_checked(tmp_path):
         run.save_timeline(tmp_path / "step.png", torch_trace=tmp_path / "t.json")
     with pytest.raises(ValueError, match="offset_us: applies with torch_trace"):
         run.save_timeline(tmp_path / "step.json", offset_us=3.0)
+    (tmp_path / "dir.json").mkdir()
     with pytest.raises(ValueError, match="is a folder"):
-        run.save_timeline(tmp_path / "dir.json" if (tmp_path / "dir.json").mkdir() is None else None)
+        run.save_timeline(tmp_path / "dir.json")
     with pytest.raises(ValueError, match="torch_trace: .* does not exist"):
         run.save_timeline(tmp_path / "m.json", torch_trace=tmp_path / "missing.json")
 
