@@ -66,6 +66,12 @@ def _loader():
     return torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
 
 
+class WithValidation(Decoder):
+    def validation_step(self, batch, batch_idx):
+        tokens, = batch
+        self.log("val_loss", F.cross_entropy(self(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1)))
+
+
 def _fit(callback=None, module=None, **kw):
     module = module if module is not None else _module()
     args = dict(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
@@ -73,7 +79,7 @@ def _fit(callback=None, module=None, **kw):
     args.update(kw)
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(callbacks=[callback] if callback is not None else None, **args)
-    trainer.fit(module, _loader())
+    trainer.fit(module, _loader(), _loader() if isinstance(module, WithValidation) else None)
     return module, trainer
 
 
@@ -108,6 +114,19 @@ def test_lightning_with_callback_equals_plain_lightning(case):
     assert all(s.offloaded > 0 for s in run.step_stats)
     assert not run.entered_ and "step" not in run.optimizer.__dict__
     assert trainer.callback_metrics["memsched/planned_step"] == 1.0
+
+
+def test_validation_after_every_step_leaves_the_plan_matching():
+    """Validation forwards (inference mode) between the steps save nothing: the plan keeps matching."""
+    torch.manual_seed(0)
+    module = WithValidation()
+    ref = copy.deepcopy(module)
+    cb = MemschedCallback(budget=0.7, planner="dp")
+    kw = dict(num_sanity_val_steps=1, val_check_interval=1, max_steps=4)
+    _fit(cb, module=module, **kw)
+    _fit(None, module=ref, **kw)
+    _assert_same(module, ref)
+    assert cb.run.steps_profiled == 1 and cb.run.steps_planned == 3 and cb.run.mismatches == 0
 
 
 @pytest.mark.parametrize("trainer_kw,cb_kw,match", [

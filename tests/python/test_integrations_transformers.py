@@ -48,7 +48,9 @@ def _train(tmp_path, callback=None, steps=3, **kw):
                 weight_decay=0.1, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", seed=0,
                 disable_tqdm=True, dataloader_num_workers=0)
     args.update(kw)
+    evaluates = args.get("eval_strategy", "no") != "no"
     trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**args), train_dataset=Tokens(),
+                                   eval_dataset=Tokens(8) if evaluates else None,
                                    callbacks=[callback] if callback is not None else None)
     trainer.train()
     return model, trainer
@@ -66,6 +68,7 @@ CASES = {
     "dp": (dict(budget=0.7, planner="dp"), {}),
     "dp_accumulate2": (dict(budget=0.8, planner="dp"), dict(gradient_accumulation_steps=2)),
     "dp_bf16": (dict(budget=0.7, planner="dp"), dict(bf16=True)),
+    "dp_eval_each_step": (dict(budget=0.7, planner="dp"), dict(eval_strategy="steps", eval_steps=1)),
     "fused": (dict(budget=0.7, planner="dp", fuse_optimizer=True), dict(max_grad_norm=0.0)),
     "fused_accumulate2": (dict(budget=0.8, planner="dp", fuse_optimizer=True),
                           dict(max_grad_norm=0.0, gradient_accumulation_steps=2)),

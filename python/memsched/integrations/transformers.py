@@ -26,8 +26,9 @@ Note [memsched inside the Trainer]
   Limitations: an epoch whose length is not a multiple of gradient_accumulation_steps ends with
   a short accumulation; with ooo/fuse_optimizer that step is refused (plain offload handles it).
   With fuse_optimizer the Trainer's logged grad_norm is 0 (gradients are freed by the update).
-  Evaluation forwards between steps run under no_grad and save nothing; when a re-profile is
-  pending they are recorded into the next step's trace (a mismatch then re-profiles).
+  Evaluation forwards between steps run under no_grad and save nothing, so the plan keeps
+  matching (tested with an evaluation after every step); they count in the next step's measured
+  time, and when a re-profile is pending they are recorded into that step's trace.
 """
 import transformers
 from transformers import TrainerCallback
