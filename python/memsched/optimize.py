@@ -135,7 +135,7 @@ from memsched.offload.host_buffers import HostBuffers
 from memsched.offload.report import build_report, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
 from memsched.planning import fraction_budget, fraction_refusal, parse_budget, planner_names, resolve_budget
-from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure
+from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure, torch_optimizer
 from memsched.units import format_bytes, parse_bytes
 
 __all__ = ["optimize", "Run"]
@@ -180,7 +180,7 @@ class Run:
         if not isinstance(planner, str) or planner not in known:
             raise ValueError(f"planner: unknown planner {planner!r}; known planners: {', '.join(known)}")
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = torch_optimizer(optimizer)  # accelerate's wrapper -> the optimizer it steps
         self.planner = planner
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
@@ -231,8 +231,8 @@ class Run:
         self.executor = OffloadExecutor(model, self.device, self.host, min_bytes=self.min_offload_bytes,
                                         on_mismatch=self._on_mismatch, timeline=self.timeline)
         # Note [optimizer.step() without run.step()] (step_hook.py)
-        self.step_hook_ = (OptimizerStepHook(optimizer, self._framework_step)
-                           if isinstance(optimizer, torch.optim.Optimizer) else None)
+        self.step_hook_ = (OptimizerStepHook(self.optimizer, self._framework_step)
+                           if isinstance(self.optimizer, torch.optim.Optimizer) else None)
         self.trace = None            # memsched.Trace of the last profiled step
         self.plan = None             # the plan executed now (None: keep everything)
         self.schedule = None         # OffloadSchedule of self.plan

@@ -42,7 +42,23 @@ import torch
 
 from memsched._C import MemschedError
 
-__all__ = ["OptimizerStepHook", "is_step_hook"]
+__all__ = ["OptimizerStepHook", "is_step_hook", "torch_optimizer"]
+
+
+def torch_optimizer(optimizer):
+    """The torch.optim.Optimizer a framework's wrapper steps: accelerate's AcceleratedOptimizer (a
+    torch.optim.Optimizer subclass holding the real one in .optimizer, whose step() it calls only
+    on the micro-batch that ends an accumulation) or Lightning's LightningOptimizer (._optimizer).
+    Routing the real optimizer's step makes the memsched step span the whole accumulation. Anything
+    else is returned as it is."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            inner = getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer
 
 
 def is_step_hook(fn):

@@ -6,6 +6,7 @@ torch_optimizer(optimizer, where), step_figures(run).
 """
 import torch
 
+from memsched import step_hook
 from memsched.optimize import _OPTIONS
 from memsched.planning import parse_budget, planner_names
 
@@ -36,13 +37,7 @@ def check_callback_args(budget, planner, ooo, fuse_optimizer, options):
 def torch_optimizer(optimizer, where):
     """The torch.optim.Optimizer behind accelerate's AcceleratedOptimizer or Lightning's
     LightningOptimizer (their step() ends in its step(), which memsched routes)."""
-    for _ in range(8):  # AcceleratedOptimizer subclasses torch.optim.Optimizer and holds the real one
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None:
-            inner = getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer or not isinstance(inner, torch.optim.Optimizer):
-            break
-        optimizer = inner
+    optimizer = step_hook.torch_optimizer(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{where}: memsched needs the trainer's optimizer to be a torch.optim.Optimizer (or a "
                         f"framework wrapper of one), got {type(optimizer).__name__}")
