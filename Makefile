@@ -5,13 +5,16 @@ TORCH_PIN   ?= 2.14.1
 BUILD_DIR   ?= build
 APT_PKGS    := libgtest-dev libbenchmark-dev nlohmann-json3-dev
 PY_PKGS     := pytest pytest-benchmark matplotlib
+# Test-only: the frameworks memsched.integrations plugs into (their tests skip without them). About 25 s
+# for the 42 packages on a machine that has torch (measured without a pip cache); installed by `make test`.
+TEST_PKGS   := transformers accelerate lightning
 export MEMSCHED_BUILD_DIR := $(abspath $(BUILD_DIR))
 # torch's cpp_extension guesses CUDA_HOME from nvcc's location; point it at the toolkit.
 ifneq ($(wildcard /usr/local/cuda),)
 export CUDA_HOME ?= /usr/local/cuda
 endif
 
-.PHONY: all deps build test test-cpp test-python demo bench clean gpu-check gpu-check-deps
+.PHONY: all deps test-deps build test test-cpp test-python demo bench clean gpu-check gpu-check-deps
 
 all: build
 
@@ -32,16 +35,20 @@ deps:
 	@for p in $(PY_PKGS); do m=$$(echo $$p | tr - _); [ $$p = pytest-benchmark ] && m=pytest_benchmark; \
 	  $(PYTHON) -c "import $$m" 2>/dev/null || $(PYTHON) -m pip install -q $$p; done
 
+# Only what is missing; the installed torch is kept (each of them accepts it).
+test-deps:
+	@for p in $(TEST_PKGS); do $(PYTHON) -c "import $$p" 2>/dev/null || $(PYTHON) -m pip install -q $$p; done
+
 build: deps
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 
 test-cpp: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j2
 
-test-python: build
+test-python: build test-deps
 	$(PYTHON) -m pytest -q tests/python
 
-test: build
+test: build test-deps
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j2
 	$(PYTHON) -m pytest -q tests/python
 

@@ -32,6 +32,20 @@ def _replace_file(src: Path, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
+def torch_requirement() -> str:
+    """Note [A wheel needs its torch]
+    memsched._C and libmemsched_alloc link against the libtorch of the torch they are compiled
+    with; torch's C++ ABI changes between releases, so a wheel imported under another torch fails
+    with undefined symbols. The wheel therefore requires the torch release it was built against
+    (the local tag, e.g. +cu130, is left out: any build of that release has the same ABI). Without
+    an importable torch (an isolated build) it falls back to the supported range."""
+    try:
+        import torch
+    except ImportError:
+        return "torch>=2.11"
+    return f"torch=={torch.__version__.split('+')[0]}"
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str):
         super().__init__(name, sources=[])
@@ -74,6 +88,7 @@ class CMakeBuild(build_ext):
 
 
 setup(
+    install_requires=[torch_requirement()],
     ext_modules=[CMakeExtension("memsched._C")],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -8,7 +8,11 @@ a context manager:
             loss_fn(model(batch)).backward()
             run.step()          # optimizer.step() + zero_grad(); plans after the first step
     run.report()                # prints the planned-vs-measured table, returns a RunReport
-    run.save_timeline("step.png")
+    run.save_timeline("step.png")  # or "step.json": a Chrome trace (Perfetto)
+
+A loop that calls optimizer.step() and zero_grad() itself (Hugging Face Trainer, Lightning) needs
+no run.step(): see Note [optimizer.step() without run.step()] in step_hook.py, and
+memsched.integrations for the trainers' callbacks.
 
 Note [Profiling inside the user's first step]
   Rationale: memsched.profile(step_fn, ...) runs a step it is given, but here
@@ -35,6 +39,10 @@ Note [What a Run changes while it is active]
     forward to run.step(). All are removed by __exit__,
     also when the body raised (KeyboardInterrupt included).
   - ooo=True: memsched.ooo patches eligible layers' forward; removed likewise.
+  - optimizer.step is routed through the Run (a bound method on the optimizer instance), so a
+    loop that calls optimizer.step() itself -- Trainer, accelerate, Lightning -- needs no
+    run.step(); restored by __exit__. See Note [optimizer.step() without run.step()] in
+    step_hook.py.
   - CUDA: torch.cuda peak-memory statistics are reset at the start of every
     executed step (the measured peak is per step).
   Parameters, buffers, gradients and optimizer state are never touched except
@@ -126,6 +134,7 @@ from memsched.offload.host_buffers import HostBuffers, parse_host_limit
 from memsched.offload.report import build_report, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
 from memsched.planning import fraction_budget, fraction_refusal, parse_budget, planner_names, resolve_budget
+from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure, torch_optimizer
 from memsched.units import format_bytes, parse_bytes
 
 __all__ = ["optimize", "Run"]
@@ -170,7 +179,7 @@ class Run:
         if not isinstance(planner, str) or planner not in known:
             raise ValueError(f"planner: unknown planner {planner!r}; known planners: {', '.join(known)}")
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = torch_optimizer(optimizer)  # accelerate's wrapper -> the optimizer it steps
         self.planner = planner
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
@@ -221,6 +230,9 @@ class Run:
         self.host = HostBuffers(pinned=self.device.type == "cuda", limit_bytes=limit, limit_text=limit_text)
         self.executor = OffloadExecutor(model, self.device, self.host, min_bytes=self.min_offload_bytes,
                                         on_mismatch=self._on_mismatch, timeline=self.timeline)
+        # Note [optimizer.step() without run.step()] (step_hook.py)
+        self.step_hook_ = (OptimizerStepHook(self.optimizer, self._framework_step)
+                           if isinstance(self.optimizer, torch.optim.Optimizer) else None)
         self.trace = None            # memsched.Trace of the last profiled step
         self.plan = None             # the plan executed now (None: keep everything)
         self.schedule = None         # OffloadSchedule of self.plan
@@ -259,6 +271,8 @@ class Run:
             self.executor.install()
             if self.ooo_ is not None:
                 self.ooo_.install()
+            if self.step_hook_ is not None:
+                self.step_hook_.install()
             self._start_profiling()
         except BaseException:
             self._cleanup()
@@ -273,6 +287,8 @@ class Run:
         """Remove every hook and session; safe to call twice and after a partial __enter__."""
         self._abort_profile()
         self.profile_armed_ = False
+        if self.step_hook_ is not None:
+            self.step_hook_.remove()
         for h in self.handles_:
             h.remove()
         self.handles_ = []
@@ -286,6 +302,49 @@ class Run:
         """End the current step: plan after a profiled step, run optimizer.step() and zero_grad()."""
         if not self.entered_:
             raise RuntimeError("run.step(): call it inside `with memsched.optimize(...) as run:`")
+        stats = self._finish_step()
+        self._optimizer_step()
+        if stats is not None:
+            self._record_step(stats)
+
+    def _framework_step(self, step, args, kwargs):
+        """optimizer.step(*args, **kwargs) called by the caller's loop instead of run.step(); `step`
+        is the optimizer's own. See Note [optimizer.step() without run.step()] in step_hook.py."""
+        if self.ooo_ is not None and self.ooo_.updating:
+            return step(*args, **kwargs)  # the fused update's own call (fused.py's view path), inside backward
+        closure, args, kwargs = split_closure(args, kwargs)
+        check_closure_optimizer(self.optimizer, closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.ooo_ is not None:
+            self._check_framework_accumulation()
+        stats = self._finish_step()
+        if self.ooo_ is None or self.ooo_.step():
+            out = step(*args, **kwargs)
+            loss = out if closure is None else loss
+        # else: the fused update ran during backward (as run.step() skips optimizer.step() then)
+        if stats is not None:
+            self._record_step(stats)
+        return loss
+
+    def _check_framework_accumulation(self):
+        """With ooo, optimizer.step() from the caller's loop must come after exactly
+        grad_accumulation_steps backward passes: the fused update (or ooo's step count) follows
+        that setting, the caller's loop its own. Refused before anything changes."""
+        k, n = self.grad_accumulation_steps, self.ooo_.backward_passes_since_step
+        if n != k:
+            raise _C.MemschedError(
+                f"optimizer.step() was called after {n} backward pass(es) since the last optimizer step, but "
+                f"memsched.optimize(..., grad_accumulation_steps={k}) expects {k}: with ooo=True / "
+                "fuse_optimizer=True the update follows grad_accumulation_steps, so it must equal the "
+                "training loop's gradient accumulation (the memsched callbacks for transformers and "
+                "Lightning pass the trainer's own setting)")
+
+    def _finish_step(self):
+        """The step boundary before the update: stop the profile and plan, or end the executed step.
+        Returns the executed step's StepStats (None for a profiled or not-profiled step)."""
         if self.profile_ is not None:
             session, self.profile_ = self.profile_, None
             trace = session.stop()
@@ -299,37 +358,41 @@ class Run:
                 # refused again -- rather than run plainly without a word.
                 self._start_profiling()
                 raise
-        elif self.profile_armed_:
+            return None
+        if self.profile_armed_:
             # no forward since the last step, or its forward could not be profiled (foreign hooks):
             # nothing recorded, nothing executed
             if self.not_profiled_why_:
                 self.steps_not_profiled += 1
                 self.not_profiled_why_ = ""
+            return None
+        return self.executor.end_step()
+
+    def _record_step(self, stats):
+        """Book an executed step once its update ran."""
+        self.executor.stamp(stats)  # no host wait: See Note [No host synchronisation in a step]
+        if self.step_stats:
+            self.step_stats[-1].try_resolve()
+        self.step_stats.append(stats)
+        if stats.mode == "diverged" or self._count_mismatch(stats):
+            self.mismatches += 1
+            if self.reprofiles < self.max_reprofiles:
+                self.reprofiles += 1
+                self._start_profiling()
+        if stats.mode == "planned":
+            self.steps_planned += 1
         else:
-            stats = self.executor.end_step()
-            if stats is not None:
-                self._optimizer_step()
-                self.executor.stamp(stats)  # no host wait: See Note [No host synchronisation in a step]
-                if self.step_stats:
-                    self.step_stats[-1].try_resolve()
-                self.step_stats.append(stats)
-                if stats.mode == "diverged" or self._count_mismatch(stats):
-                    self.mismatches += 1
-                    if self.reprofiles < self.max_reprofiles:
-                        self.reprofiles += 1
-                        self._start_profiling()
-                if stats.mode == "planned":
-                    self.steps_planned += 1
-                else:
-                    self.steps_plain += 1
-                return
-        self._optimizer_step()
+            self.steps_plain += 1
 
     def _optimizer_step(self):
         if self.ooo_ is not None and not self.ooo_.step():
             return  # fused: updated during backward (or a micro-step of gradient accumulation)
         if self.optimizer is not None:
-            self.optimizer.step()
+            if self.step_hook_ is not None:
+                with self.step_hook_.passing():  # run.step() is the step boundary: no second one
+                    self.optimizer.step()
+            else:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
     def _count_mismatch(self, stats):
@@ -555,10 +618,20 @@ class Run:
         print(r.table, file=file)
         return r
 
-    def save_timeline(self, path):
-        """PNG of the last executed step: memory planned and measured, copy streams. Returns path."""
+    def save_timeline(self, path, torch_trace=None, offset_us=None):
+        """The last executed step: memory planned and measured, copy streams. Returns path.
+
+        A path ending in ".json" gets a Chrome trace event file (Perfetto): simulated ops, copies,
+        stalls and memory, plus the measured step with timeline=True; torch_trace= merges it into
+        torch.profiler's exported trace (Note [Timeline as a Chrome trace] in
+        offload/chrome_trace.py). Any other path gets an image (PNG by default; needs timeline=True)."""
         if self.trace is None:
             raise RuntimeError("run.save_timeline(): no step has been profiled yet; call it after a few run.step()")
+        if str(path).lower().endswith(".json"):
+            return self._save_timeline_json(path, torch_trace, offset_us)
+        if torch_trace is not None or offset_us is not None:
+            raise ValueError(f"torch_trace / offset_us: merging with a torch.profiler trace needs a '.json' path "
+                             f"(a Chrome trace), got {str(path)!r}")
         if not self.timeline:
             raise RuntimeError("run.save_timeline(): this Run recorded no timeline; pass "
                                "memsched.optimize(..., timeline=True) to record memory samples and copies per "
@@ -570,6 +643,23 @@ class Run:
                  f"planned vs measured ({last.memory_source if last else 'no executed step'})")
         return save_timeline(path, title, planned, last.samples if last else [], last.copies if last else [],
                              planned_copies)
+
+    def _save_timeline_json(self, path, torch_trace, offset_us):
+        from memsched.offload import chrome_trace
+        executed = [s for s in self.step_stats if s.mode == "planned"] or self.step_stats
+        last = executed[-1] if executed and self.timeline else None
+        planned, _ = self._planned_timeline()
+        memory_name = "device memory" if self.device.type == "cuda" else "saved activations"
+        summary = dict(device=str(self.device), planner=self.planner if self.plan is not None else "keep_all",
+                       budget_bytes=self.budget_bytes, planned=self.planned_figures(),
+                       measured_step=last.mode if last is not None else None,
+                       measured_memory=last.memory_source if last is not None else None)
+        obj = chrome_trace.timeline_trace(self.trace, self.simulation, planned, memory_name, last, summary)
+        if torch_trace is not None:
+            obj = chrome_trace.merge_with_torch_trace(obj, torch_trace, offset_us)
+        elif offset_us is not None:
+            raise ValueError("offset_us: applies with torch_trace= (where our step starts on its clock)")
+        return chrome_trace.write_json(path, obj)
 
     def _planned_timeline(self):
         """[(t_s, bytes)] of the plan (simulator timeline when given, else the op-level model) + copies."""

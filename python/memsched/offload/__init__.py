@@ -5,6 +5,7 @@
   HostBuffers      (host_buffers.py) pinned (CUDA) or pageable (CPU) host blocks
   OffloadExecutor  (executor.py)     the saved-tensor hooks; one StepStats per step
   report.py        planned-vs-measured table (RunReport) and the timeline PNG
+  chrome_trace.py  the timeline as a Chrome trace event file (Perfetto), merged with torch.profiler's on request
   compare.py       the side-by-side demo (plain vs memsched.optimize), used by `python -m memsched demo`
 The user API on top is memsched.optimize() (optimize.py).
 """

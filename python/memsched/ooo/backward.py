@@ -884,6 +884,11 @@ class OutOfOrderBackward:
             f"(run.step() once per K backward passes under memsched.optimize).")
 
     @property
+    def updating(self) -> bool:
+        """Inside a fused update's optimizer call (memsched.optimize's step routing passes it through)."""
+        return self._stepper is not None and self._stepper.stepping > 0
+
+    @property
     def backward_passes_since_step(self) -> int:
         """Backward passes that ended since the last step()."""
         return self._backwards_since_step

@@ -80,6 +80,11 @@ def _stock_step(opt: torch.optim.Optimizer) -> bool:
     """True when opt.step is torch's own (with its profiler/hook wrapper), possibly wrapped by an LR
     scheduler's step tracker: nothing else would run when step() is called."""
     fn = opt.__dict__.get("step")
+    while getattr(fn, "_memsched_step_hook", False):
+        # memsched.optimize's step routing (step_hook.py) adds nothing to a fused update: look through it
+        fn = fn.__wrapped__
+        if getattr(fn, "__self__", None) is opt:
+            fn = None  # it wraps the class's step itself
     if fn is not None:
         if not getattr(fn, "_wrapped_by_lr_sched", False):
             return False
@@ -111,6 +116,7 @@ class ParamStepper:
                 f"and call optimizer.step() after backward.")
         self.optimizer = optimizer
         self._is_sgd = type(optimizer) is torch.optim.SGD
+        self.stepping = 0  # > 0 inside step_params (memsched.optimize's step routing passes its calls through)
         self.steps = 0  # COUNT: per-parameter updates applied
         self.calls = 0  # COUNT: grouped step calls (one per param group per step_params)
         self._group_of: Dict[int, int] = {}
@@ -156,6 +162,13 @@ class ParamStepper:
             by_group.setdefault(gi, []).append(p)
         if not by_group:
             return
+        self.stepping += 1
+        try:
+            self._step_groups(by_group)
+        finally:
+            self.stepping -= 1
+
+    def _step_groups(self, by_group: Dict[int, List[torch.Tensor]]) -> None:
         opt = self.optimizer
         key = (type(opt).step, opt.__dict__.get("step"))
         if key != self._checked_step:

@@ -1,0 +1,61 @@
+"""What the framework callbacks share: argument checks made when the callback is built, the
+torch optimizer behind a framework's wrapper, and the figures they log.
+
+Entry points: check_callback_args(budget, planner, ooo, fuse_optimizer, options),
+torch_optimizer(optimizer, where), step_figures(run).
+"""
+import torch
+
+from memsched import step_hook
+from memsched.optimize import _OPTIONS
+from memsched.planning import parse_budget, planner_names
+
+# options the trainer decides (the callbacks pass its own value)
+_FROM_TRAINER = ("grad_accumulation_steps",)
+
+
+def check_callback_args(budget, planner, ooo, fuse_optimizer, options):
+    """The checks optimize() makes before any step, made when the callback is built, so a typo
+    fails before the trainer loads data or builds its optimizer."""
+    parse_budget(budget)  # ValueError naming budget and its forms
+    known = planner_names()
+    if not isinstance(planner, str) or planner not in known:
+        raise ValueError(f"planner: unknown planner {planner!r}; known planners: {', '.join(known)}")
+    for name, flag in (("ooo", ooo), ("fuse_optimizer", fuse_optimizer)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected True or False, got {flag!r}")
+    for k in options:
+        if k in _FROM_TRAINER:
+            raise TypeError(f"MemschedCallback: {k} comes from the trainer (its gradient accumulation); "
+                            "leave it out")
+        if k not in _OPTIONS:
+            raise TypeError(f"MemschedCallback: unknown option {k!r}; known options: "
+                            f"{', '.join(o for o in _OPTIONS if o not in _FROM_TRAINER)} (and budget, planner, "
+                            "ooo, fuse_optimizer)")
+
+
+def torch_optimizer(optimizer, where):
+    """The torch.optim.Optimizer behind accelerate's AcceleratedOptimizer or Lightning's
+    LightningOptimizer (their step() ends in its step(), which memsched routes)."""
+    optimizer = step_hook.torch_optimizer(optimizer)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{where}: memsched needs the trainer's optimizer to be a torch.optim.Optimizer (or a "
+                        f"framework wrapper of one), got {type(optimizer).__name__}")
+    return optimizer
+
+
+def step_figures(run):
+    """Numbers to log after a step: the last executed step as measured, and the plan's figures."""
+    out = {}
+    planned = run.planned_figures()
+    for key in ("peak_bytes", "activation_peak_bytes", "step_time_s", "stall_s", "bytes_moved", "offloaded"):
+        if planned.get(key) is not None:
+            out[f"memsched/planned_{key}"] = float(planned[key])
+    if run.step_stats:
+        s = run.step_stats[-1]
+        out.update({"memsched/peak_bytes": float(s.peak_bytes), "memsched/step_time_s": float(s.duration_s),
+                    "memsched/stall_s": float(s.stall_s), "memsched/offloaded": float(s.offloaded),
+                    "memsched/bytes_moved": float(s.d2h_bytes + s.h2d_bytes),
+                    "memsched/planned_step": 1.0 if s.mode == "planned" else 0.0})
+    out["memsched/steps_profiled"] = float(run.steps_profiled)
+    return out

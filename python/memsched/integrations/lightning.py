@@ -1,0 +1,136 @@
+"""memsched for PyTorch Lightning (the `lightning` package: lightning.pytorch).
+
+Entry point:
+
+    from memsched.integrations.lightning import MemschedCallback
+    trainer = lightning.pytorch.Trainer(callbacks=[MemschedCallback(budget=0.7, planner="dp")], ...)
+    trainer.fit(module, loader)
+
+Note [memsched inside Lightning]
+  Rationale: Lightning owns the loop; with automatic optimization it even runs training_step and
+  backward inside optimizer.step(closure) (its precision plugin passes the closure on).
+  Approach: on_train_start (after the strategy set up the optimizers; after the sanity check)
+  enters memsched.optimize(pl_module (or the submodule named by `module=`), the torch optimizer
+  behind the LightningOptimizer, ...); Lightning's optimizer.step(closure) is the step boundary:
+  memsched runs the closure (forward, backward, on_before_optimizer_step, gradient clipping),
+  ends the step, then updates (Note [optimizer.step() without run.step()] in step_hook.py).
+  grad_accumulation_steps is trainer.accumulate_grad_batches. on_train_batch_end logs memsched/*
+  figures with pl_module.log_dict (the trainer's loggers); on_train_end, on_exception and
+  teardown leave the Run; `callback.run` stays readable.
+  memsched hooks the forward of the module it is given: a training_step that calls a submodule
+  (self.model(x)) and never self(x) gives memsched nothing to profile -- refused after the first
+  step (whose update was plain PyTorch's), naming `module=`.
+  Refused at on_train_start, before the first step: a precision plugin with a GradScaler
+  ("16-mixed": it skips optimizer.step() on overflow, so the step would have no end), more than one
+  process, manual optimization, more than one optimizer, and with fuse_optimizer
+  gradient_clip_val (global clipping needs every gradient before the first fused update).
+"""
+import lightning.pytorch as pl
+
+from memsched._C import MemschedError
+from memsched.integrations._common import check_callback_args, step_figures, torch_optimizer
+from memsched.optimize import optimize
+
+__all__ = ["MemschedCallback"]
+
+
+class MemschedCallback(pl.Callback):
+    """Train under memsched.optimize(...) inside Trainer.fit().
+
+    budget, planner, ooo, fuse_optimizer and options (min_offload_bytes, max_reprofiles,
+    device_model, timeline, history) mean what they mean to memsched.optimize();
+    grad_accumulation_steps is the trainer's accumulate_grad_batches. module: None for the
+    LightningModule itself, or the name of the submodule its training_step calls
+    (pl_module.get_submodule(module)). See Note [memsched inside Lightning]."""
+
+    def __init__(self, budget=None, planner="dp", ooo=False, fuse_optimizer=False, module=None, log_figures=True,
+                 **options):
+        check_callback_args(budget, planner, ooo, fuse_optimizer, options)
+        if module is not None and not isinstance(module, str):
+            raise TypeError(f"module: expected None (the LightningModule) or the name of a submodule (a str, as "
+                            f"for pl_module.get_submodule), got {type(module).__name__}")
+        self.budget = budget
+        self.planner = planner
+        self.ooo = ooo
+        self.fuse_optimizer = fuse_optimizer
+        self.module = module
+        self.log_figures = bool(log_figures)
+        self.options = options
+        self.run = None
+        self.logged_steps_ = 0
+
+    # -- Lightning's events ----------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module):
+        self.close()
+        self._refuse_unsupported(trainer, pl_module)
+        model = pl_module if self.module is None else self._submodule(pl_module)
+        opt = torch_optimizer(trainer.optimizers[0], "MemschedCallback")
+        accumulate = trainer.accumulate_grad_batches if (self.ooo or self.fuse_optimizer) else 1
+        run = optimize(model, opt, budget=self.budget, planner=self.planner, ooo=self.ooo,
+                       fuse_optimizer=self.fuse_optimizer, grad_accumulation_steps=accumulate, **self.options)
+        run.__enter__()
+        self.run = run
+        self.logged_steps_ = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        run = self.run
+        if run is None or not run.entered_:
+            return
+        if trainer.global_step >= 1 and run.steps_profiled == 0 and run.trace is None \
+                and not run.steps_not_profiled and not run.compiled_why_:
+            where = "the LightningModule" if self.module is None else f"submodule '{self.module}'"
+            raise MemschedError(
+                f"MemschedCallback: an optimizer step ran but {where}'s forward was never called, so memsched had "
+                "nothing to profile or offload (that step was plain PyTorch). memsched hooks the forward of the "
+                "module it is given: call self(...) in training_step, or pass MemschedCallback(module='name') with "
+                "the submodule training_step calls (e.g. module='model' for self.model(x))")
+        executed = len(run.step_stats)
+        if self.log_figures and executed != self.logged_steps_:
+            self.logged_steps_ = executed
+            pl_module.log_dict(step_figures(run), on_step=True, on_epoch=False, batch_size=1)
+
+    def on_train_end(self, trainer, pl_module):
+        self.close()
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.close()
+
+    def teardown(self, trainer, pl_module, stage):
+        self.close()
+
+    def close(self):
+        """Leave the Run (remove every memsched hook); safe to call twice. `self.run` stays readable."""
+        if self.run is not None and self.run.entered_:
+            self.run.__exit__(None, None, None)
+
+    # -- checks -------------------------------------------------------------------------------------
+    def _submodule(self, pl_module):
+        try:
+            return pl_module.get_submodule(self.module)
+        except AttributeError:
+            names = [n for n, _ in pl_module.named_children()]
+            raise ValueError(f"module: the LightningModule has no submodule '{self.module}'; its children: "
+                             f"{', '.join(names) or 'none'}") from None
+
+    def _refuse_unsupported(self, trainer, pl_module):
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise MemschedError(
+                f"Trainer(precision={trainer.precision!r}): memsched does not support a GradScaler yet: it skips "
+                "optimizer.step() when gradients overflow, and memsched ends each step there. Use "
+                "precision='bf16-mixed' (no scaler) or '32-true'")
+        if trainer.world_size > 1:
+            raise MemschedError(f"Trainer: memsched's Lightning callback runs single-process training only (this run: "
+                                f"world_size={trainer.world_size}); drop the callback for distributed training")
+        if not pl_module.automatic_optimization:
+            raise MemschedError("LightningModule.automatic_optimization is False: memsched's Lightning callback "
+                                "supports automatic optimization; with manual optimization use "
+                                "`with memsched.optimize(...)` around your own optimizer steps")
+        if len(trainer.optimizers) != 1:
+            raise MemschedError(f"configure_optimizers: memsched's Lightning callback needs exactly one optimizer, "
+                                f"this module has {len(trainer.optimizers)}")
+        if self.fuse_optimizer and trainer.gradient_clip_val:
+            raise MemschedError(
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): gradient clipping cannot be fused with the "
+                "optimizer update (global-norm clipping needs every gradient before the first parameter is "
+                "updated, and the fused update frees each gradient when it is used). Drop gradient_clip_val, or "
+                "use MemschedCallback(fuse_optimizer=False)")

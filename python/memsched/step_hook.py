@@ -1,0 +1,153 @@
+"""optimizer.step() as a step boundary of memsched.optimize(), for loops that never call run.step().
+
+Entry point: OptimizerStepHook(optimizer, on_step).install() / .remove(); used by optimize.py's Run.
+
+Note [optimizer.step() without run.step()]
+  Rationale: Hugging Face Trainer, accelerate and Lightning own the training loop: they call
+  optimizer.step() (after their gradient accumulation, clipping and unscaling) and
+  optimizer.zero_grad() themselves, so run.step() cannot be put in their loop. The Run must still
+  close the profiled step and plan it, or end an executed step (pop the saved-tensor hooks, wait
+  for copies, collect its StepStats), after the last backward pass and before the parameters
+  change -- exactly where run.step() did it.
+  Approach: while a Run is active its optimizer's `step` is routed through the Run: a bound method
+  set on the optimizer instance (as torch's LR schedulers do) calls Run._framework_step(step,
+  args, kwargs), which (1) runs the caller's closure first, if one was passed (Lightning runs
+  training_step and backward inside optimizer.step(closure); torch's SGD/Adam/AdamW call the
+  closure once, first, under enable_grad, so calling it ourselves is the same), (2) ends the
+  step as run.step() does before its update (the same Run._finish_step()), (3) runs the real
+  update, with the arguments given, unless the fused out-of-order update already ran during
+  backward (as run.step() skips optimizer.step() then), (4) records the step. zero_grad and
+  gradient accumulation stay the framework's: the memsched step spans every forward and backward
+  pass between two optimizer.step() calls, as with run.step() called once per K backward passes.
+  run.step() keeps working: its own optimizer.step() call passes straight through.
+  Why not Optimizer.register_step_pre_hook: torch iterates the hook dictionaries while calling
+  them, and closing the profiled step removes the profiler session's own optimizer step hooks
+  from those dictionaries (RuntimeError: OrderedDict mutated during iteration); a pre-hook also
+  runs before a closure's forward and backward, and cannot skip the update. A bound method set on
+  the instance keeps every hook of torch's step working, and stays compatible with LR schedulers,
+  which wrap the same attribute (before or after us; their `_wrapped_by_lr_sched` mark is kept).
+  The fused update's ParamStepper looks through this routing (fused.py: _stock_step), and its
+  fallback path's own optimizer.step() calls during backward pass straight through.
+  Limitations: an optimizer whose step evaluates the closure more than once (LBFGS) is refused
+  when a closure is passed; a step that GradScaler skips (inf/NaN gradients under fp16) never
+  reaches optimizer.step(), so the memsched step runs on into the next one (it mismatches the
+  plan, runs plainly and is re-profiled: never a wrong gradient) -- the framework callbacks
+  refuse fp16 with a GradScaler for that reason. remove() restores the attribute, unless
+  something wrapped it after us: then our layer stays, passing every call through.
+"""
+import contextlib
+import types
+
+import torch
+
+from memsched._C import MemschedError
+
+__all__ = ["OptimizerStepHook", "is_step_hook", "torch_optimizer"]
+
+
+def torch_optimizer(optimizer):
+    """The torch.optim.Optimizer a framework's wrapper steps: accelerate's AcceleratedOptimizer (a
+    torch.optim.Optimizer subclass holding the real one in .optimizer, whose step() it calls only
+    on the micro-batch that ends an accumulation) or Lightning's LightningOptimizer (._optimizer).
+    Routing the real optimizer's step makes the memsched step span the whole accumulation. Anything
+    else is returned as it is."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            inner = getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer
+
+
+def is_step_hook(fn):
+    """True for the bound method OptimizerStepHook puts on an optimizer."""
+    return bool(getattr(fn, "_memsched_step_hook", False))
+
+
+class OptimizerStepHook:
+    """Routes optimizer.step(*args, **kwargs) to on_step(step, args, kwargs) while active; `step` is
+    the callable that was optimizer.step before install() (torch's, or an LR scheduler's wrapper)."""
+
+    def __init__(self, optimizer, on_step):
+        self.optimizer = optimizer
+        self.on_step = on_step
+        self.active = False
+        self.passing_ = 0       # > 0: inside passing(): calls go straight to the optimizer's own step
+        self.method_ = None     # the bound method set on the instance
+        self.had_own_ = False   # the instance had its own `step` before us
+        self.prev_ = None       # that attribute
+
+    def install(self):
+        opt = self.optimizer
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(opt).__name__}")
+        current = opt.__dict__.get("step")
+        if is_step_hook(current) and current._memsched_owner().active:
+            raise MemschedError("optimizer: its step() is already routed through another memsched.optimize() "
+                                "Run that is still active; leave that Run's `with` block first (one Run per "
+                                "optimizer)")
+        self.had_own_ = "step" in opt.__dict__
+        self.prev_ = opt.__dict__.get("step")
+        inner = opt.step
+        me = self
+
+        def step(opt_self, *args, **kwargs):
+            if not me.active or me.passing_:
+                return inner(*args, **kwargs)
+            return me.on_step(inner, args, kwargs)
+
+        step.__wrapped__ = inner
+        step._memsched_step_hook = True
+        step._memsched_owner = lambda: me
+        if getattr(inner, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True  # the LR scheduler's wrapper is still called (lr_scheduler.py)
+        self.method_ = types.MethodType(step, opt)
+        opt.step = self.method_
+        self.active = True
+        return self
+
+    @contextlib.contextmanager
+    def passing(self):
+        """optimizer.step() calls inside go straight to the optimizer's own step (run.step()'s)."""
+        self.passing_ += 1
+        try:
+            yield
+        finally:
+            self.passing_ -= 1
+
+    def remove(self):
+        """Restore optimizer.step; safe to call twice."""
+        if not self.active:
+            return
+        self.active = False
+        opt = self.optimizer
+        if opt.__dict__.get("step") is self.method_:
+            if self.had_own_:
+                opt.step = self.prev_
+            else:
+                del opt.__dict__["step"]
+        # else: wrapped after us (an LR scheduler made inside the Run): our layer passes calls through
+        self.method_ = self.prev_ = None
+        self.on_step = None  # a layer left in place must not keep the Run (model, trace, buffers) alive
+
+
+def split_closure(args, kwargs):
+    """(closure or None, args, kwargs without it) of an Optimizer.step(closure=None) call."""
+    kwargs = dict(kwargs)
+    if "closure" in kwargs:
+        return kwargs.pop("closure"), tuple(args), kwargs
+    if args:
+        return args[0], tuple(args[1:]), kwargs
+    return None, tuple(args), kwargs
+
+
+def check_closure_optimizer(optimizer, closure):
+    """Refuse a closure for an optimizer that evaluates it more than once (Note [optimizer.step()
+    without run.step()])."""
+    if closure is not None and isinstance(optimizer, torch.optim.LBFGS):
+        raise MemschedError("optimizer: LBFGS evaluates its closure several times per step (a forward and "
+                            "backward pass each), so the step has no single end where memsched could close "
+                            "it; use an optimizer that calls the closure once (SGD, Adam, AdamW, ...) or "
+                            "train LBFGS outside memsched.optimize()")

@@ -1,0 +1,59 @@
+"""memsched.optimize() in an accelerate loop: `accelerator.prepare` wraps the optimizer, and with
+`accelerator.accumulate(model)` the loop calls optimizer.step() on every micro-batch while accelerate
+steps the real optimizer only on the last. optimize() routes the real optimizer's step, so the memsched
+step spans the accumulation; parameters are bitwise those of the same loop without memsched."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+accelerate = pytest.importorskip("accelerate")
+
+import memsched  # noqa: E402
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 5))
+
+
+def _loop(model, accumulation, use_memsched, **optimize_kw):
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    run = None
+
+    def train():
+        for i in range(3 * accumulation):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(32, 12, generator=g), torch.randint(0, 5, (32,), generator=g)
+            with accelerator.accumulate(model):
+                accelerator.backward(F.cross_entropy(model(x), y))
+                opt.step()
+                opt.zero_grad()
+
+    if use_memsched:
+        with memsched.optimize(model, opt, **optimize_kw) as run:
+            train()
+    else:
+        train()
+    return run
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("fuse", [False, True], ids=["offload", "fused"])
+def test_accelerate_loop_equals_plain(accumulation, fuse):
+    model, ref = _net(), None
+    ref = copy.deepcopy(model)
+    kw = dict(budget=1.0, planner="offload_all_prefetch")
+    if fuse:
+        kw.update(fuse_optimizer=True, grad_accumulation_steps=accumulation)
+    run = _loop(model, accumulation, True, **kw)
+    _loop(ref, accumulation, False)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    assert run.steps_profiled == 1 and run.steps_planned == 2  # one memsched step per real optimizer step
+    assert all(s.offloaded > 0 for s in run.step_stats)
+    assert isinstance(run.optimizer, torch.optim.AdamW)  # the optimizer accelerate wraps

@@ -1,0 +1,197 @@
+"""memsched.integrations.lightning.MemschedCallback: a small LightningModule trained 3 steps by
+lightning.pytorch.Trainer with the callback ends with parameters bitwise equal to the same Trainer run
+without memsched; unsupported settings are refused at the start."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pl = pytest.importorskip("lightning.pytorch")
+pytestmark = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+
+import memsched  # noqa: E402
+from memsched.integrations.lightning import MemschedCallback  # noqa: E402
+
+
+def decode(net, tokens):
+    h = net["emb"](tokens)
+    for b in net["blocks"]:
+        h = h + b(h)
+    return h @ net["emb"].weight.t()
+
+
+class Decoder(pl.LightningModule):
+    """Embedding, two pre-norm MLP blocks with dropout, tied head; AdamW."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.ModuleDict(dict(
+            emb=nn.Embedding(64, 32),
+            blocks=nn.ModuleList([nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 96), nn.GELU(), nn.Dropout(0.1),
+                                                nn.Linear(96, 32)) for _ in range(2)]),
+        ))
+        self.automatic_optimization = True
+
+    def forward(self, tokens):
+        return decode(self.net, tokens)
+
+    def training_step(self, batch, batch_idx):
+        tokens, = batch
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+_BASE = None
+
+
+def _module(**kw):
+    global _BASE
+    if _BASE is None:
+        torch.manual_seed(0)
+        _BASE = Decoder()
+    m = copy.deepcopy(_BASE)
+    for k, v in kw.items():
+        setattr(m, k, v)
+    return m
+
+
+def _loader():
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 64, (48, 17), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
+
+
+class WithValidation(Decoder):
+    def validation_step(self, batch, batch_idx):
+        tokens, = batch
+        self.log("val_loss", F.cross_entropy(self(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1)))
+
+
+def _fit(callback=None, module=None, **kw):
+    module = module if module is not None else _module()
+    args = dict(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    args.update(kw)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(callbacks=[callback] if callback is not None else None, **args)
+    trainer.fit(module, _loader(), _loader() if isinstance(module, WithValidation) else None)
+    return module, trainer
+
+
+def _assert_same(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"{name}: max |diff| {(p - q).abs().max().item():.3g}"
+
+
+# With two micro-batches per step no plan lowers this module's peak below its keep-all activation
+# memory (memsched refuses dp at 0.7 or 0.8 saying "use budget=1"), so accumulation runs
+# offload_all_prefetch, which offloads every activation.
+ACCUMULATE = dict(budget=1.0, planner="offload_all_prefetch")
+CASES = {
+    "dp": (dict(budget=0.7, planner="dp"), {}),
+    "dp_clip": (dict(budget=0.7, planner="dp"), dict(gradient_clip_val=0.5)),
+    "accumulate2_clip": (ACCUMULATE, dict(accumulate_grad_batches=2, gradient_clip_val=0.5)),
+    "dp_bf16": (dict(budget=0.7, planner="dp"), dict(precision="bf16-mixed")),
+    "fused": (dict(budget=0.7, planner="dp", fuse_optimizer=True), {}),
+    "fused_accumulate2": (dict(ACCUMULATE, fuse_optimizer=True), dict(accumulate_grad_batches=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lightning_with_callback_equals_plain_lightning(case):
+    cb_kw, trainer_kw = CASES[case]
+    cb = MemschedCallback(**cb_kw)
+    module, trainer = _fit(cb, **trainer_kw)
+    ref, _ = _fit(None, **trainer_kw)
+    _assert_same(module, ref)
+    run = cb.run
+    assert run.steps_profiled == 1 and run.steps_planned == 2, run.report()
+    assert all(s.offloaded > 0 for s in run.step_stats)
+    assert not run.entered_ and "step" not in run.optimizer.__dict__
+    assert trainer.callback_metrics["memsched/planned_step"] == 1.0
+
+
+def test_validation_after_every_step_leaves_the_plan_matching():
+    """Validation forwards (inference mode) between the steps save nothing: the plan keeps matching."""
+    torch.manual_seed(0)
+    module = WithValidation()
+    ref = copy.deepcopy(module)
+    cb = MemschedCallback(budget=0.7, planner="dp")
+    kw = dict(num_sanity_val_steps=1, val_check_interval=1, max_steps=4)
+    _fit(cb, module=module, **kw)
+    _fit(None, module=ref, **kw)
+    _assert_same(module, ref)
+    assert cb.run.steps_profiled == 1 and cb.run.steps_planned == 3 and cb.run.mismatches == 0
+
+
+@pytest.mark.parametrize("trainer_kw,cb_kw,match", [
+    (dict(gradient_clip_val=1.0), dict(fuse_optimizer=True), r"gradient_clip_val=1.0.*fuse_optimizer=False"),
+])
+def test_unsupported_settings_are_refused_before_the_first_step(trainer_kw, cb_kw, match):
+    module = _module()
+    before = [p.detach().clone() for p in module.parameters()]
+    cb = MemschedCallback(budget=0.7, **cb_kw)
+    with pytest.raises(memsched.MemschedError, match=match):
+        _fit(cb, module=module, **trainer_kw)
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
+    assert cb.run is None and not module._forward_pre_hooks
+
+
+def test_a_grad_scaler_is_refused():
+    class Plugin:
+        scaler = object()
+
+    class FakeTrainer:
+        precision_plugin = Plugin()
+        precision = "16-mixed"
+
+    with pytest.raises(memsched.MemschedError, match=r"precision='16-mixed'.*bf16-mixed"):
+        MemschedCallback(budget=0.7)._refuse_unsupported(FakeTrainer(), _module())
+
+
+class Body(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, tokens):
+        return decode(self.net, tokens)
+
+
+class CallsASubmodule(Decoder):
+    """training_step calls self.inner(...), never self(...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Body(self.net)  # shares the layers (a deepcopy keeps the sharing)
+
+    def training_step(self, batch, batch_idx):
+        tokens, = batch
+        return F.cross_entropy(self.inner(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1))
+
+
+def test_a_training_step_that_never_calls_the_module_is_named():
+    torch.manual_seed(0)
+    cb = MemschedCallback(budget=0.7)
+    module = CallsASubmodule()
+    with pytest.raises(memsched.MemschedError, match=r"forward was never called.*module='model'"):
+        _fit(cb, module=module)
+    assert not cb.run.entered_ and "step" not in cb.run.optimizer.__dict__  # on_exception left the Run
+
+
+def test_module_argument_names_the_submodule():
+    with pytest.raises(ValueError, match="no submodule 'nope'"):
+        _fit(MemschedCallback(budget=0.7, module="nope"))
+    torch.manual_seed(0)
+    module = CallsASubmodule()
+    ref = copy.deepcopy(module)
+    cb = MemschedCallback(budget=0.7, planner="dp", module="inner")
+    _fit(cb, module=module)
+    _fit(None, module=ref)
+    _assert_same(module, ref)
+    assert cb.run.steps_profiled == 1 and cb.run.steps_planned == 2

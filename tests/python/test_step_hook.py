@@ -1,0 +1,208 @@
+"""memsched.optimize() when the training loop calls optimizer.step() / zero_grad() itself (Trainer,
+accelerate, Lightning): the step is profiled, planned and executed as with run.step(), and parameters,
+gradients and optimizer state are bitwise those of plain PyTorch. See Note [optimizer.step() without
+run.step()] in step_hook.py."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memsched
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(12, 48)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(48, 48), nn.GELU(), nn.LayerNorm(48)) for _ in range(3)])
+        self.head = nn.Linear(48, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.emb(x))
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def _pair():
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    make = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, make(model), ref, make(ref)
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(64, 12, generator=g), torch.randint(0, 5, (64,), generator=g)
+
+
+def _framework_loop(model, opt, steps=3, accumulation=1, closure=False, scheduler=None):
+    """What Trainer / Lightning do: K forward+backward passes, optimizer.step(), zero_grad().
+    Returns the gradients seen right before each optimizer step."""
+    grads = []
+    for s in range(steps):
+        def micro(k):
+            x, y = _batch(s * accumulation + k)
+            loss = F.cross_entropy(model(x), y) / accumulation
+            loss.backward()
+            return loss
+        for k in range(accumulation - 1):
+            micro(k)
+        if closure:  # Lightning: the last micro-batch's forward and backward run inside optimizer.step(closure)
+            def run_closure():
+                loss = micro(accumulation - 1)
+                grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+                return loss
+            loss = opt.step(closure=run_closure)
+            assert torch.is_tensor(loss)  # the closure's loss comes back, as from torch's step
+        else:
+            micro(accumulation - 1)
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_same(model, opt, ref, ref_opt, grads=None, ref_grads=None):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), f"{name}: max |diff| {(p - q).abs().max().item():.3g}"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for k, v in ref_opt.state[q].items():
+            assert torch.equal(opt.state[p][k], v), k
+    if grads is not None:
+        for step, (gs, rs) in enumerate(zip(grads, ref_grads)):
+            for i, (g, r) in enumerate(zip(gs, rs)):
+                assert (g is None) == (r is None) and (g is None or torch.equal(g, r)), f"step {step} grad {i}"
+
+
+# With two micro-batches this model's peak is where no offload lowers it (dp refuses any budget
+# below it), so accumulation is planned with offload_all_sync, which offloads every activation.
+PLANS = [("dp", 0.7, 1), ("offload_all_sync", 1.0, 1), ("offload_all_sync", 1.0, 2)]
+
+
+@pytest.mark.parametrize("planner,budget,accumulation", PLANS)
+@pytest.mark.parametrize("closure", [False, True], ids=["step", "step_closure"])
+def test_framework_step_is_planned_and_bitwise_plain(planner, budget, accumulation, closure):
+    model, opt, ref, ref_opt = _pair()
+    with memsched.optimize(model, opt, budget=budget, planner=planner) as run:
+        grads = _framework_loop(model, opt, accumulation=accumulation, closure=closure)
+    ref_grads = _framework_loop(ref, ref_opt, accumulation=accumulation, closure=closure)
+    _assert_same(model, opt, ref, ref_opt, grads, ref_grads)
+    # step 1 profiled and planned at its optimizer.step(); steps 2 and 3 executed the plan
+    assert run.steps_profiled == 1 and run.steps_planned == 2 and run.steps_plain == 0
+    assert all(s.offloaded > 0 for s in run.step_stats)
+    assert "step" not in opt.__dict__  # optimizer.step is torch's again
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "ooo"])
+@pytest.mark.parametrize("planner,budget,accumulation", [PLANS[0], PLANS[2]])
+def test_framework_step_with_out_of_order_backward(fuse, planner, budget, accumulation):
+    model, opt, ref, ref_opt = _pair()
+    with memsched.optimize(model, opt, budget=budget, planner=planner, ooo=not fuse, fuse_optimizer=fuse,
+                           grad_accumulation_steps=accumulation) as run:
+        _framework_loop(model, opt, accumulation=accumulation)
+    _framework_loop(ref, ref_opt, accumulation=accumulation)
+    _assert_same(model, opt, ref, ref_opt)
+    assert run.steps_profiled == 1 and run.steps_planned == 2
+    if fuse:
+        assert run.ooo_.report()["fused_updates"] == 3 * len(list(model.parameters()))
+
+
+def test_fused_update_with_a_step_hook_of_the_caller():
+    """A user step hook sends the fused update through optimizer.step() on a view of the group
+    (fused.py); those calls happen inside backward and must pass straight through."""
+    model, opt, ref, ref_opt = _pair()
+    calls = []
+    opt.register_step_post_hook(lambda o, a, k: calls.append(1))
+    with memsched.optimize(model, opt, budget=0.7, planner="dp", fuse_optimizer=True):
+        _framework_loop(model, opt)
+    _framework_loop(ref, ref_opt)
+    _assert_same(model, opt, ref, ref_opt)
+    assert calls  # the hook ran for the fused updates
+
+
+def test_accumulation_unlike_the_loops_is_refused_before_any_update():
+    model, opt, _, _ = _pair()
+    with memsched.optimize(model, opt, fuse_optimizer=True, grad_accumulation_steps=2):
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = _batch(0)
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(memsched.MemschedError, match=r"after 1 backward pass.*grad_accumulation_steps=2"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_budget_refused_at_the_framework_step_leaves_the_parameters_alone():
+    model, opt, _, _ = _pair()
+    with memsched.optimize(model, opt, budget=1000, planner="dp") as run:
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = _batch(0)
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(memsched.MemschedError, match="least budget"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert run.profile_armed_  # the next step is profiled (and refused) again
+    assert "step" not in opt.__dict__
+
+
+@pytest.mark.parametrize("made", ["before", "inside"])
+def test_lr_scheduler_made_before_or_inside_the_run(made):
+    model, opt, ref, ref_opt = _pair()
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if made == "before" else None
+        wrapped = opt.__dict__.get("step")
+        with memsched.optimize(model, opt, budget=0.7, planner="dp"):
+            if sched is None:
+                sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            _framework_loop(model, opt, scheduler=sched)
+        _framework_loop(ref, ref_opt, scheduler=ref_sched)
+    _assert_same(model, opt, ref, ref_opt)
+    if made == "before":
+        assert opt.__dict__["step"] is wrapped  # the scheduler's wrapper is back
+    opt.step()  # after the Run: plain torch (inside: our layer, inert, passes through)
+
+
+def test_run_step_loop_still_steps_once():
+    model, opt, ref, ref_opt = _pair()
+    with memsched.optimize(model, opt, budget=0.7, planner="dp") as run:
+        for s in range(3):
+            x, y = _batch(s)
+            F.cross_entropy(model(x), y).backward()
+            run.step()
+    _framework_loop(ref, ref_opt)
+    _assert_same(model, opt, ref, ref_opt)
+    assert run.steps_profiled == 1 and run.steps_planned == 2
+
+
+def test_lbfgs_closure_is_refused_and_one_run_per_optimizer():
+    model = Net()
+    opt = torch.optim.LBFGS(model.parameters())
+    x, y = _batch(0)
+    with memsched.optimize(model, opt):
+        with pytest.raises(memsched.MemschedError, match="LBFGS evaluates its closure several times"):
+            opt.step(lambda: F.cross_entropy(model(x), y))
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memsched.optimize(model, opt2):
+        with pytest.raises(memsched.MemschedError, match="already routed through another"):
+            memsched.optimize(Net(), opt2).__enter__()
+    assert "step" not in opt2.__dict__
+
+
+def test_a_layer_left_under_a_later_lr_scheduler_keeps_no_run_alive():
+    import gc
+    import weakref
+    model, opt, _, _ = _pair()
+    with memsched.optimize(model, opt, budget=0.7, planner="dp") as run:
+        torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps our layer
+    ref = weakref.ref(run)
+    del run
+    gc.collect()
+    assert ref() is None
