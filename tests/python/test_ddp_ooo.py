@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 K_STEPS = 3
+ACCUMULATE = (2, 4)   # micro-steps per optimizer step
 WORLD = 2
 TIMEOUT_S = 120
 
@@ -23,7 +24,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run(rank, mode, steps):
+def _run(rank, mode, steps, accumulate=1):
     from datetime import timedelta  # noqa: F401
 
     from memsched import models
@@ -42,18 +43,21 @@ def _run(rank, mode, steps):
             opt.zero_grad(set_to_none=True)
     elif mode == "plain_accum":  # DDP's recipe: no_sync() on all but the last micro-step
         for k, (x, y) in enumerate(data):
-            if k % 2 == 0:
+            if k % accumulate != accumulate - 1:
                 with ddp.no_sync():
                     models.loss_fn("transformer", ddp(x), y).backward()
             else:
                 models.loss_fn("transformer", ddp(x), y).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-    elif mode == "fused_accum":
-        with OutOfOrderBackward(ddp, optimizer=opt, fuse_optimizer=True, grad_accumulation_steps=2) as ooo:
+    elif mode in ("ooo_accum", "fused_accum"):
+        fuse = mode == "fused_accum"
+        with OutOfOrderBackward(ddp, optimizer=opt, fuse_optimizer=fuse, grad_accumulation_steps=accumulate) as ooo:
             for x, y in data:
                 models.loss_fn("transformer", ddp(x), y).backward()
-                ooo.step()
+                if ooo.step():
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
         report = ooo.report()
     else:
         fuse = mode == "fused"
@@ -80,7 +84,9 @@ def _worker(rank, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
         results = {mode: _run(rank, mode, K_STEPS) for mode in ("plain", "ooo", "fused")}
-        results.update({mode: _run(rank, mode, 4) for mode in ("plain_accum", "fused_accum")})
+        for k in ACCUMULATE:
+            results.update({(mode, k): _run(rank, mode, K_STEPS * k, accumulate=k)
+                            for mode in ("plain_accum", "ooo_accum", "fused_accum")})
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -108,11 +114,14 @@ def test_ddp_ooo_and_fused_match_plain_ddp(tmp_path):
             assert report["buckets"] >= 3
             # communication started during backward, not after it
             assert 0 <= report["first_allreduce_start_ms"] < report["backward_ms"]
-        # gradient accumulation over 2 micro-steps: reduce and fuse on the last one only
-        for a, b in zip(res[r]["plain_accum"][0], res[r]["fused_accum"][0]):
-            assert torch.equal(a, b), f"rank {r}: accumulation differs from DDP with no_sync"
-    assert res[0]["fused_accum"][2]["fused_updates"] == 2 * len(res[0]["fused_accum"][0])
-    for mode in ("plain", "ooo", "fused", "fused_accum"):  # the ranks agree
+        # gradient accumulation over k micro-steps: reduce (and fuse) on the last one only
+        for k in ACCUMULATE:
+            for mode in ("ooo_accum", "fused_accum"):
+                for i, (a, b) in enumerate(zip(res[r][("plain_accum", k)][0], res[r][(mode, k)][0])):
+                    assert torch.equal(a, b), f"rank {r} {mode} k={k}: parameter {i} differs from DDP with no_sync"
+    for k in ACCUMULATE:
+        assert res[0][("fused_accum", k)][2]["fused_updates"] == K_STEPS * len(res[0][("fused_accum", k)][0])
+    for mode in ("plain", "ooo", "fused", ("ooo_accum", 4), ("fused_accum", 4)):  # the ranks agree
         for a, b in zip(res[0][mode][0], res[1][mode][0]):
             assert torch.equal(a, b)
     assert res[0]["fused"][2]["fused_updates"] == K_STEPS * len(res[0]["fused"][0])
