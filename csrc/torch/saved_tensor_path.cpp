@@ -51,12 +51,22 @@ py::object make_function(PyMethodDef* def, const std::shared_ptr<SavedTensorPath
 }
 
 // Note [Kept saves are not Python containers]
-//   A kept save is a KeptSave: a C object holding the (detached) at::Tensor, its ordinal and its
-//   version -- not a tuple holding a Python tensor. Tuples and tensors are tracked by Python's
+//   A kept save is a KeptSave: a C object holding the at::Tensor (detached when it is the saving
+//   op's own output), its ordinal and its version -- not a tuple holding a Python tensor. Tuples and tensors are tracked by Python's
 //   cyclic GC, and allocating two of them per saved tensor made gc_collect_main the top symbol of
 //   a profile of the hooks (12% of the time). A KeptSave is not GC-tracked (it refers to no
 //   Python object) and the Python tensor is made only at unpack. The Python slow path packs kept
 //   tensors as `(ordinal, tensor, version)` tuples; unpack() accepts both.
+// Whether `t` is an output of the op saving it now: its grad_fn is the node being recorded, the
+// latest this thread numbered. Such a save must not hold `t` itself (t -> grad_fn -> saved
+// variable -> t is a cycle no GC sees); any other tensor is held as it is -- its grad_fn is an
+// earlier node, which the saving node's edges keep alive anyway -- and unpacks to the caller's
+// own Python object when it still has one (no detach, no new Python tensor).
+bool saved_by_its_own_node(const at::Tensor& t) {
+  const auto& fn = t.grad_fn();
+  return fn && fn->sequence_nr() + 1 >= at::sequence_number::peek();
+}
+
 struct KeptSave {
   PyObject_HEAD
   at::Tensor tensor;
@@ -194,8 +204,9 @@ PyObject* SavedTensorPath::pack(PyObject* obj) {
   if (planned(k)) {
     return call_owner("_pack_slow", py::handle(obj), k, may_offload, id.nbytes).release().ptr();
   }
-  // See Notes [Packing without reference cycles], [Version checks] (executor.py).
-  return kept_save(k, t.detach(), version);
+  // See Notes [Packing without reference cycles], [Version checks] (executor.py), and Note [Kept
+  // saves are not Python containers]: only the op's own outputs need the detached alias.
+  return kept_save(k, saved_by_its_own_node(t) ? t.detach() : t, version);
   END_HANDLE_TH_ERRORS
 }
 
