@@ -9,16 +9,17 @@
 #include <torch/csrc/DynamicTypes.h>
 
 #include "core/check.h"
+#include "torch/tensor_adapter.h"
 
 namespace memsched {
 
 StorageIdentity storage_identity(const at::Tensor& tensor) {
   StorageIdentity id;
-  if (!tensor.defined() || !tensor.has_storage()) return id;
-  const c10::Storage& storage = tensor.storage();
-  id.key = reinterpret_cast<uintptr_t>(storage.unsafeGetStorageImpl());
-  id.nbytes = static_cast<int64_t>(storage.nbytes());
-  id.weak = storage.getWeakStorageImpl();
+  const StorageRef ref = storage_ref(tensor);  // Note [Storage identity]
+  if (ref.key == 0) return id;
+  id.key = ref.key;
+  id.nbytes = ref.nbytes;
+  id.weak = tensor.storage().getWeakStorageImpl();
   return id;
 }
 
