@@ -26,6 +26,16 @@ const at::Tensor& tensor_arg(const py::handle& obj, const char* where) {
 
 void bind_saved_tensors(py::module_& m) {
   prepare_kept_type(m);
+  m.def("kept_pack", [](py::handle t) {
+    PyObject* out = kept_pack(t.ptr());
+    if (out == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(out);
+  }, py::arg("tensor"), "Pack a saved tensor as kept, version-checked at kept_unpack (Note [Version checks]).");
+  m.def("kept_unpack", [](py::handle packed) {
+    PyObject* out = kept_unpack(packed.ptr());
+    if (out == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(out);
+  }, py::arg("packed"), "The tensor of a kept_pack save; raises PyTorch's error if it was modified in place.");
   m.def(
       "activation_label",
       [](int64_t ordinal, const std::string& module_path, const py::handle& tensor) {

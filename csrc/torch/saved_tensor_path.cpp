@@ -18,6 +18,9 @@ namespace py = pybind11;
 
 namespace memsched {
 
+// Whether `t` is still at `expected`; else sets PyTorch's in-place-modification error.
+bool version_holds(const at::Tensor& t, uint64_t expected);
+
 namespace {
 
 constexpr int64_t kNoOp = std::numeric_limits<int64_t>::min();
@@ -169,9 +172,9 @@ PyObject* SavedTensorPath::pack(PyObject* obj) {
   }
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (!step_active) {
-    // An abandoned step or a pass-through pair: PyTorch's own behaviour.
-    if (t.grad_fn() == nullptr) return Py_NewRef(obj);
-    return THPVariable_Wrap(t.detach());
+    // An abandoned step or a pass-through pair: kept, and version-checked at unpack as PyTorch
+    // would without hooks (Note [Version checks] in executor.py).
+    return kept_pack(obj);
   }
   // See Note [Copy after the op] (executor.py): queued copies go out at a later op's first save.
   if (has_queued && at::sequence_number::peek() != queued_op) call_owner("_issue_copies");
@@ -230,6 +233,7 @@ PyObject* SavedTensorPath::unpack(PyObject* packed) {
   PyObject* obj = nullptr;  // the Python tensor to return, when the save holds one
   if (Py_IS_TYPE(packed, &kept_type)) {
     auto* kept = reinterpret_cast<KeptSave*>(packed);
+    if (kept->ordinal < 0) return kept_unpack(packed);
     k = kept->ordinal;
     expected = kept->version;
     t = &kept->tensor;
@@ -245,20 +249,47 @@ PyObject* SavedTensorPath::unpack(PyObject* packed) {
   } else {
     return PyObject_CallMethod(packed, "unpack", nullptr);  // an offloaded tensor's _View
   }
-  const uint32_t version = t->_version();
-  if (version != expected) {
-    // See Note [Version checks] (executor.py): the error plain PyTorch raises.
-    const std::string message =
-        "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        "a saved tensor of shape " + shape_string(*t) + " is at version " + std::to_string(version) +
-        "; expected version " + std::to_string(expected) +
-        " instead. (memsched checks this itself because saved-tensor hooks turn PyTorch's own check off; "
-        "plain PyTorch raises the same error.)";
-    PyErr_SetString(PyExc_RuntimeError, message.c_str());
-    return nullptr;
-  }
+  if (!version_holds(*t, expected)) return nullptr;
   if (k >= 0) observe(k);
   return obj != nullptr ? Py_NewRef(obj) : THPVariable_Wrap(*t);
+  END_HANDLE_TH_ERRORS
+}
+
+bool version_holds(const at::Tensor& t, uint64_t expected) {
+  const uint32_t version = t._version();
+  if (version == expected) return true;
+  // See Note [Version checks] (executor.py): the error plain PyTorch raises.
+  const std::string message =
+      "one of the variables needed for gradient computation has been modified by an inplace operation: "
+      "a saved tensor of shape " + shape_string(t) + " is at version " + std::to_string(version) +
+      "; expected version " + std::to_string(expected) +
+      " instead. (memsched checks this itself because saved-tensor hooks turn PyTorch's own check off; "
+      "plain PyTorch raises the same error.)";
+  PyErr_SetString(PyExc_RuntimeError, message.c_str());
+  return false;
+}
+
+PyObject* kept_pack(PyObject* obj) {
+  HANDLE_TH_ERRORS
+  if (!THPVariable_Check(obj)) {
+    PyErr_SetString(PyExc_TypeError, "memsched pack hook: expected a torch.Tensor");
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  return kept_save(-1, saved_by_its_own_node(t) ? t.detach() : t, t._version());
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* kept_unpack(PyObject* packed) {
+  HANDLE_TH_ERRORS
+  if (THPVariable_Check(packed)) return Py_NewRef(packed);
+  if (!Py_IS_TYPE(packed, &kept_type)) {
+    PyErr_SetString(PyExc_TypeError, "memsched unpack hook: not a memsched-packed tensor");
+    return nullptr;
+  }
+  auto* kept = reinterpret_cast<KeptSave*>(packed);
+  if (!version_holds(kept->tensor, kept->version)) return nullptr;
+  return THPVariable_Wrap(kept->tensor);
   END_HANDLE_TH_ERRORS
 }
 

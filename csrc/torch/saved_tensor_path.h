@@ -40,6 +40,11 @@ namespace memsched {
 // call once at module import, before any hook runs.
 void prepare_kept_type(pybind11::module_& m);
 
+// A save kept on its device and version-checked at unpack, with no step state: what the profiler's
+// hooks and a pass-through pair pack (new references, or nullptr with a Python error set).
+PyObject* kept_pack(PyObject* tensor);
+PyObject* kept_unpack(PyObject* packed);
+
 class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
  public:
   // owner: the Python OffloadExecutor (held weakly).

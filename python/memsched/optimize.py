@@ -187,7 +187,10 @@ class Run:
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
         if device_model is not None:
-            resolve_device(device_model)  # a ValueError naming the preset, file or field, before any step
+            try:
+                resolve_device(device_model)  # a ValueError naming the preset, file or field, before any step
+            except ValueError as err:
+                raise ValueError("device_model: " + str(err).removeprefix("device: ")) from None
         self.device_model = device_model if device_model is not None else ("cpu" if self.device.type == "cpu"
                                                                             else None)
         if min_offload_bytes is None:

@@ -150,3 +150,58 @@ def test_parameters_replaced_through_data_between_steps_are_not_activations():
             run.step()
     assert run.mismatches == 0
     assert run.step_stats[-1].activations == run.step_stats[0].activations
+
+
+def test_the_profiled_step_raises_on_an_in_place_change_like_plain_pytorch():
+    """The profiler's own hooks check versions too: step 0 (profiled) raises as plain PyTorch does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(8, 16)
+    with optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=None) as run:
+        z = model(x).sigmoid()
+        z.mul_(2)                                   # sigmoid saved its output
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.sum().backward()
+        run.step()
+        out = model(x)                              # profiled again (nothing was recorded)
+        with torch.no_grad():
+            model[2].weight.mul_(0.5)               # saved by the second Linear
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+def test_saves_while_memscheds_pair_is_passing_through_are_version_checked():
+    """run.step() inside the caller's saved_tensors_hooks leaves memsched's pair passing saves
+    through until the next forward; those saves are still checked."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=None) as run:
+        for _ in range(3):
+            out = model(x)
+            with torch.autograd.graph.save_on_cpu():
+                nn.functional.mse_loss(out, y).backward()
+                run.step()
+            w = torch.ones(4, requires_grad=True)
+            z = (w * 2).sigmoid()
+            z.mul_(2)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                z.sum().backward()
+
+
+def test_a_loss_computed_after_the_forward_backpropagates_after_the_run_ended():
+    """The loss's saves are queued for their copy when the Run ends: they are issued, not dropped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), planner="offload_all_sync",
+                  budget=1.0) as run:
+        for _ in range(2):
+            nn.functional.mse_loss(model(x), y).backward()
+            run.step()
+        twin = copy.deepcopy(model)
+        loss = nn.functional.mse_loss(model(x), y)  # planned: the loss's saves are offloaded too
+    loss.backward()
+    nn.functional.mse_loss(twin(x), y).backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)

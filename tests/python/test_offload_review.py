@@ -215,3 +215,23 @@ def test_a_sparse_saved_activation_is_kept_and_the_step_still_runs_its_plan():
     assert [s.mode for s in run.step_stats] == ["planned"] * 3, caught
     assert all(s.offloaded > 0 for s in run.step_stats)
     _no_hooks_left()
+
+
+def test_a_second_runs_forward_inside_the_first_runs_step_says_so():
+    """Two models, each with its own Run, stepped in one loop iteration: the second Run's forward
+    runs inside the first Run's open step; it runs plainly (gradients stay PyTorch's) and the
+    warning names the cause and the fix, not the caller's own hooks."""
+    import warnings as _w
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    with optimize(a, torch.optim.SGD(a.parameters(), lr=0.1), budget=None) as ra, \
+            optimize(b, torch.optim.SGD(b.parameters(), lr=0.1), budget=None) as rb:
+        with _w.catch_warnings(record=True) as caught:
+            _w.simplefilter("always")
+            for _ in range(2):
+                x = torch.randn(4, 8)
+                (a(x).sum() + b(x).sum()).backward()
+                ra.step()
+                rb.step()
+    messages = [str(w.message) for w in caught]
+    assert any("another memsched Run's step is open" in m for m in messages), messages

@@ -46,7 +46,7 @@ def test_cuda_device_without_cuda_is_named(model):
     (dict(max_reprofiles=-1), "max_reprofiles: expected an int >= 0"),
     (dict(max_reprofiles=1.5), "max_reprofiles: expected an int >= 0"),
     (dict(max_reprofiles="2"), "max_reprofiles: expected an int >= 0"),
-    (dict(device_model="tpu-v9"), "device: unknown preset 'tpu-v9'"),
+    (dict(device_model="tpu-v9"), "device_model: unknown preset 'tpu-v9'"),
 ])
 def test_bad_options_are_named(model, kwargs, words):
     with pytest.raises(ValueError, match=words):

@@ -191,6 +191,13 @@ class StepStats:
         return self.resolve().copies_
 
 
+def _is_memsched_pack(fn):
+    """Whether a saved-tensor pack hook is memsched's: an executor's C function or a profiler's."""
+    owner = getattr(fn, "__self__", None)
+    return (getattr(fn, "__name__", "") == "memsched_pack"
+            or type(owner).__module__ == "memsched.profiler.recorder")
+
+
 def foreign_hooks_reason(check_dispatch_modes=False):
     """Why memsched must not instrument a forward starting now (None: it may).
 
@@ -199,11 +206,18 @@ def foreign_hooks_reason(check_dispatch_modes=False):
     """
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():
         return "saved-tensor hooks are disabled around the forward (torch.autograd.graph.disable_saved_tensors_hooks)"
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is not None:
+        if _is_memsched_pack(top[0]):
+            return ("another memsched Run's step is open around this forward (its model's forward ran and its "
+                    "run.step() has not yet): one Run's hooks cover its step from the first forward to "
+                    "run.step(), so a second model's Run cannot start its own step inside; call the first "
+                    "Run's run.step() before this model's forward, or put both models under one Run (one "
+                    "nn.Module holding both)")
         return ("the caller's own saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu, "
                 "a non-reentrant checkpoint) are active around the forward")
     if check_dispatch_modes and torch._C._len_torch_dispatch_stack() > 0:
-        return "a TorchDispatchMode of the caller is active around the forward"
+        return "a TorchDispatchMode of the caller (or another memsched Run's profiler) is active around the forward"
     return None
 
 
@@ -334,6 +348,9 @@ class OffloadExecutor:
     def remove(self):
         """Remove every hook, pop our saved-tensor hooks if still pushed, wait for copies."""
         self._pop_hooks()
+        if self.queued_:
+            # A step still open (its backward may run after the Run ends): its saves need their copies.
+            self._issue_copies()
         if self.buried_:
             warnings.warn("memsched: the caller's saved-tensor hooks pushed after memsched's are still active "
                           "when the Run ends, so memsched's (now pass-through) pair under them cannot be popped",

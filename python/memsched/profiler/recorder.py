@@ -39,6 +39,7 @@ from memsched.profiler.module_paths import ModulePathStack
 from memsched.saved_tensors import ActivationNumbering, dtype_name, storage_key
 
 _current_node = torch._C._current_autograd_node  # the node the engine runs now, or None
+_kept_pack = _C.kept_pack
 _NO_SEQUENCE = 2**64 - 1                          # sequence_nr of nodes outside the count (AccumulateGrad)
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -203,15 +204,13 @@ class Recorder:
                 if key not in self._watch:  # never seen made: it existed before the step
                     self.register_existing(t, "activation")
                 self.builder.upgrade_kind(key, "activation", act.label)
-        # WARNING: never return a tensor with a grad_fn. When t is the output of the node saving it,
-        # t -> grad_fn -> saved variable -> t is a cycle through C++ that gc cannot see: a graph
-        # that is never run backward (the step raised) would keep every activation of the step
-        # alive for good. See Note [Packing without reference cycles] in offload/executor.py.
-        return t if t.grad_fn is None else t.detach()
+        # kept_pack holds the op's own outputs detached (no cycle through C++ that gc cannot see:
+        # See Note [Packing without reference cycles] in offload/executor.py) and kept_unpack redoes
+        # PyTorch's in-place-modification check, which saved-tensor hooks switch off -- the
+        # profiled step must raise where plain PyTorch raises (Note [Version checks]).
+        return _kept_pack(t)
 
-    @staticmethod
-    def unpack(t):
-        return t
+    unpack = staticmethod(_C.kept_unpack)
 
     # ---- ops ----------------------------------------------------------------
     def on_op(self, func, info, args, kwargs):
