@@ -595,9 +595,17 @@ class Run:
 
     def report(self, file=None):
         """Print the planned-vs-measured table (to stdout or `file`) and return it as a RunReport."""
-        info = dict(device=str(self.device), planner=self.planner if self.plan is not None else "keep_all",
-                    budget_bytes=self.budget_bytes, steps_profiled=self.steps_profiled,
-                    host_source=self.host.source)
+        if self.plan is not None:
+            planner = self.planner
+        elif self.trace is None and self.budget_spec is not None:
+            planner = f"{self.planner} (no step planned yet)"
+        else:
+            planner = "keep_all"
+        budget_text = ""
+        if self.budget_bytes is None and self.budget_spec is not None:
+            budget_text = f"{self.budget_spec!r} (resolved when a step is profiled)"
+        info = dict(device=str(self.device), planner=planner, budget_bytes=self.budget_bytes,
+                    budget_text=budget_text, steps_profiled=self.steps_profiled, host_source=self.host.source)
         notes = []
         if self.mismatches:
             notes.append(f"{self.mismatches} step(s) did not match the profiled trace and ran without "
@@ -617,7 +625,7 @@ class Run:
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes,
-                         counts=(self.steps_planned, self.steps_plain))
+                         counts=(self.steps_planned, self.steps_plain + self.steps_not_profiled))
         print(r.table, file=file)
         return r
 

@@ -70,6 +70,7 @@ class RunReport:
     device: str = ""
     planner: str = ""
     budget_bytes: int = None           # None: no budget (keep all)
+    budget_text: str = ""              # the budget as asked, while it is not resolved to bytes yet
     steps_profiled: int = 0            # COUNT
     steps_planned: int = 0             # COUNT executed with the plan
     steps_plain: int = 0               # COUNT run plainly (mismatch / no plan)
@@ -127,7 +128,8 @@ def build_report(run_info, planned, step_stats, notes=(), counts=None):
         ["prefetched / on demand", f"{p.get('prefetched', '-')} / {p.get('on_demand', '-')}",
          f"{m.get('prefetched', '-')} / {m.get('on_demand', '-')}"],
     ]
-    budget = "none (keep all)" if r.budget_bytes is None else format_bytes(r.budget_bytes)
+    budget = (format_bytes(r.budget_bytes) if r.budget_bytes is not None
+              else r.budget_text or "none (keep all)")
     head = (f"memsched.optimize: device {r.device}, planner {r.planner}, budget {budget}; steps: "
             f"{r.steps_profiled} profiled, {r.steps_planned} planned, {r.steps_plain} plain")
     lines = [head, format_table(["", "planned (simulated)", "measured (median)"], rows)]
