@@ -104,6 +104,7 @@ void bind_saved_tensors(py::module_& m) {
       .def_readwrite("has_queued", &SavedTensorPath::has_queued)
       .def_readwrite("queued_op", &SavedTensorPath::queued_op)
       .def_readwrite("timeline", &SavedTensorPath::timeline)
+      .def_readwrite("track_memory", &SavedTensorPath::track_memory)
       .def_readonly("fired_upto", &SavedTensorPath::fired_upto)
       .def_readonly("activations", &SavedTensorPath::activations)
       .def_readonly("activation_bytes", &SavedTensorPath::activation_bytes)

@@ -463,7 +463,7 @@ PyMethodDef storage_died_def{"memsched_storage_died", storage_died, METH_O,
 }  // namespace
 
 void SavedTensorPath::track(const at::Tensor& t) {
-  if (!is_cpu_ || !t.has_storage()) return;
+  if (!is_cpu_ || !track_memory || !t.has_storage()) return;
   if (death_callback_.is_none()) {
     PyObject* capsule = PyCapsule_New(this, "memsched.SavedTensorPath.raw", nullptr);
     if (capsule == nullptr) throw py::error_already_set();

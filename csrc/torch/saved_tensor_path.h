@@ -90,6 +90,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   bool has_queued = false;      // D2H copies queued until their op has run
   uint64_t queued_op = 0;       // autograd sequence number when they were queued
   bool timeline = false;        // keep (t, bytes) samples
+  bool track_memory = true;     // CPU: count saved storages alive (Note [CPU memory by weak references])
   int64_t fired_upto = -2;      // last trigger op fired (-2: none, -1: backward start)
   int64_t activations = 0;      // COUNT activation storages packed this step
   int64_t activation_bytes = 0; // SUM their bytes
