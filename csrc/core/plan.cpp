@@ -4,8 +4,17 @@
 #include <algorithm>
 
 #include "core/check.h"
+#include "core/recompute.h"
 
 namespace memsched {
+
+namespace {
+std::string format_ids(const std::vector<int64_t>& ids) {
+  std::string out = "[";
+  for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
+  return out + "]";
+}
+}  // namespace
 
 int64_t Plan::num_offloaded() const {
   int64_t n = 0;
@@ -22,6 +31,30 @@ int64_t Plan::offloaded_bytes(const Trace& trace) const {
   return total;
 }
 
+const char* to_string(Action action) {
+  switch (action) {
+    case Action::kKeep: return "keep";
+    case Action::kOffload: return "offload";
+    case Action::kRecompute: return "recompute";
+  }
+  return "?";
+}
+
+int64_t Plan::num_recomputed() const {
+  int64_t n = 0;
+  for (const auto& d : decisions) n += d.recompute ? 1 : 0;
+  return n;
+}
+
+int64_t Plan::recomputed_bytes(const Trace& trace) const {
+  int64_t total = 0;
+  for (const auto& d : decisions) {
+    if (d.recompute && d.tensor_id >= 0 && d.tensor_id < static_cast<int64_t>(trace.tensors.size()))
+      total += trace.tensors[d.tensor_id].bytes;
+  }
+  return total;
+}
+
 OffloadAnalysis analyze_offload(const Trace& trace) {
   trace.validate();
   OffloadAnalysis a;
@@ -32,6 +65,19 @@ OffloadAnalysis analyze_offload(const Trace& trace) {
   }
   a.live_bytes = trace.live_bytes();
   a.candidate_index.assign(trace.tensors.size(), -1);
+  a.op_output_bytes.assign(n_ops, 0);
+  for (const auto& t : trace.tensors)
+    if (t.producer_op != kBeforeStep) a.op_output_bytes[t.producer_op] += t.bytes;
+  a.op_inputs_begin.assign(n_ops + 1, 0);
+  for (const auto& t : trace.tensors)
+    for (int64_t u : t.uses) ++a.op_inputs_begin[u + 1];
+  for (int64_t i = 0; i < n_ops; ++i) a.op_inputs_begin[i + 1] += a.op_inputs_begin[i];
+  a.op_inputs.assign(a.op_inputs_begin[n_ops], 0);
+  {
+    std::vector<int64_t> fill(a.op_inputs_begin.begin(), a.op_inputs_begin.end() - 1);
+    for (const auto& t : trace.tensors)  // ascending id, so each op's list is ascending
+      for (int64_t u : t.uses) a.op_inputs[fill[u]++] = t.id;
+  }
   const int64_t beta = a.first_backward_op;
   for (const auto& t : trace.tensors) {
     if (t.kind != TensorKind::kActivation || n_ops == 0) continue;
@@ -68,7 +114,6 @@ Plan keep_all_plan(const OffloadAnalysis& analysis, int64_t budget_bytes) {
 }
 
 void validate_plan(const Trace& trace, const OffloadAnalysis& analysis, const Plan& plan) {
-  (void)trace;
   MEMSCHED_CHECK(plan.budget_bytes >= 0, "plan: field 'budget_bytes' is negative (", plan.budget_bytes, ")");
   MEMSCHED_CHECK(plan.decisions.size() == analysis.candidates.size(), "plan: has ", plan.decisions.size(),
                  " decisions but the trace has ", analysis.candidates.size(),
@@ -78,6 +123,21 @@ void validate_plan(const Trace& trace, const OffloadAnalysis& analysis, const Pl
     const OffloadCandidate& c = analysis.candidates[k];
     MEMSCHED_CHECK(d.tensor_id == c.tensor_id, "plan: decisions[", k, "] field 'tensor_id' is ", d.tensor_id,
                    " but the ", k, "-th offloadable tensor is ", c.tensor_id, " (ascending tensor_id expected)");
+    if (d.recompute) {
+      MEMSCHED_CHECK(!d.offload && d.offload_after_op == -1 && d.prefetch_at_op == -1, "plan: decisions[", k,
+                     "] (tensor ", d.tensor_id, ") sets both 'recompute' and 'offload' (or an offload/prefetch op); "
+                     "a tensor is kept, offloaded or recomputed: set offload=False and both op fields to -1");
+      const RecomputeChain chain = recompute_chain(trace, analysis, static_cast<int64_t>(k), plan.decisions);
+      MEMSCHED_CHECK(chain.feasible, "plan: decisions[", k, "] (tensor ", d.tensor_id,
+                     ") field 'recompute' is true but the tensor cannot be recomputed: ", chain.why,
+                     "; keep or offload it instead");
+      MEMSCHED_CHECK(d.recompute_ops == chain.ops, "plan: decisions[", k, "] (tensor ", d.tensor_id,
+                     ") field 'recompute_ops' is ", format_ids(d.recompute_ops), " but under this plan the tensor is "
+                     "recreated by replaying ops ", format_ids(chain.ops), " (recompute_chain()); set it to that");
+      continue;
+    }
+    MEMSCHED_CHECK(d.recompute_ops.empty(), "plan: decisions[", k, "] (tensor ", d.tensor_id,
+                   ") field 'recompute_ops' is not empty but 'recompute' is false; clear it or set recompute=True");
     if (!d.offload) continue;
     MEMSCHED_CHECK(d.offload_after_op >= c.earliest_offload_op && d.offload_after_op < analysis.first_backward_op,
                    "plan: decisions[", k, "] (tensor ", d.tensor_id, ") field 'offload_after_op' is ",
@@ -97,8 +157,19 @@ std::vector<int64_t> modelled_memory(const OffloadAnalysis& analysis, const std:
   std::vector<int64_t> diff(n + 1, 0);
   for (size_t k = 0; k < decisions.size(); ++k) {
     const auto& d = decisions[k];
-    if (!d.offload) continue;
     const auto& c = analysis.candidates[k];
+    if (d.recompute) {
+      // Off the device during ops (last_forward_use, first_backward_use); the replay's other outputs at the use.
+      if (c.last_forward_use + 1 < c.first_backward_use) {
+        diff[c.last_forward_use + 1] -= c.bytes;
+        diff[c.first_backward_use] += c.bytes;
+      }
+      const int64_t extra = recompute_transient_bytes(analysis, c, d.recompute_ops);
+      diff[c.first_backward_use] += extra;
+      diff[c.first_backward_use + 1] -= extra;
+      continue;
+    }
+    if (!d.offload) continue;
     // Off the device during ops (max(offload_after_op, last_forward_use), prefetch_at_op).
     const int64_t lo = std::max(d.offload_after_op, c.last_forward_use) + 1;
     const int64_t hi = d.prefetch_at_op;  // exclusive

@@ -43,17 +43,17 @@
 namespace memsched {
 
 enum class Stream { kCompute, kD2H, kH2D };
-enum class EventKind { kOp, kD2H, kH2D };  // what ran: an op or a copy in one direction
+enum class EventKind { kOp, kD2H, kH2D, kRecompute };  // what ran: an op, a copy, or a replay
 const char* to_string(Stream stream);
 const char* to_string(EventKind kind);
 
 struct TimelineEvent {
   Stream stream = Stream::kCompute;  // where it ran
-  EventKind kind = EventKind::kOp;   // kOp: id is an op id; kD2H/kH2D: id is a tensor id
+  EventKind kind = EventKind::kOp;   // kOp: id is an op id; kD2H/kH2D/kRecompute: id is a tensor id
   int64_t id = 0;                    // op id or tensor id
   double start_us = 0.0;             // microseconds from step start
   double end_us = 0.0;               // microseconds from step start
-  int64_t bytes = 0;                 // bytes copied (copies), bytes allocated at start (ops)
+  int64_t bytes = 0;                 // bytes copied (copies), bytes allocated at start (ops, replays)
 };
 
 struct MemorySample {
@@ -65,6 +65,7 @@ struct SimResult {
   double step_time_us = 0.0;             // end of the last op
   double compute_us = 0.0;               // sum of op times (step time with no stall)
   double stall_us = 0.0;                 // sum of stall_us_per_op
+  double recompute_us = 0.0;             // time the compute stream spent replaying recompute_ops
   std::vector<double> stall_us_per_op;   // See Note [Simulator semantics]
   std::vector<double> op_start_us;       // per op
   std::vector<double> op_end_us;         // per op
@@ -80,7 +81,8 @@ struct SimResult {
 
   // Throws if an invariant does not hold: memory never negative, copies on one
   // stream never overlap, ops in order without overlap, every offloaded
-  // tensor back before its first backward use (needs the plan and trace).
+  // tensor back (every recomputed tensor replayed, once) before its first
+  // backward use (needs the plan and trace).
   void check_invariants(const Trace& trace, const Plan& plan) const;
 };
 

@@ -1,0 +1,127 @@
+"""planner="hybrid" (issue 12, CPU side): keep, offload or recompute per activation in memsched.plan,
+memsched.simulate and the CLI table; recompute chains of a profiled model. See Note [Hybrid planner] and Note [Recompute model] in csrc/core."""
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memsched
+from memsched import planning
+from memsched.__main__ import main as cli_main
+
+
+def slow_link():
+    """Copies of 1-8 MiB take 0.5-4 ms each way; the synthetic trace's ops take 50-500 us."""
+    d = memsched.DeviceModel()
+    d.name = "slow-link"
+    d.d2h_bw_gbps = d.h2d_bw_gbps = 2.0
+    d.d2h_latency_us = d.h2d_latency_us = 5.0
+    return d
+
+
+@pytest.fixture(scope="module")
+def chain():
+    return memsched._C.synthetic_trace(num_layers=12, ops_per_layer=2, skip_probability=0.0, seed=5)
+
+
+def test_hybrid_is_registered():
+    assert "hybrid" in planning.planner_names()
+    assert "recompute" in memsched._C.planner_description("hybrid")
+
+
+def test_hybrid_recomputes_where_copies_cannot_hide(chain):
+    least = memsched._C.least_budget_bytes(chain)
+    budget = least + (chain.peak_bytes() - least) // 10
+    plan = memsched.plan(chain, budget=budget, planner="hybrid", device=slow_link())
+    actions = [d.action for d in plan.decisions]
+    assert set(actions) <= {"keep", "offload", "recompute"}
+    assert plan.num_recomputed() == actions.count("recompute") > 0
+    for d in plan.decisions:
+        if d.action == "recompute":
+            assert not d.offload and d.offload_after_op == d.prefetch_at_op == -1
+            assert d.recompute_ops == memsched._C.recompute_chain(chain, d.tensor_id, plan)["ops"] != []
+        else:
+            assert d.recompute_ops == []
+    r = memsched.simulate(chain, plan, device=slow_link())
+    r.check_invariants(chain, plan)
+    assert r.peak_bytes <= budget and not r.over_budget
+    assert r.recompute_us > 0
+    assert r.step_time_us == pytest.approx(r.compute_us + r.recompute_us + r.stall_us)
+    assert any(e["kind"] == "recompute" for e in r.timeline["compute"])
+    # Never slower than any other planner at the same budget; here clearly faster than offload alone.
+    for name in planning.planner_names():
+        if name == "hybrid":
+            continue
+        try:
+            other = memsched.simulate(chain, memsched.plan(chain, budget=budget, planner=name, device=slow_link()),
+                                      device=slow_link())
+        except memsched.MemschedError:
+            continue
+        assert r.step_time_us <= other.step_time_us, name
+        assert r.step_time_us < 0.9 * other.step_time_us, name
+
+
+def test_a_hand_made_recompute_decision_is_validated(chain):
+    plan = memsched.plan(chain, budget=None, planner="keep_all")
+    decisions = plan.decisions
+    tid = decisions[3].tensor_id
+    decisions[3].recompute = True
+    decisions[3].recompute_ops = [0]
+    plan.decisions = decisions
+    want = memsched._C.recompute_chain(chain, tid)["ops"]
+    with pytest.raises(memsched.MemschedError, match=re.escape(
+            f"field 'recompute_ops' is [0] but under this plan the tensor is recreated by replaying ops "
+            f"[{', '.join(map(str, want))}]")):
+        memsched._C.validate_plan(chain, plan)
+    decisions[3].recompute_ops = want
+    plan.decisions = decisions
+    memsched._C.validate_plan(chain, plan)
+    with pytest.raises(memsched.MemschedError, match="is not an offloadable activation"):
+        memsched._C.recompute_chain(chain, 10**6)
+
+
+def test_cli_table_has_hybrid_and_recomputed_column(chain, tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    chain.to_json(str(path))
+    rc = cli_main(["plan", str(path), "--budget", "60%", "--planner", "all", "--out", str(tmp_path / "t.png")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "recomputed" in out
+    row = next(line for line in out.splitlines() if line.startswith("hybrid "))
+    assert "infeasible" not in row
+
+
+# -- a profiled model ------------------------------------------------------------------------------
+class DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.2), nn.Linear(64, 64), nn.Tanh(),
+                                 nn.Dropout(0.1), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _data(kind, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "mlp":
+        return torch.randn(512, 32, generator=g), torch.randint(0, 10, (512,), generator=g)
+    return torch.randn(4, 3, 12, 12, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+def test_dropout_mask_chain_needs_the_rng():
+    """The profiled dropout mask is recreated by empty_like + bernoulli_ + div_, so its chain says rng."""
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    x, y = _data("mlp", 0)
+    trace = memsched.profile(lambda: F.cross_entropy(model(x), y).backward(), model=model)
+    masks = [t.id for t in trace.tensors
+             if t.kind == "activation" and t.producer_op >= 0 and trace.ops[t.producer_op].name == "aten::empty_like"]
+    assert len(masks) == 2
+    for tid in masks:
+        chain = memsched._C.recompute_chain(trace, tid)
+        assert chain["feasible"] and chain["rng"]
+        # empty_like reads the GELU/Tanh output (for its shape), a temporary freed in forward: replayed too.
+        assert [trace.ops[i].name for i in chain["ops"]][-3:] == ["aten::empty_like", "aten::bernoulli_", "aten::div_"]
