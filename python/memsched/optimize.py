@@ -112,6 +112,22 @@ Note [Budgets]
   optimize() (ValueError naming budget and the forms); a budget below what any
   plan can reach raises the planner's MemschedError (naming the least budget)
   from the first run.step().
+
+Note [Recompute decisions run as keep]
+  Rationale: planner="hybrid" may decide to recompute an activation (Note
+  [Hybrid planner] in csrc/core/hybrid_planner.h). Executing that needs a
+  replay of forward ops during backward with the RNG state restored
+  (torch.utils.checkpoint's selective-checkpoint policy or an unpack-time
+  replay), which the executor does not do yet.
+  Approach: _executable_plan() turns every recompute decision into keep before
+  the schedule is built, warns once, and run.report() says how many tensors
+  and bytes the plan wanted recomputed and that they were kept. The
+  simulation, the schedule and the reported figures are those of the plan
+  that runs, so prediction and measurement stay comparable; offload decisions
+  run as planned. Keeping a tensor never changes a gradient.
+  Limitations: the kept tensors cost memory the budget did not count: the
+  step may exceed the budget by up to the recomputed bytes (the simulation of
+  the executed plan shows by how much: SimResult.over_budget, peak_bytes).
 """
 import collections
 import time
@@ -176,6 +192,7 @@ class Run:
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
         self.budget_note_ = ""                   # how a fraction was resolved, when run.report() should say
+        self.recompute_note_ = ""                # recompute decisions run as keep (Note [Recompute decisions run as keep])
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
         if device_model is not None:
@@ -419,10 +436,30 @@ class Run:
                 if isinstance(self.budget_spec, float) and "least budget" in str(err):
                     raise fraction_refusal(trace, self.budget_spec, err) from None
                 raise
+            self.plan = self._executable_plan(trace, self.plan)
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
         self.schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes)
         self.executor.set_schedule(self.schedule)
         self.executor.active = True
+
+    def _executable_plan(self, trace, plan):
+        """The plan with recompute decisions kept. See Note [Recompute decisions run as keep]."""
+        if not any(getattr(d, "recompute", False) for d in plan.decisions):
+            return plan  # also a stand-in plan object without recompute fields
+        n, nbytes = plan.num_recomputed(), plan.recomputed_bytes(trace)
+        decisions = list(plan.decisions)
+        for d in decisions:
+            if d.recompute:
+                d.recompute = False
+                d.recompute_ops = []
+        plan.decisions = decisions
+        plan.objective_name = f"{plan.objective_name} (recompute run as keep)"
+        self.recompute_note_ = (f"the {self.planner} plan recomputes {n} activation(s) ({format_bytes(nbytes)}); "
+                                f"recompute is not executed yet, so they were kept on the device (the step may "
+                                f"exceed the budget by up to {format_bytes(nbytes)})")
+        warnings.warn(f"memsched.optimize: {self.recompute_note_}. Offload decisions run as planned; gradients "
+                      f"are unchanged.", stacklevel=3)
+        return plan
 
     def _resolve_budget(self, trace):
         """(budget_bytes or None, planner name or None for keep everything). See Note [Budgets]."""
@@ -536,6 +573,8 @@ class Run:
                          "offloaded; pass the module before torch.compile() to offload)")
         if self.budget_note_:
             notes.append(self.budget_note_)
+        if self.recompute_note_:
+            notes.append(self.recompute_note_)
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes,

@@ -1,6 +1,10 @@
 """planner="hybrid" (issue 12, CPU side): keep, offload or recompute per activation in memsched.plan,
-memsched.simulate and the CLI table; recompute chains of a profiled model. See Note [Hybrid planner] and Note [Recompute model] in csrc/core."""
+memsched.simulate, the CLI table and memsched.optimize (where recompute runs as keep for now). See Note [Hybrid planner] and Note [Recompute model] in csrc/core."""
+import copy
+import io
 import re
+import sys
+import warnings
 
 import pytest
 import torch
@@ -93,7 +97,7 @@ def test_cli_table_has_hybrid_and_recomputed_column(chain, tmp_path, capsys):
     assert "infeasible" not in row
 
 
-# -- a profiled model ------------------------------------------------------------------------------
+# -- optimize(planner="hybrid"): recompute decisions run as keep ------------------------------------
 class DropoutMLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -104,11 +108,89 @@ class DropoutMLP(nn.Module):
         return self.net(x)
 
 
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean((2, 3)))
+
+
 def _data(kind, step):
     g = torch.Generator().manual_seed(1000 + step)
     if kind == "mlp":
         return torch.randn(512, 32, generator=g), torch.randint(0, 10, (512,), generator=g)
     return torch.randn(4, 3, 12, 12, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+def _train(kind, model, opt, run=None, steps=3):
+    grads = []
+    torch.manual_seed(123)  # dropout masks: the same RNG stream for both runs
+    for step in range(steps):
+        x, y = _data(kind, step)
+        F.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if run is not None:
+            run.step()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return grads
+
+
+def very_slow_link():
+    """A copy costs over 1 ms; these small models' ops take microseconds: recompute is chosen."""
+    d = memsched.DeviceModel()
+    d.name = "very-slow-link"
+    d.d2h_bw_gbps = d.h2d_bw_gbps = 1e-3
+    d.d2h_latency_us = d.h2d_latency_us = 1000.0
+    return d
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("budget", [0.7, 0.5, 0.4])  # 0.3 is below what any plan reaches on the CNN
+def test_optimize_hybrid_keeps_recomputed_tensors_and_gradients_are_bitwise(kind, budget, monkeypatch):
+    opt_mod = sys.modules["memsched.optimize"]  # the module; memsched.optimize is the function
+    planned = []
+
+    def plan_on_a_very_slow_link(trace, b, planner, device):
+        # Recompute is chosen, and the same way on every run: roofline op times (from FLOPs and
+        # bytes) rather than CPU wall clock, which varies with machine load.
+        p = memsched.plan(trace, budget=b, planner=planner, device=very_slow_link(), durations="roofline")
+        planned.append(p.num_recomputed())
+        return p
+
+    monkeypatch.setattr(opt_mod, "make_plan", plan_on_a_very_slow_link)
+    torch.manual_seed(0)
+    model = DropoutMLP() if kind == "mlp" else CNN()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with memsched.optimize(model, opt, budget=budget, planner="hybrid") as run, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = _train(kind, model, opt, run)
+        table = run.report(file=io.StringIO()).table
+    ref_grads = _train(kind, ref, ref_opt)
+    assert len(planned) == 1
+    assert planned[0] > 0, "the plan should recompute: the test would not exercise the keep path"
+    ours = [w for w in caught if "recompute is not executed yet" in str(w.message)]
+    assert len(ours) == 1
+    assert f"recomputes {planned[0]} activation(s)" in str(ours[0].message)
+    assert "kept on the device" in str(ours[0].message) and "kept on the device" in table
+    assert "recompute run as keep" in run.plan.objective_name
+    assert run.plan.num_recomputed() == 0  # the plan that ran
+    for step, (gs, rs) in enumerate(zip(grads, ref_grads)):
+        for i, (g, r) in enumerate(zip(gs, rs)):
+            assert torch.equal(g, r), f"step {step} param {i}: gradient differs"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    for b, c in zip(model.buffers(), ref.buffers()):
+        assert torch.equal(b, c)
 
 
 def test_dropout_mask_chain_needs_the_rng():
