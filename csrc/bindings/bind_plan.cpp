@@ -51,7 +51,10 @@ void bind_plan(py::module_& m) {
       .def_readwrite("prefetch_at_op", &TensorDecision::prefetch_at_op)
       .def_readwrite("recompute", &TensorDecision::recompute,
                      "replayed before its first backward use instead of kept or offloaded")
-      .def_readwrite("recompute_ops", &TensorDecision::recompute_ops, "forward ops the replay re-runs, ascending")
+      .def_readwrite("recompute_ops", &TensorDecision::recompute_ops,
+                     "forward ops the replay re-runs, ascending (empty: an earlier replay recreates and keeps it)")
+      .def_readwrite("recompute_at_op", &TensorDecision::recompute_at_op,
+                     "the op before which the tensor is recreated (-1 unless recomputed)")
       .def_property_readonly("action", [](const TensorDecision& d) { return std::string(to_string(action_of(d))); },
                              "'keep', 'offload' or 'recompute'")
       .def("__repr__", [](const TensorDecision& d) {
@@ -61,7 +64,7 @@ void bind_plan(py::module_& m) {
         if (d.recompute) {
           s += ", recompute=True, recompute_ops=[";
           for (size_t i = 0; i < d.recompute_ops.size(); ++i) s += (i ? ", " : "") + std::to_string(d.recompute_ops[i]);
-          s += "]";
+          s += "], recompute_at_op=" + std::to_string(d.recompute_at_op);
         }
         return s + ")";
       });
@@ -187,8 +190,9 @@ void bind_plan(py::module_& m) {
           return out;
         },
         py::arg("trace"), py::arg("tensor_id"), py::arg("plan") = nullptr,
-        "the forward ops replaying an activation from its nearest kept inputs (every other activation kept, or "
-        "under `plan`): {'feasible', 'ops', 'rng', 'why'} (See Note [Recompute model])");
+        "the forward ops replaying an activation from its nearest kept inputs if it were recomputed (every other "
+        "activation kept, or under `plan`; empty when an earlier replay of the plan recreates it): "
+        "{'feasible', 'ops', 'rng', 'why'} (See Note [Recompute model])");
   m.def("offloadable_tensor_ids", [](const Trace& t) {
         std::vector<int64_t> ids;
         for (const auto& c : analyze_offload(t).candidates) ids.push_back(c.tensor_id);

@@ -106,23 +106,53 @@ std::vector<TensorDecision> hybrid_decisions(const Trace& trace, const OffloadAn
     if (action[k] == Action::kOffload) d[k] = TensorDecision(c.tensor_id, true, c.earliest_offload_op, c.first_backward_use);
     if (action[k] == Action::kRecompute) d[k].recompute = true;
   }
-  // Chains depend only on which tensors are kept (Note [Recompute model]), and
-  // turning a recompute into an offload keeps that set: one pass suffices.
   auto to_offload = [&](size_t k) {
     const auto& c = analysis.candidates[k];
     d[k] = TensorDecision(c.tensor_id, true, c.earliest_offload_op, c.first_backward_use);
   };
-  for (size_t k = 0; k < n; ++k) {
-    if (!d[k].recompute) continue;
-    RecomputeChain chain = recompute_chain(trace, analysis, static_cast<int64_t>(k), d);
-    if (chain.feasible) d[k].recompute_ops = std::move(chain.ops);
-    else to_offload(k);
-  }
-  const std::vector<int64_t> mem = modelled_memory(analysis, d);
-  if (*std::max_element(mem.begin(), mem.end()) > budget_bytes) {
-    for (size_t k = 0; k < n; ++k)
-      if (d[k].recompute && recompute_transient_bytes(analysis, analysis.candidates[k], d[k].recompute_ops) > 0)
+  // Chains (Note [Recompute model]: shared replays) depend on the other
+  // decisions; turning a recompute into an offload changes them, so repeat
+  // until every chain is feasible and the modelled memory fits, or no
+  // recompute with extra bytes (transient or kept alive) is left. Each round
+  // turns at least one recompute into an offload.
+  while (true) {
+    const RecomputeSchedule schedule = recompute_schedule(trace, analysis, d);
+    bool changed = false;
+    for (size_t k = 0; k < n; ++k) {
+      if (!d[k].recompute) continue;
+      if (!schedule.chains[k].feasible) {
         to_offload(k);
+        changed = true;
+        continue;
+      }
+      d[k].recompute_ops = schedule.chains[k].ops;
+      d[k].recompute_at_op = schedule.at_op[k];
+    }
+    if (changed) continue;
+    const std::vector<int64_t> mem = modelled_memory(analysis, d);
+    if (*std::max_element(mem.begin(), mem.end()) <= budget_bytes) break;
+    // Replays whose extra bytes lie at an op over the budget: their transient at
+    // their op, or a tensor they keep alive before its own first backward use.
+    auto over = [&](int64_t lo, int64_t hi) {  // some op in [lo, hi] over the budget
+      for (int64_t i = lo; i <= hi; ++i)
+        if (mem[i] > budget_bytes) return true;
+      return false;
+    };
+    std::vector<size_t> extra;
+    for (size_t k = 0; k < n; ++k) {
+      if (!d[k].recompute || d[k].recompute_ops.empty()) continue;
+      const int64_t at = d[k].recompute_at_op;
+      bool hit = recompute_transient_bytes(analysis, analysis.candidates[k], d[k].recompute_ops) > 0 && over(at, at);
+      for (int64_t j : schedule.kept_alive[k]) hit = hit || over(at, analysis.candidates[j].first_backward_use - 1);
+      if (hit) extra.push_back(k);
+    }
+    if (extra.empty()) {  // fall back: every replay with extra bytes
+      for (size_t k = 0; k < n; ++k)
+        if (d[k].recompute && recompute_transient_bytes(analysis, analysis.candidates[k], d[k].recompute_ops) > 0)
+          extra.push_back(k);
+    }
+    if (extra.empty()) break;  // single-op replays with no extra bytes only: nothing left to change
+    for (size_t k : extra) to_offload(k);
   }
   return d;
 }

@@ -30,10 +30,12 @@
 //   WHY IT IS SOUND: both actions release the tensor over at least its true
 //   window, so every model-feasible assignment fits the modelled memory
 //   (plan.h) -- except for a replay's transient bytes and a chain longer than
-//   modelled (an input that is no longer kept). The planner therefore
-//   rebuilds every chain from the final decisions and turns a recompute whose
-//   chain is not feasible, or whose transient bytes break the budget, into an
-//   offload (the same window, no transient).
+//   modelled (an input that is no longer kept), and for a replay that keeps
+//   another recomputed tensor alive from its own op (shared replays, Note
+//   [Recompute model]). The planner therefore rebuilds every chain from the
+//   final decisions (recompute_schedule) and turns a recompute whose chain is
+//   not feasible, or whose extra bytes lie at an op over the budget, into an
+//   offload (the same window, no extra bytes), until the modelled memory fits.
 //   THE PLANNER: candidates are (a) the plans of every other registered
 //   planner (keep_all, the heuristics and dp) -- so hybrid is never slower in
 //   simulation than any of them at the same budget -- and (b) for each copy
@@ -92,9 +94,9 @@ HybridSolution solve_hybrid(const OffloadAnalysis& analysis, int64_t budget_byte
                             const std::vector<bool>& eligible = {}, bool force_ineligible = false);
 
 // Decisions for per-candidate actions: offloads out after their producer and
-// fetched on demand, recomputes with their chains rebuilt under these
-// actions; a recompute whose chain is not feasible becomes an offload, and so
-// does one with transient bytes while the modelled memory exceeds the budget.
+// fetched on demand, recomputes with their chains rebuilt under these actions
+// (recompute_schedule); a recompute whose chain is not feasible becomes an
+// offload, and so does one whose extra bytes lie at an op over the budget.
 std::vector<TensorDecision> hybrid_decisions(const Trace& trace, const OffloadAnalysis& analysis,
                                              std::vector<Action> action, int64_t budget_bytes);
 

@@ -118,6 +118,8 @@ void validate_plan(const Trace& trace, const OffloadAnalysis& analysis, const Pl
   MEMSCHED_CHECK(plan.decisions.size() == analysis.candidates.size(), "plan: has ", plan.decisions.size(),
                  " decisions but the trace has ", analysis.candidates.size(),
                  " offloadable tensors; a plan needs one decision per offloadable tensor, ascending tensor_id");
+  RecomputeSchedule schedule;  // derived once, at the first recompute decision
+  bool schedule_done = false;
   for (size_t k = 0; k < plan.decisions.size(); ++k) {
     const TensorDecision& d = plan.decisions[k];
     const OffloadCandidate& c = analysis.candidates[k];
@@ -127,17 +129,27 @@ void validate_plan(const Trace& trace, const OffloadAnalysis& analysis, const Pl
       MEMSCHED_CHECK(!d.offload && d.offload_after_op == -1 && d.prefetch_at_op == -1, "plan: decisions[", k,
                      "] (tensor ", d.tensor_id, ") sets both 'recompute' and 'offload' (or an offload/prefetch op); "
                      "a tensor is kept, offloaded or recomputed: set offload=False and both op fields to -1");
-      const RecomputeChain chain = recompute_chain(trace, analysis, static_cast<int64_t>(k), plan.decisions);
+      if (!schedule_done) {
+        schedule = recompute_schedule(trace, analysis, plan.decisions);
+        schedule_done = true;
+      }
+      const RecomputeChain& chain = schedule.chains[k];
       MEMSCHED_CHECK(chain.feasible, "plan: decisions[", k, "] (tensor ", d.tensor_id,
                      ") field 'recompute' is true but the tensor cannot be recomputed: ", chain.why,
                      "; keep or offload it instead");
       MEMSCHED_CHECK(d.recompute_ops == chain.ops, "plan: decisions[", k, "] (tensor ", d.tensor_id,
                      ") field 'recompute_ops' is ", format_ids(d.recompute_ops), " but under this plan the tensor is "
-                     "recreated by replaying ops ", format_ids(chain.ops), " (recompute_chain()); set it to that");
+                     "recreated by replaying ops ", format_ids(chain.ops),
+                     chain.ops.empty() ? " (none: an earlier replay recreates and keeps it)" : "",
+                     " (recompute_schedule()); set it to that");
+      MEMSCHED_CHECK(d.recompute_at_op == schedule.at_op[k], "plan: decisions[", k, "] (tensor ", d.tensor_id,
+                     ") field 'recompute_at_op' is ", d.recompute_at_op, " but under this plan the tensor is "
+                     "recreated just before op ", schedule.at_op[k], " (recompute_schedule()); set it to that");
       continue;
     }
-    MEMSCHED_CHECK(d.recompute_ops.empty(), "plan: decisions[", k, "] (tensor ", d.tensor_id,
-                   ") field 'recompute_ops' is not empty but 'recompute' is false; clear it or set recompute=True");
+    MEMSCHED_CHECK(d.recompute_ops.empty() && d.recompute_at_op == -1, "plan: decisions[", k, "] (tensor ",
+                   d.tensor_id, ") field 'recompute_ops' or 'recompute_at_op' is set but 'recompute' is false; "
+                   "clear them (recompute_ops=[], recompute_at_op=-1) or set recompute=True");
     if (!d.offload) continue;
     MEMSCHED_CHECK(d.offload_after_op >= c.earliest_offload_op && d.offload_after_op < analysis.first_backward_op,
                    "plan: decisions[", k, "] (tensor ", d.tensor_id, ") field 'offload_after_op' is ",
@@ -159,14 +171,16 @@ std::vector<int64_t> modelled_memory(const OffloadAnalysis& analysis, const std:
     const auto& d = decisions[k];
     const auto& c = analysis.candidates[k];
     if (d.recompute) {
-      // Off the device during ops (last_forward_use, first_backward_use); the replay's other outputs at the use.
-      if (c.last_forward_use + 1 < c.first_backward_use) {
-        diff[c.last_forward_use + 1] -= c.bytes;
-        diff[c.first_backward_use] += c.bytes;
-      }
+      // Off the device during ops (last_forward_use, recompute_at_op); the replay's other outputs at that op.
+      const int64_t at = d.recompute_at_op;
+      MEMSCHED_CHECK(at > c.last_forward_use && at <= c.first_backward_use, "modelled_memory: decisions[", k,
+                     "] (tensor ", d.tensor_id, ") field 'recompute_at_op' is ", at, "; it must lie in [",
+                     c.last_forward_use + 1, ", ", c.first_backward_use, "] (see recompute_schedule())");
+      diff[c.last_forward_use + 1] -= c.bytes;
+      diff[at] += c.bytes;
       const int64_t extra = recompute_transient_bytes(analysis, c, d.recompute_ops);
-      diff[c.first_backward_use] += extra;
-      diff[c.first_backward_use + 1] -= extra;
+      diff[at] += extra;
+      diff[at + 1] -= extra;
       continue;
     }
     if (!d.offload) continue;

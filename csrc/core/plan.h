@@ -31,10 +31,13 @@
 //   are -1 and recompute_ops is empty.
 //   For a recomputed tensor (recompute == true, offload == false, both op
 //   fields -1): its device memory is released once op last_forward_use has
-//   finished; just before its first backward use the compute stream replays
-//   `recompute_ops` (forward ops, ascending), which recreate it; it then stays
-//   on the device until its freed_after_op. recompute_ops must equal
-//   recompute_chain() for the plan (See Note [Recompute model] in recompute.h).
+//   finished; just before op recompute_at_op (its first backward use) the
+//   compute stream replays `recompute_ops` (forward ops, ascending), which
+//   recreate it; it then stays on the device until its freed_after_op. With
+//   recompute_ops empty, an earlier replay (before op recompute_at_op <
+//   first backward use) recreates it on its way and keeps it. Both fields must
+//   equal recompute_schedule() for the plan (See Note [Recompute model] in
+//   recompute.h).
 //   copies_on_compute_stream (offload_all_sync, i.e. torch's save_on_cpu): the
 //   same copies run on the compute stream: D2H right after op offload_after_op,
 //   H2D right before op prefetch_at_op, so the compute stream waits for them.
@@ -43,9 +46,10 @@
 //   With instantaneous copies an offloaded tensor occupies the device during
 //   ops [live_start, max(offload_after_op, last_forward_use)] and
 //   [prefetch_at_op, live_end]; a recomputed tensor during [live_start,
-//   last_forward_use] and [first_backward_use, live_end], and at op
-//   first_backward_use its replay adds the bytes of every other output of
-//   recompute_ops (an upper bound: the replay frees them before the op runs);
+//   last_forward_use] and [recompute_at_op, live_end], and at op
+//   recompute_at_op its replay adds the bytes of every other output of
+//   recompute_ops (an upper bound: the replay frees them before the op runs,
+//   but those it keeps alive, already counted from that op, are counted twice);
 //   modelled_memory()[i] sums that over all tensors.
 //   The simulator never lets an op or a prefetch allocate past the budget while
 //   a pending offload copy could still free memory, so its simulated peak is at
@@ -71,6 +75,8 @@ struct TensorDecision {
   int64_t prefetch_at_op = -1;    // H2D copy requested when this op is reached; -1 unless offloaded
   bool recompute = false;         // true: released after its forward use, recreated before backward
   std::vector<int64_t> recompute_ops;  // forward ops replayed just before the first backward use, ascending
+                                       // (empty: an earlier replay recreates and keeps it)
+  int64_t recompute_at_op = -1;   // recreated by a replay just before this op; -1 unless recomputed
 };
 
 enum class Action { kKeep, kOffload, kRecompute };

@@ -29,14 +29,12 @@ void push_writers(const Trace& trace, const OffloadAnalysis& analysis, const Ten
   }
 }
 
-}  // namespace
-
-RecomputeChain recompute_chain(const Trace& trace, const OffloadAnalysis& analysis, int64_t candidate,
-                               const std::vector<TensorDecision>& decisions) {
-  MEMSCHED_CHECK(candidate >= 0 && candidate < static_cast<int64_t>(analysis.candidates.size()),
-                 "recompute_chain: candidate ", candidate, " out of range");
-  MEMSCHED_CHECK(decisions.empty() || decisions.size() == analysis.candidates.size(), "recompute_chain: ",
-                 decisions.size(), " decisions for ", analysis.candidates.size(), " offloadable tensors");
+// The chain recreating candidate `candidate` before op b, where present(u)
+// says whether tensor u is on the device then without a replay. Fills
+// `recreated` with the candidates (other than `candidate`) the chain recreates.
+template <typename Present>
+RecomputeChain derive_chain(const Trace& trace, const OffloadAnalysis& analysis, int64_t candidate, Present present,
+                            std::vector<int64_t>* recreated_candidates) {
   RecomputeChain r;
   const OffloadCandidate& c = analysis.candidates[candidate];
   const TensorRecord& t = trace.tensors[c.tensor_id];
@@ -45,13 +43,6 @@ RecomputeChain recompute_chain(const Trace& trace, const OffloadAnalysis& analys
     return r;
   }
   const int64_t b = c.first_backward_use;
-  // On the device when op b starts, without a replay (See Note [Recompute model]).
-  auto present = [&](const TensorRecord& u) {
-    const int64_t k = analysis.candidate_index[u.id];
-    if (k == candidate) return false;
-    if (k >= 0 && !decisions.empty() && action_of(decisions[k]) != Action::kKeep) return false;
-    return trace.live_start(u) <= b && b <= trace.live_end(u);
-  };
   std::vector<int64_t> stack;
   std::vector<int64_t> recreated = {t.id};  // tensors whose writers are in the chain
   push_writers(trace, analysis, t, stack);
@@ -67,7 +58,7 @@ RecomputeChain recompute_chain(const Trace& trace, const OffloadAnalysis& analys
     }
     for (int64_t q = analysis.op_inputs_begin[p]; q < analysis.op_inputs_begin[p + 1]; ++q) {
       const TensorRecord& u = trace.tensors[analysis.op_inputs[q]];
-      if (u.producer_op == p || present(u)) continue;
+      if (u.producer_op == p || u.id == t.id || present(u)) continue;
       if (std::find(recreated.begin(), recreated.end(), u.id) != recreated.end()) continue;  // the chain writes it
       if (u.producer_op == kBeforeStep || u.producer_op >= analysis.first_backward_op ||
           trace.ops[u.producer_op].phase != Phase::kForward) {
@@ -83,7 +74,79 @@ RecomputeChain recompute_chain(const Trace& trace, const OffloadAnalysis& analys
   std::sort(r.ops.begin(), r.ops.end());
   for (int64_t op : r.ops) r.rng = r.rng || trace.ops[op].rng;
   r.feasible = true;
+  if (recreated_candidates != nullptr) {
+    for (size_t q = 1; q < recreated.size(); ++q) {
+      const int64_t k = analysis.candidate_index[recreated[q]];
+      if (k >= 0) recreated_candidates->push_back(k);
+    }
+  }
   return r;
+}
+
+bool live_at(const Trace& trace, const TensorRecord& u, int64_t op) {
+  return trace.live_start(u) <= op && op <= trace.live_end(u);
+}
+
+}  // namespace
+
+RecomputeSchedule recompute_schedule(const Trace& trace, const OffloadAnalysis& analysis,
+                                     const std::vector<TensorDecision>& decisions) {
+  const size_t n = analysis.candidates.size();
+  MEMSCHED_CHECK(decisions.size() == n, "recompute_schedule: ", decisions.size(), " decisions for ", n,
+                 " offloadable tensors");
+  RecomputeSchedule s;
+  s.chains.resize(n);
+  s.at_op.assign(n, -1);
+  s.kept_alive.resize(n);
+  std::vector<int64_t> order;
+  for (size_t k = 0; k < n; ++k)
+    if (decisions[k].recompute) order.push_back(static_cast<int64_t>(k));
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    const int64_t bx = analysis.candidates[x].first_backward_use, by = analysis.candidates[y].first_backward_use;
+    return bx != by ? bx < by : x < y;
+  });
+  for (int64_t k : order) {
+    const OffloadCandidate& c = analysis.candidates[k];
+    const int64_t b = c.first_backward_use;
+    if (s.at_op[k] >= 0) {  // recreated and kept by an earlier replay: nothing to replay
+      s.chains[k].feasible = true;
+      continue;
+    }
+    auto present = [&](const TensorRecord& u) {
+      const int64_t j = analysis.candidate_index[u.id];
+      if (j >= 0 && decisions[j].recompute) return s.at_op[j] >= 0 && s.at_op[j] <= b && live_at(trace, u, b);
+      if (j >= 0 && decisions[j].offload) return false;
+      return live_at(trace, u, b);
+    };
+    std::vector<int64_t> recreated;
+    s.chains[k] = derive_chain(trace, analysis, k, present, &recreated);
+    if (!s.chains[k].feasible) continue;
+    s.at_op[k] = b;
+    for (int64_t j : recreated) {
+      if (!decisions[j].recompute || s.at_op[j] >= 0) continue;
+      s.at_op[j] = b;  // recreated here and kept until its own first backward use
+      s.kept_alive[k].push_back(j);
+    }
+    std::sort(s.kept_alive[k].begin(), s.kept_alive[k].end());
+  }
+  return s;
+}
+
+RecomputeChain recompute_chain(const Trace& trace, const OffloadAnalysis& analysis, int64_t candidate,
+                               const std::vector<TensorDecision>& decisions) {
+  MEMSCHED_CHECK(candidate >= 0 && candidate < static_cast<int64_t>(analysis.candidates.size()),
+                 "recompute_chain: candidate ", candidate, " out of range");
+  MEMSCHED_CHECK(decisions.empty() || decisions.size() == analysis.candidates.size(), "recompute_chain: ",
+                 decisions.size(), " decisions for ", analysis.candidates.size(), " offloadable tensors");
+  if (decisions.empty()) {  // every other candidate kept
+    const int64_t b = analysis.candidates[candidate].first_backward_use;
+    auto present = [&](const TensorRecord& u) { return live_at(trace, u, b); };
+    return derive_chain(trace, analysis, candidate, present, nullptr);
+  }
+  std::vector<TensorDecision> d = decisions;
+  d[candidate] = TensorDecision(analysis.candidates[candidate].tensor_id, false, -1, -1);
+  d[candidate].recompute = true;
+  return recompute_schedule(trace, analysis, d).chains[candidate];
 }
 
 double recompute_time_us(const Trace& trace, const DeviceModel& device, const std::vector<int64_t>& ops) {

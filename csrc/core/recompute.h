@@ -17,11 +17,11 @@
 //   on the device at b:
 //     - a non-candidate tensor is there iff live_start(u) <= b <= live_end(u)
 //       (parameters, buffers, tensors held all step);
-//     - a candidate is there iff it is KEPT (neither offloaded nor recomputed)
-//       under the plan and live at b. An offloaded or recomputed input is
-//       treated as absent even if it happens to be back by b: this keeps the
-//       chain a function of keep/not-keep only (simple to state, to validate
-//       and to brute-force), at the price of sometimes replaying more.
+//     - a kept candidate is there iff live at b; a recomputed one iff an
+//       earlier replay (or one before the same op) has recreated it and it
+//       is still live at b; an offloaded one never counts as there, even if
+//       its prefetch has brought it back by b (so the chain does not depend
+//       on prefetch points), at the price of sometimes replaying more.
 //   An absent input is itself recreated by replaying its producer, which must
 //   be a forward op, recursively ("from its nearest kept inputs").
 //   In-place writers: a storage is often allocated by one op and filled by
@@ -36,9 +36,18 @@
 //   replayed once. A tensor is not recomputable when an absent input has no
 //   forward producer (a model input freed in forward) or the chain would
 //   exceed kMaxRecomputeOps ops.
+//   Shared replays (recompute_schedule): recomputed tensors are handled in
+//   backward order (first backward use, then id). A replay that recreates
+//   another recomputed tensor u on its way (the chain of a GELU output
+//   replays the addmm whose output u the GELU reads) keeps u alive until u's
+//   own first backward use: u's recompute_ops are then empty and its
+//   recompute_at_op is the op before which that replay ran. Replaying ops
+//   51, 52, 53 once instead of 51; 51, 52; 51, 52, 53 for three tensors of
+//   one MLP block is what a checkpointed region does too.
 //   Memory: the replay allocates every output of the chain's ops; all but t
-//   are dropped once t exists. Time: the sum of op_time_us() over the chain,
-//   on the compute stream (Note [Simulator semantics]).
+//   and the tensors it keeps alive are dropped once t exists. Time: the sum
+//   of op_time_us() over the chain, on the compute stream (Note [Simulator
+//   semantics]).
 //   RNG: chain.rng is set when an op of the chain has Op::rng; the replay must
 //   then restore the RNG state the forward saw (torch.utils.checkpoint's
 //   preserve_rng_state) or the recreated tensor differs.
@@ -68,9 +77,18 @@ struct RecomputeChain {
   std::string why;              // when not feasible: the reason, for error messages
 };
 
-// The chain recreating analysis.candidates[candidate] under `decisions` (one
-// per candidate, OffloadAnalysis order; empty: every other candidate kept).
-// The candidate's own decision is ignored.
+// Every recomputed candidate's chain under `decisions` (See Note [Recompute model]: shared replays).
+struct RecomputeSchedule {
+  std::vector<RecomputeChain> chains;            // per candidate; ops empty when an earlier replay keeps it
+  std::vector<int64_t> at_op;                    // per candidate: op before which it is recreated; -1 if not
+  std::vector<std::vector<int64_t>> kept_alive;  // per candidate: other candidates its replay recreates and keeps
+};
+RecomputeSchedule recompute_schedule(const Trace& trace, const OffloadAnalysis& analysis,
+                                     const std::vector<TensorDecision>& decisions);
+
+// The chain recreating analysis.candidates[candidate] if it were recomputed:
+// with `decisions` empty, every other candidate kept; otherwise under
+// `decisions` (one per candidate) with this candidate's own set to recompute.
 RecomputeChain recompute_chain(const Trace& trace, const OffloadAnalysis& analysis, int64_t candidate,
                                const std::vector<TensorDecision>& decisions = {});
 
@@ -82,7 +100,8 @@ bool is_inplace_op_name(const std::string& name);
 double recompute_time_us(const Trace& trace, const DeviceModel& device, const std::vector<int64_t>& ops);
 
 // Bytes the replay of `ops` allocates besides candidate `c` itself (all
-// outputs of the ops minus c.bytes, never negative). Throws on an op id out of range.
+// outputs of the ops minus c.bytes, never negative; the tensors it keeps
+// alive included). Throws on an op id out of range.
 int64_t recompute_transient_bytes(const OffloadAnalysis& analysis, const OffloadCandidate& c,
                                   const std::vector<int64_t>& ops);
 

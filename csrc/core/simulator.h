@@ -27,9 +27,21 @@
 //     budget never triggers this (See Note [Modelled memory] in plan.h).
 //   - copies_on_compute_stream: each D2H copy runs on the compute stream right
 //     after op offload_after_op, each H2D copy right before op prefetch_at_op.
-//   - stall_us_per_op[i] = start of op i - end of op i-1 (end of "op -1" is 0):
-//     time the compute stream ran no op before op i (waiting for inputs or
-//     memory, or running synchronous copies). step_time_us = end of the last op.
+//   - Recompute (See Note [Recompute model] in recompute.h): a recomputed
+//     tensor is released when op last_forward_use ends. When the compute
+//     stream reaches op recompute_at_op (its first backward use), the replay
+//     of its recompute_ops runs on the compute stream before that op, one
+//     replay at a time (ascending tensor id), taking the sum of their op
+//     times. A replay allocates the tensor plus its transient bytes (the
+//     other outputs of its ops) when it starts -- waiting for budget room like
+//     an op -- and frees them when it ends, except the recomputed tensors it
+//     keeps alive (those with empty recompute_ops, ready from then on). The
+//     op waits for its replays.
+//   - stall_us_per_op[i] = start of op i - end of op i-1 (end of "op -1" is 0)
+//     - the replay time run in between: time the compute stream ran neither an
+//     op nor a replay before op i (waiting for inputs or memory, or running
+//     synchronous copies). step_time_us = end of the last op
+//     = compute_us + recompute_us + stall_us.
 #pragma once
 
 #include <cstdint>

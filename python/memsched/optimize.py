@@ -452,6 +452,7 @@ class Run:
             if d.recompute:
                 d.recompute = False
                 d.recompute_ops = []
+                d.recompute_at_op = -1
         plan.decisions = decisions
         plan.objective_name = f"{plan.objective_name} (recompute run as keep)"
         self.recompute_note_ = (f"the {self.planner} plan recomputes {n} activation(s) ({format_bytes(nbytes)}); "

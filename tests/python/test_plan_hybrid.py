@@ -42,12 +42,16 @@ def test_hybrid_recomputes_where_copies_cannot_hide(chain):
     actions = [d.action for d in plan.decisions]
     assert set(actions) <= {"keep", "offload", "recompute"}
     assert plan.num_recomputed() == actions.count("recompute") > 0
+    replays = 0
     for d in plan.decisions:
         if d.action == "recompute":
             assert not d.offload and d.offload_after_op == d.prefetch_at_op == -1
-            assert d.recompute_ops == memsched._C.recompute_chain(chain, d.tensor_id, plan)["ops"] != []
+            assert d.recompute_ops == memsched._C.recompute_chain(chain, d.tensor_id, plan)["ops"]
+            assert d.recompute_at_op >= 0
+            replays += bool(d.recompute_ops)
         else:
-            assert d.recompute_ops == []
+            assert d.recompute_ops == [] and d.recompute_at_op == -1
+    assert replays > 0
     r = memsched.simulate(chain, plan, device=slow_link())
     r.check_invariants(chain, plan)
     assert r.peak_bytes <= budget and not r.over_budget
@@ -71,8 +75,11 @@ def test_a_hand_made_recompute_decision_is_validated(chain):
     plan = memsched.plan(chain, budget=None, planner="keep_all")
     decisions = plan.decisions
     tid = decisions[3].tensor_id
+    first_backward = next(op.id for op in chain.ops if op.phase == "backward")
+    use = min(u for u in chain.tensors[tid].uses if u >= first_backward)
     decisions[3].recompute = True
     decisions[3].recompute_ops = [0]
+    decisions[3].recompute_at_op = use
     plan.decisions = decisions
     want = memsched._C.recompute_chain(chain, tid)["ops"]
     with pytest.raises(memsched.MemschedError, match=re.escape(
@@ -80,6 +87,12 @@ def test_a_hand_made_recompute_decision_is_validated(chain):
             f"[{', '.join(map(str, want))}]")):
         memsched._C.validate_plan(chain, plan)
     decisions[3].recompute_ops = want
+    decisions[3].recompute_at_op = -1
+    plan.decisions = decisions
+    with pytest.raises(memsched.MemschedError, match=re.escape(
+            f"field 'recompute_at_op' is -1 but under this plan the tensor is recreated just before op {use}")):
+        memsched._C.validate_plan(chain, plan)
+    decisions[3].recompute_at_op = use
     plan.decisions = decisions
     memsched._C.validate_plan(chain, plan)
     with pytest.raises(memsched.MemschedError, match="is not an offloadable activation"):

@@ -130,6 +130,7 @@ TEST(Recompute, SimulatorReplaysOnTheComputeStreamBeforeTheUse) {
   const int64_t kb = a.candidate_index[3];
   p.decisions[kb].recompute = true;
   p.decisions[kb].recompute_ops = {1};
+  p.decisions[kb].recompute_at_op = 4;
   validate_plan(t, a, p);
   DeviceModel device;
   const SimResult r = simulate(t, p, device);
@@ -163,6 +164,38 @@ TEST(Recompute, SimulatorReplaysOnTheComputeStreamBeforeTheUse) {
   EXPECT_LE(rt.peak_bytes, tight.budget_bytes);
 }
 
+TEST(Recompute, OneReplayRecreatesAndKeepsAnotherRecomputedTensor) {
+  // a (used again by op 5) and b (first used by op 4) both recomputed: b's
+  // replay at op 4 must recreate a on its way (op 1 reads a), so it keeps a
+  // instead of replaying op 0 again before op 5.
+  const Trace t = small_trace();
+  const OffloadAnalysis a = analyze_offload(t);
+  const int64_t ka = a.candidate_index[2], kb = a.candidate_index[3];
+  Plan p = keep_all_plan(a, t.peak_bytes());
+  p.decisions[ka].recompute = p.decisions[kb].recompute = true;
+  const RecomputeSchedule s = recompute_schedule(t, a, p.decisions);
+  EXPECT_EQ(s.chains[kb].ops, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(s.kept_alive[kb], (std::vector<int64_t>{ka}));
+  EXPECT_TRUE(s.chains[ka].feasible);
+  EXPECT_TRUE(s.chains[ka].ops.empty());
+  EXPECT_EQ(s.at_op[ka], 4);  // recreated before op 4, one op before its own first backward use
+  p.decisions[kb].recompute_ops = {0, 1};
+  p.decisions[kb].recompute_at_op = 4;
+  p.decisions[ka].recompute_at_op = 4;
+  validate_plan(t, a, p);
+  const SimResult r = simulate(t, p, DeviceModel{});
+  r.check_invariants(t, p);
+  EXPECT_DOUBLE_EQ(r.recompute_us, 20.0);  // ops 0 and 1 once; not 30 (0, 1, then 0 again)
+  EXPECT_DOUBLE_EQ(r.step_time_us, 90.0);
+  EXPECT_DOUBLE_EQ(r.op_start_us[5], r.op_end_us[4]);  // a is there for op 5: no second replay
+  // a is off the device during ops 2 and 3 (after its last forward use, op 1)
+  // and back from op 4: the modelled memory drops by a's 2000 bytes there.
+  const std::vector<int64_t> kept = modelled_memory(a, keep_all(a)), mem = modelled_memory(a, p.decisions);
+  EXPECT_EQ(kept[2] - mem[2], 2000);  // b is still read by op 2
+  EXPECT_EQ(kept[3] - mem[3], 2000 + 3000);
+  EXPECT_LE(r.peak_bytes, *std::max_element(mem.begin(), mem.end()));
+}
+
 TEST(Recompute, ReplayTransientBytesCountAtTheUse) {
   const Trace t = small_trace();
   const OffloadAnalysis a = analyze_offload(t);
@@ -171,6 +204,7 @@ TEST(Recompute, ReplayTransientBytesCountAtTheUse) {
   p.decisions[kb] = TensorDecision(3, true, 1, 4);
   p.decisions[kc].recompute = true;
   p.decisions[kc].recompute_ops = {1, 2};
+  p.decisions[kc].recompute_at_op = 4;
   validate_plan(t, a, p);
   Plan offload_only = p;
   offload_only.decisions[kc] = TensorDecision(4, true, 2, 4);
@@ -198,14 +232,19 @@ TEST(Recompute, PlanValidationNamesTheFieldAndTheFix) {
   Plan p = keep_all_plan(a, 1 << 20);
   p.decisions[kb].recompute = true;
   p.decisions[kb].recompute_ops = {0, 1};
+  p.decisions[kb].recompute_at_op = 4;
   expect_plan_error(t, p, "field 'recompute_ops' is [0, 1] but under this plan the tensor is recreated by "
                           "replaying ops [1]");
   p.decisions[kb].recompute_ops = {1};
+  p.decisions[kb].recompute_at_op = 3;
+  expect_plan_error(t, p, "field 'recompute_at_op' is 3 but under this plan the tensor is recreated just before op 4");
+  p.decisions[kb].recompute_at_op = 4;
+  validate_plan(t, a, p);
   p.decisions[kb].offload = true;
   expect_plan_error(t, p, "sets both 'recompute' and 'offload'");
   p.decisions[kb] = TensorDecision(3, false, -1, -1);
   p.decisions[kb].recompute_ops = {1};
-  expect_plan_error(t, p, "field 'recompute_ops' is not empty but 'recompute' is false");
+  expect_plan_error(t, p, "field 'recompute_ops' or 'recompute_at_op' is set but 'recompute' is false");
   p.decisions[kb].recompute_ops.clear();
   p.decisions[kx].recompute = true;
   expect_plan_error(t, p, "tensor 1) field 'recompute' is true but the tensor cannot be recomputed");
