@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <future>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "core/check.h"
@@ -178,18 +180,24 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
     best = std::move(p);
   };
 
-  // (a) Every other planner's plan.
-  for (const std::string& other : planner_names()) {
-    if (other == name()) continue;
-    Plan p;
+  // (a) Every other planner's plan; dp, the slowest, on a second thread while
+  // the rest of (a) and (b) run (See Note [Hybrid planner]: PLANNING TIME).
+  auto plan_of = [&trace, &device, budget_bytes](const std::string& other) -> std::optional<Plan> {
     try {
-      p = create_planner(other)->make_plan(trace, device, budget_bytes);
+      return create_planner(other)->make_plan(trace, device, budget_bytes);
     } catch (const Error&) {
-      continue;  // that planner cannot reach this budget
+      return std::nullopt;  // that planner cannot reach this budget
     }
-    const std::string source = other + (p.objective_name.empty() ? "" : ":" + p.objective_name);
-    consider(std::move(p), source);
-  }
+  };
+  auto consider_planner = [&](const std::string& other, std::optional<Plan> p) {
+    if (!p) return;
+    const std::string source = other + (p->objective_name.empty() ? "" : ":" + p->objective_name);
+    consider(std::move(*p), source);
+  };
+  const std::string kDp = "dp";
+  std::future<std::optional<Plan>> dp_plan = std::async(std::launch::async, plan_of, kDp);
+  for (const std::string& other : planner_names())
+    if (other != name() && other != kDp) consider_planner(other, plan_of(other));
 
   // (b) The DP over keep/offload/recompute, per copy weight and family.
   struct Family {
@@ -211,6 +219,7 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
   if (analysis.candidates.size() > kMaxCandidatesForSlacks) {  // planning time: see Note [Hybrid planner]
     slacks = {1.0};
     weights = {0.25, kHybridNoOffload};
+    families.resize(1);  // all candidates; dp (in (a)) covers the nested families for offload-only plans
   }
   int64_t least_model_budget = std::numeric_limits<int64_t>::max();
   std::vector<std::vector<Action>> tried;
@@ -250,6 +259,8 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
       }
     }
   }
+  consider_planner(kDp, dp_plan.get());
+
   // (c) Local search from the best plan: one tensor's action at a time (See Note [Hybrid planner]).
   const size_t n = analysis.candidates.size();
   if (found && n <= kMaxCandidatesForLocalSearch) {
