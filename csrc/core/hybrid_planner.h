@@ -42,13 +42,10 @@
 //   weight and each of dp's three families (Note [Nested subfamily]) the DP
 //   optimum and its pruned form (prune_with_exact_windows), with prefetches
 //   placed by Capuchin's latest-hiding rule at slack 1, 2 and 4 and pulled
-//   later to fit. Beyond 2048 candidates (where pruning is the identity) only
-//   slack 1, the weights 0.25 and recompute-first and the family of all
-//   candidates are tried (dp, in (a), still covers the nested families for
-//   offload-only plans), to keep a 10k-activation trace under 1 s. The simulator, which
-//   models replays on the compute stream, picks the least step time (ties:
-//   fewer bytes offloaded plus recomputed, then the order in which they are
-//   considered: the other planners but dp, then (b), then dp). (c) Up to
+//   later to fit (fewer beyond 2048 candidates: see PLANNING TIME). The
+//   simulator, which models replays on the compute stream, picks the least
+//   step time (ties: fewer bytes offloaded plus recomputed, then the order
+//   in which they are considered: the other planners but dp, (b), dp). (c) Up to
 //   128 candidates, a local search then changes one tensor's action at a
 //   time (keep / offload / recompute, chains rebuilt, prefetches placed at
 //   slack 1) and keeps any change the simulator finds faster, for at most two
