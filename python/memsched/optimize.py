@@ -121,7 +121,8 @@ Note [Recompute decisions run as keep]
   replay), which the executor does not do yet.
   Approach: _executable_plan() turns every recompute decision into keep before
   the schedule is built, warns once, and run.report() says how many tensors
-  and bytes the plan wanted recomputed and that they were kept. The
+  and bytes the plan wanted recomputed, the replay time its simulation
+  predicted, and that they were kept. The
   simulation, the schedule and the reported figures are those of the plan
   that runs, so prediction and measurement stay comparable; offload decisions
   run as planned. Keeping a tensor never changes a gradient.
@@ -447,6 +448,8 @@ class Run:
         if not any(getattr(d, "recompute", False) for d in plan.decisions):
             return plan  # also a stand-in plan object without recompute fields
         n, nbytes = plan.num_recomputed(), plan.recomputed_bytes(trace)
+        planned = simulate(trace, plan, self.device_model)  # the plan as made: its replay time, for the note
+        replay = f", {planned.recompute_us / 1e3:.3f} ms of replay in its simulated step" if planned is not None else ""
         decisions = list(plan.decisions)
         for d in decisions:
             if d.recompute:
@@ -455,7 +458,7 @@ class Run:
                 d.recompute_at_op = -1
         plan.decisions = decisions
         plan.objective_name = f"{plan.objective_name} (recompute run as keep)"
-        self.recompute_note_ = (f"the {self.planner} plan recomputes {n} activation(s) ({format_bytes(nbytes)}); "
+        self.recompute_note_ = (f"the {self.planner} plan recomputes {n} activation(s) ({format_bytes(nbytes)}{replay}); "
                                 f"recompute is not executed yet, so they were kept on the device (the step may "
                                 f"exceed the budget by up to {format_bytes(nbytes)})")
         warnings.warn(f"memsched.optimize: {self.recompute_note_}. Offload decisions run as planned; gradients "

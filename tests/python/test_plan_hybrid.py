@@ -194,6 +194,7 @@ def test_optimize_hybrid_keeps_recomputed_tensors_and_gradients_are_bitwise(kind
     ours = [w for w in caught if "recompute is not executed yet" in str(w.message)]
     assert len(ours) == 1
     assert f"recomputes {planned[0]} activation(s)" in str(ours[0].message)
+    assert re.search(r"[0-9.]+ ms of replay in its simulated step", str(ours[0].message))
     assert "kept on the device" in str(ours[0].message) and "kept on the device" in table
     assert "recompute run as keep" in run.plan.objective_name
     assert run.plan.num_recomputed() == 0  # the plan that ran
