@@ -1,7 +1,7 @@
 // bench_planner.cpp -- planner and simulator time on synthetic traces of about
-// 1k, 10k and 100k tensors (goal: dp on 10k tensors under 1 s on the 2-core
-// dev machine). Budget: halfway between the least reachable budget and the
-// keep_all peak. Counters: tensors, offloadable tensors, DP granularity.
+// 1k, 10k and 100k tensors (goal: dp and hybrid on 10k tensors under 1 s on
+// the 2-core dev machine). Budget: halfway between the least reachable budget
+// and the keep_all peak. Counters: tensors, offloadable tensors, DP granularity.
 #include <benchmark/benchmark.h>
 
 #include <map>
@@ -56,6 +56,7 @@ void run_planner(benchmark::State& state, const std::string& planner) {
 
 void BM_DpPlanner(benchmark::State& state) { run_planner(state, "dp"); }
 void BM_GreedyPlanner(benchmark::State& state) { run_planner(state, "greedy"); }
+void BM_HybridPlanner(benchmark::State& state) { run_planner(state, "hybrid"); }
 
 // The DP alone (one cost), without prefetch placement and candidate simulation.
 void BM_DpSolveOnly(benchmark::State& state) {
@@ -82,6 +83,7 @@ void BM_Simulate(benchmark::State& state) {
 BENCHMARK(BM_DpPlanner)->Arg(1000)->Arg(10000)->Arg(100000)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_DpSolveOnly)->Arg(1000)->Arg(10000)->Arg(100000)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_GreedyPlanner)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_HybridPlanner)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Simulate)->Arg(1000)->Arg(10000)->Arg(100000)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "core/device_model.h"
 #include "core/plan.h"
 #include "core/planner.h"
+#include "core/recompute.h"
 #include "core/simulator.h"
 #include "core/synthetic_trace.h"
 
@@ -48,10 +49,24 @@ void bind_plan(py::module_& m) {
       .def_readwrite("offload", &TensorDecision::offload)
       .def_readwrite("offload_after_op", &TensorDecision::offload_after_op)
       .def_readwrite("prefetch_at_op", &TensorDecision::prefetch_at_op)
+      .def_readwrite("recompute", &TensorDecision::recompute,
+                     "replayed before its first backward use instead of kept or offloaded")
+      .def_readwrite("recompute_ops", &TensorDecision::recompute_ops,
+                     "forward ops the replay re-runs, ascending (empty: an earlier replay recreates and keeps it)")
+      .def_readwrite("recompute_at_op", &TensorDecision::recompute_at_op,
+                     "the op before which the tensor is recreated (-1 unless recomputed)")
+      .def_property_readonly("action", [](const TensorDecision& d) { return std::string(to_string(action_of(d))); },
+                             "'keep', 'offload' or 'recompute'")
       .def("__repr__", [](const TensorDecision& d) {
-        return "TensorDecision(tensor_id=" + std::to_string(d.tensor_id) + ", offload=" + (d.offload ? "True" : "False") +
-               ", offload_after_op=" + std::to_string(d.offload_after_op) +
-               ", prefetch_at_op=" + std::to_string(d.prefetch_at_op) + ")";
+        std::string s = "TensorDecision(tensor_id=" + std::to_string(d.tensor_id) + ", offload=" +
+                        (d.offload ? "True" : "False") + ", offload_after_op=" + std::to_string(d.offload_after_op) +
+                        ", prefetch_at_op=" + std::to_string(d.prefetch_at_op);
+        if (d.recompute) {
+          s += ", recompute=True, recompute_ops=[";
+          for (size_t i = 0; i < d.recompute_ops.size(); ++i) s += (i ? ", " : "") + std::to_string(d.recompute_ops[i]);
+          s += "], recompute_at_op=" + std::to_string(d.recompute_at_op);
+        }
+        return s + ")";
       });
 
   py::class_<Plan>(m, "Plan", "Which activations leave the device and when (See Note [Plan semantics] in plan.h)")
@@ -64,6 +79,14 @@ void bind_plan(py::module_& m) {
       .def_readwrite("copies_on_compute_stream", &Plan::copies_on_compute_stream)
       .def("num_offloaded", &Plan::num_offloaded)
       .def("offloaded_bytes", &Plan::offloaded_bytes, py::arg("trace"))
+      .def("num_recomputed", &Plan::num_recomputed)
+      .def("recomputed_bytes", &Plan::recomputed_bytes, py::arg("trace"))
+      .def("recomputed_tensor_ids", [](const Plan& p) {
+        std::vector<int64_t> ids;
+        for (const auto& d : p.decisions)
+          if (d.recompute) ids.push_back(d.tensor_id);
+        return ids;
+      })
       .def("offloaded_tensor_ids", [](const Plan& p) {
         std::vector<int64_t> ids;
         for (const auto& d : p.decisions)
@@ -72,7 +95,8 @@ void bind_plan(py::module_& m) {
       })
       .def("__repr__", [](const Plan& p) {
         return "Plan(planner='" + p.planner + "', budget_bytes=" + std::to_string(p.budget_bytes) +
-               ", offloaded=" + std::to_string(p.num_offloaded()) + "/" + std::to_string(p.decisions.size()) + ")";
+               ", offloaded=" + std::to_string(p.num_offloaded()) + "/" + std::to_string(p.decisions.size()) +
+               (p.num_recomputed() ? ", recomputed=" + std::to_string(p.num_recomputed()) : std::string()) + ")";
       });
 
   py::class_<TimelineEvent>(m, "TimelineEvent")
@@ -91,6 +115,7 @@ void bind_plan(py::module_& m) {
       .def_readonly("step_time_us", &SimResult::step_time_us)
       .def_readonly("compute_us", &SimResult::compute_us)
       .def_readonly("stall_us", &SimResult::stall_us)
+      .def_readonly("recompute_us", &SimResult::recompute_us, "compute-stream time spent replaying recompute_ops")
       .def_readonly("stall_us_per_op", &SimResult::stall_us_per_op)
       .def_readonly("op_start_us", &SimResult::op_start_us)
       .def_readonly("op_end_us", &SimResult::op_end_us)
@@ -144,6 +169,30 @@ void bind_plan(py::module_& m) {
         py::arg("trace"), "the least budget any plan can reach on this trace");
   m.def("modelled_memory", [](const Trace& t, const Plan& p) { return modelled_memory(analyze_offload(t), p.decisions); },
         py::arg("trace"), py::arg("plan"), "bytes on the device during each op if copies were instantaneous");
+  m.def("recompute_chain",
+        [](const Trace& t, int64_t tensor_id, const Plan* plan) {
+          const OffloadAnalysis a = analyze_offload(t);
+          MEMSCHED_CHECK(tensor_id >= 0 && tensor_id < static_cast<int64_t>(a.candidate_index.size()) &&
+                             a.candidate_index[tensor_id] >= 0,
+                         "recompute_chain: tensor_id ", tensor_id, " is not an offloadable activation of this trace "
+                         "(see offloadable_tensor_ids(trace))");
+          std::vector<TensorDecision> decisions;
+          if (plan != nullptr) {
+            validate_plan(t, a, *plan);
+            decisions = plan->decisions;
+          }
+          const RecomputeChain c = recompute_chain(t, a, a.candidate_index[tensor_id], decisions);
+          py::dict out;
+          out["feasible"] = c.feasible;
+          out["ops"] = c.ops;
+          out["rng"] = c.rng;
+          out["why"] = c.why;
+          return out;
+        },
+        py::arg("trace"), py::arg("tensor_id"), py::arg("plan") = nullptr,
+        "the forward ops replaying an activation from its nearest kept inputs if it were recomputed (every other "
+        "activation kept, or under `plan`; empty when an earlier replay of the plan recreates it): "
+        "{'feasible', 'ops', 'rng', 'why'} (See Note [Recompute model])");
   m.def("offloadable_tensor_ids", [](const Trace& t) {
         std::vector<int64_t> ids;
         for (const auto& c : analyze_offload(t).candidates) ids.push_back(c.tensor_id);

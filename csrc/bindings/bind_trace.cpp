@@ -92,6 +92,7 @@ void bind_trace(py::module_& m) {
       .def_readwrite("flops", &Op::flops)
       .def_readwrite("bytes_read", &Op::bytes_read)
       .def_readwrite("bytes_written", &Op::bytes_written)
+      .def_readwrite("rng", &Op::rng, "draws random numbers (dropout...): a replay restores the RNG state")
       .def("__repr__", [](const Op& op) {
         return text("Op(id=" + std::to_string(op.id) + ", name='" + op.name + "', module_path='" +
                     op.module_path + "', phase='" + to_string(op.phase) + "')");
@@ -123,7 +124,7 @@ void bind_trace(py::module_& m) {
       .def_readwrite("tensors", &Trace::tensors, "list of TensorRecord (a copy; use add_tensor)")
       .def("add_op",
            [](Trace& t, py::object name, py::object module_path, py::object phase, py::object duration_us,
-              py::object flops, py::object bytes_read, py::object bytes_written) {
+              py::object flops, py::object bytes_read, py::object bytes_written, py::object rng) {
              // See Note [Builder arguments name the field].
              Op op;
              op.id = static_cast<int64_t>(t.ops.size());
@@ -134,13 +135,19 @@ void bind_trace(py::module_& m) {
              op.flops = float_arg(flops, "flops");
              op.bytes_read = int_arg(bytes_read, "bytes_read");
              op.bytes_written = int_arg(bytes_written, "bytes_written");
+             op.rng = is_rng_op_name(op.name);
+             if (!rng.is_none()) {
+               MEMSCHED_CHECK(PyBool_Check(rng.ptr()), "add_op: rng must be True, False or None (None: derived "
+                              "from the op name), got ", std::string(py::str(py::type::of(rng).attr("__name__"))));
+               op.rng = rng.cast<bool>();
+             }
              t.ops.push_back(std::move(op));
              return t.ops.back().id;
            },
            py::arg("name"), py::arg("module_path") = py::str(""), py::arg("phase") = py::str("forward"),
            py::arg("duration_us") = py::float_(0.0), py::arg("flops") = py::float_(0.0),
-           py::arg("bytes_read") = py::int_(0), py::arg("bytes_written") = py::int_(0),
-           "Append an op; returns its id.")
+           py::arg("bytes_read") = py::int_(0), py::arg("bytes_written") = py::int_(0), py::arg("rng") = py::none(),
+           "Append an op; returns its id. rng=None derives it from the name (dropout, bernoulli, rand...).")
       .def("add_tensor",
            [](Trace& t, py::object bytes, py::object dtype, py::object kind, py::object producer_op,
               py::object uses, py::object freed_after_op, py::object label) {

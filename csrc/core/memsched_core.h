@@ -12,11 +12,13 @@
 //   TraceBuilder   turns the profiler's event stream into a validated Trace.
 //   DeviceModel    the S5 performance model: roofline op time, per-direction
 //                  copy latency + bandwidth, budget (device_model.h).
-//   Plan           per offloadable tensor a TensorDecision: keep, or copy out
-//                  after op a and prefetch at op b (plan.h, Note [Plan semantics]).
+//   Plan           per offloadable tensor a TensorDecision: keep, copy out
+//                  after op a and prefetch at op b, or recompute by replaying
+//                  forward ops before its first backward use (plan.h, Note
+//                  [Plan semantics]; recompute.h, Note [Recompute model]).
 //   Planner        makes a Plan for (Trace, DeviceModel, budget); registry by
 //                  name: keep_all, offload_all_sync, offload_all_prefetch, vdnn,
-//                  greedy, dp (planner.h, dp_planner.h).
+//                  greedy, dp, hybrid (planner.h, dp_planner.h, hybrid_planner.h).
 //   SimResult      what the discrete-event simulator of one compute and two copy
 //                  streams predicts: step time, stalls, peak, bytes moved,
 //                  timeline (simulator.h).
@@ -41,6 +43,8 @@
 #include "core/planner.h"
 #include "core/simulator.h"
 #include "core/dp_planner.h"
+#include "core/hybrid_planner.h"
+#include "core/recompute.h"
 #include "core/alloc/block_pool.h"
 #include "core/alloc/alloc_stats.h"
 #include "core/alloc/placement_planner.h"

@@ -27,7 +27,17 @@
 //     tensor's first backward use waits for the copy. prefetch_at_op ==
 //     first_backward_use means "fetched on demand" (the copy is exposed).
 //   - after it is back, the tensor stays on the device until its freed_after_op.
-//   For a kept tensor (offload == false) both op fields are -1.
+//   For a kept tensor (offload == false, recompute == false) both op fields
+//   are -1 and recompute_ops is empty.
+//   For a recomputed tensor (recompute == true, offload == false, both op
+//   fields -1): its device memory is released once op last_forward_use has
+//   finished; just before op recompute_at_op (its first backward use) the
+//   compute stream replays `recompute_ops` (forward ops, ascending), which
+//   recreate it; it then stays on the device until its freed_after_op. With
+//   recompute_ops empty, an earlier replay (before op recompute_at_op <
+//   first backward use) recreates it on its way and keeps it. Both fields must
+//   equal recompute_schedule() for the plan (See Note [Recompute model] in
+//   recompute.h).
 //   copies_on_compute_stream (offload_all_sync, i.e. torch's save_on_cpu): the
 //   same copies run on the compute stream: D2H right after op offload_after_op,
 //   H2D right before op prefetch_at_op, so the compute stream waits for them.
@@ -35,7 +45,12 @@
 // Note [Modelled memory]
 //   With instantaneous copies an offloaded tensor occupies the device during
 //   ops [live_start, max(offload_after_op, last_forward_use)] and
-//   [prefetch_at_op, live_end]; modelled_memory()[i] sums that over all tensors.
+//   [prefetch_at_op, live_end]; a recomputed tensor during [live_start,
+//   last_forward_use] and [recompute_at_op, live_end], and at op
+//   recompute_at_op its replay adds the bytes of every other output of
+//   recompute_ops (an upper bound: the replay frees them before the op runs,
+//   but those it keeps alive, already counted from that op, are counted twice);
+//   modelled_memory()[i] sums that over all tensors.
 //   The simulator never lets an op or a prefetch allocate past the budget while
 //   a pending offload copy could still free memory, so its simulated peak is at
 //   most max_i modelled_memory()[i] (tested); planners therefore place
@@ -51,11 +66,24 @@
 namespace memsched {
 
 struct TensorDecision {
+  TensorDecision() = default;
+  TensorDecision(int64_t id, bool off, int64_t after_op, int64_t at_op)  // keep or offload, as before recompute
+      : tensor_id(id), offload(off), offload_after_op(after_op), prefetch_at_op(at_op) {}
   int64_t tensor_id = 0;          // TensorRecord::id of an offloadable tensor
-  bool offload = false;           // false: stays on the device all step
-  int64_t offload_after_op = -1;  // D2H copy issued once this op finished; -1 when kept
-  int64_t prefetch_at_op = -1;    // H2D copy requested when this op is reached; -1 when kept
+  bool offload = false;           // true: copied out and back (kept when neither offload nor recompute)
+  int64_t offload_after_op = -1;  // D2H copy issued once this op finished; -1 unless offloaded
+  int64_t prefetch_at_op = -1;    // H2D copy requested when this op is reached; -1 unless offloaded
+  bool recompute = false;         // true: released after its forward use, recreated before backward
+  std::vector<int64_t> recompute_ops;  // forward ops replayed just before the first backward use, ascending
+                                       // (empty: an earlier replay recreates and keeps it)
+  int64_t recompute_at_op = -1;   // recreated by a replay just before this op; -1 unless recomputed
 };
+
+enum class Action { kKeep, kOffload, kRecompute };
+const char* to_string(Action action);  // "keep", "offload", "recompute"
+inline Action action_of(const TensorDecision& d) {
+  return d.recompute ? Action::kRecompute : d.offload ? Action::kOffload : Action::kKeep;
+}
 
 struct Plan {
   std::string planner;                   // registry name of the planner that made it
@@ -67,6 +95,8 @@ struct Plan {
 
   int64_t num_offloaded() const;
   int64_t offloaded_bytes(const Trace& trace) const;  // sum of bytes of offloaded tensors (each moves out and back)
+  int64_t num_recomputed() const;
+  int64_t recomputed_bytes(const Trace& trace) const; // sum of bytes of recomputed tensors
 };
 
 // Key ops of one offloadable tensor (See Note [Plan semantics]).
@@ -85,6 +115,10 @@ struct OffloadAnalysis {
   std::vector<OffloadCandidate> candidates; // ascending tensor_id
   std::vector<int64_t> live_bytes;          // Trace::live_bytes(): everything on the device
   std::vector<int64_t> candidate_index;     // tensor id -> index into candidates, -1 if not offloadable
+  std::vector<int64_t> op_output_bytes;     // per op: bytes of the tensors it produces
+  // Tensors op i reads: op_inputs[op_inputs_begin[i] .. op_inputs_begin[i+1]) (size ops+1), ascending id.
+  std::vector<int64_t> op_inputs_begin;
+  std::vector<int64_t> op_inputs;
 };
 
 // Validates the trace, then finds the offloadable tensors.

@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "core/dp_planner.h"
 #include "core/greedy_planner.h"
+#include "core/hybrid_planner.h"
 
 namespace memsched {
 
@@ -24,6 +25,7 @@ const std::vector<std::pair<std::string, Factory>>& registry() {
       {"vdnn", [] { return std::make_unique<VdnnPlanner>(); }},
       {"greedy", [] { return std::make_unique<GreedyPlanner>(); }},
       {"dp", [] { return std::make_unique<DpPlanner>(); }},
+      {"hybrid", [] { return std::make_unique<HybridPlanner>(); }},
   };
   return kRegistry;
 }

@@ -16,6 +16,9 @@
 //                         still hides the copy.
 //   dp                    the pseudo-polynomial dynamic program of source S1
 //                         (See Note [DP planner model] in dp_planner.h).
+//   hybrid                keep, offload or recompute per activation: an exact
+//                         DP over the three actions plus every planner above,
+//                         the simulator picks (See Note [Hybrid planner]).
 // Every planner returns a plan whose modelled memory (plan.h) fits the budget
 // at every op, or throws memsched::Error stating the least budget it can reach.
 #pragma once

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "core/recompute.h"
 
 namespace memsched {
 
@@ -23,6 +24,7 @@ const char* to_string(EventKind kind) {
     case EventKind::kOp: return "op";
     case EventKind::kD2H: return "d2h";
     case EventKind::kH2D: return "h2d";
+    case EventKind::kRecompute: return "recompute";
   }
   return "?";
 }
@@ -35,6 +37,7 @@ struct OffloadSchedule {
   std::vector<std::vector<int64_t>> fwd_done_after; // op -> tensors whose last forward use it is
   std::vector<std::vector<int64_t>> prefetch_at;    // op -> tensors requested when it is reached
   std::vector<std::vector<int64_t>> needed_by;      // op -> tensors whose first backward use it is
+  std::vector<std::vector<int64_t>> replay_before;  // op -> recomputed tensors replayed before it, ascending
 };
 
 class Simulation {
@@ -57,11 +60,29 @@ class Simulation {
     sched_.fwd_done_after.resize(n_);
     sched_.prefetch_at.resize(n_);
     sched_.needed_by.resize(n_);
+    sched_.replay_before.resize(n_);
+    state_.assign(analysis_.candidates.size(), TensorState{});
+    replay_us_.assign(analysis_.candidates.size(), 0.0);
+    replay_kept_bytes_.assign(analysis_.candidates.size(), 0);
+    replay_transient_.assign(analysis_.candidates.size(), 0);
+    replay_keeps_.assign(analysis_.candidates.size(), {});
+    if (plan.num_recomputed() > 0) replay_keeps_ = recompute_schedule(trace, analysis_, plan.decisions).kept_alive;
     for (size_t k = 0; k < plan.decisions.size(); ++k) {
       const auto& d = plan.decisions[k];
-      if (!d.offload) continue;
       const auto& c = analysis_.candidates[k];
       const auto kk = static_cast<int64_t>(k);
+      if (d.recompute) {  // released after its forward use (no copy to wait for), replayed before its use
+        state_[k].copied = true;
+        sched_.fwd_done_after[c.last_forward_use].push_back(kk);
+        sched_.needed_by[c.first_backward_use].push_back(kk);
+        if (d.recompute_ops.empty()) continue;  // recreated and kept by an earlier replay
+        replay_us_[k] = recompute_time_us(trace, device, d.recompute_ops);
+        replay_transient_[k] = recompute_transient_bytes(analysis_, c, d.recompute_ops);
+        for (int64_t j : replay_keeps_[k]) replay_kept_bytes_[k] += bytes_of(j);
+        sched_.replay_before[d.recompute_at_op].push_back(kk);
+        continue;
+      }
+      if (!d.offload) continue;
       sched_.d2h_after[d.offload_after_op].push_back(kk);
       sched_.fwd_done_after[c.last_forward_use].push_back(kk);
       sched_.prefetch_at[d.prefetch_at_op].push_back(kk);
@@ -73,7 +94,6 @@ class Simulation {
         return bx != by ? bx < by : x < y;
       });
     }
-    state_.assign(analysis_.candidates.size(), TensorState{});
     r_.budget_bytes = plan.budget_bytes;
     r_.stall_us_per_op.assign(n_, 0.0);
     r_.op_start_us.assign(n_, 0.0);
@@ -88,6 +108,7 @@ class Simulation {
       r_.compute_us += duration_us_[i];
       r_.stall_us += r_.stall_us_per_op[i];
     }
+    for (size_t k = 0; k < plan_.decisions.size(); ++k) r_.recompute_us += plan_.decisions[k].recompute ? replay_us_[k] : 0.0;
     r_.step_time_us = n_ > 0 ? r_.op_end_us[n_ - 1] : 0.0;
     return std::move(r_);
   }
@@ -98,7 +119,7 @@ class Simulation {
     bool copied = false;     // D2H copy finished
     bool fwd_done = false;   // last forward use finished
     bool released = false;   // device memory returned
-    bool fetched = false;    // H2D copy finished: the first backward use may run
+    bool fetched = false;    // H2D copy (or replay) finished: the first backward use may run
   };
 
   int64_t bytes_of(int64_t k) const { return analysis_.candidates[k].bytes; }
@@ -137,6 +158,8 @@ class Simulation {
     int64_t next_op = 0, running_op = -1, requested_upto = -1;
     double op_end = kInf, d2h_end = kInf, h2d_end = kInf;
     int64_t d2h_cur = -1, h2d_cur = -1;
+    int64_t replay_cur = -1, replay_next = 0;  // replay running on the compute stream; next index in replay_before
+    double replay_end = kInf, replayed_us = 0.0;  // replayed_us: replay time since the previous op ended
     std::deque<int64_t> d2h_queue, h2d_queue;
     int64_t freeable = 0;  // tensors queued for D2H and past their forward use: memory that will come back
     const int64_t budget = plan_.budget_bytes;
@@ -146,6 +169,7 @@ class Simulation {
       while (progressed) {
         progressed = false;
         const int64_t current_op = running_op >= 0 ? running_op : next_op;
+        const bool compute_busy = running_op >= 0 || replay_cur >= 0;
         if (d2h_cur < 0 && !d2h_queue.empty()) {
           d2h_cur = d2h_queue.front();
           d2h_queue.pop_front();
@@ -154,18 +178,34 @@ class Simulation {
           add_event(Stream::kD2H, EventKind::kD2H, analysis_.candidates[d2h_cur].tensor_id, now, d2h_end, bytes_of(d2h_cur));
           progressed = true;
         }
-        if (running_op < 0 && next_op < n_) {
+        if (!compute_busy && next_op < n_) {
           if (requested_upto < next_op) {
             requested_upto = next_op;
+            replay_next = 0;
             for (int64_t k : sched_.prefetch_at[next_op]) h2d_queue.push_back(k);
             progressed = true;
           }
-          bool inputs_ready = true;
+          const auto& replays = sched_.replay_before[next_op];
+          if (replay_next < static_cast<int64_t>(replays.size())) {
+            const int64_t k = replays[replay_next];
+            const int64_t alloc = bytes_of(k) + replay_transient_[k];
+            if (mem_ + alloc <= budget || freeable == 0) {
+              ++replay_next;
+              replay_cur = k;
+              replay_end = now + replay_us_[k];
+              change_memory(now, alloc, next_op);
+              add_event(Stream::kCompute, EventKind::kRecompute, analysis_.candidates[k].tensor_id, now, replay_end,
+                        alloc);
+              progressed = true;
+            }
+          }
+          bool inputs_ready = replay_next >= static_cast<int64_t>(replays.size()) && replay_cur < 0;
           for (int64_t k : sched_.needed_by[next_op]) inputs_ready = inputs_ready && state_[k].fetched;
           const int64_t out = outputs_bytes_[next_op];
           if (inputs_ready && (mem_ + out <= budget || freeable == 0)) {
             running_op = next_op++;
-            r_.stall_us_per_op[running_op] = now - prev_end;
+            r_.stall_us_per_op[running_op] = now - prev_end - replayed_us;
+            replayed_us = 0.0;
             r_.op_start_us[running_op] = now;
             op_end = now + duration_us_[running_op];
             change_memory(now, out, running_op);
@@ -180,7 +220,7 @@ class Simulation {
           const bool out = state_[k].released;
           const bool fits = out && mem_ + bytes_of(k) <= budget;
           // Nothing running on compute and nothing queued to free: waiting would deadlock.
-          const bool forced = out && !fits && running_op < 0 && freeable == 0;
+          const bool forced = out && !fits && running_op < 0 && replay_cur < 0 && freeable == 0;
           if (fits || forced) {
             h2d_queue.pop_front();
             h2d_cur = k;
@@ -192,7 +232,7 @@ class Simulation {
           }
         }
       }
-      now = std::min({op_end, d2h_end, h2d_end});
+      now = std::min({op_end, d2h_end, h2d_end, replay_end});
       if (now == kInf) {
         MEMSCHED_CHECK(next_op == n_, "simulate: deadlock before op ", next_op, "; internal error");
         break;
@@ -210,6 +250,14 @@ class Simulation {
         state_[h2d_cur].fetched = true;
         h2d_cur = -1;
         h2d_end = kInf;
+      }
+      if (replay_end == now) {
+        state_[replay_cur].fetched = true;
+        for (int64_t j : replay_keeps_[replay_cur]) state_[j].fetched = true;
+        change_memory(now, -(replay_transient_[replay_cur] - replay_kept_bytes_[replay_cur]), current_op);
+        replayed_us += replay_us_[replay_cur];
+        replay_cur = -1;
+        replay_end = kInf;
       }
       if (op_end == now) {
         const int64_t i = running_op;
@@ -239,6 +287,18 @@ class Simulation {
     double now = 0.0;
     for (int64_t i = 0; i < n_; ++i) {
       const double prev_end = i > 0 ? r_.op_end_us[i - 1] : 0.0;
+      double replayed_us = 0.0;
+      for (int64_t k : sched_.replay_before[i]) {
+        const int64_t alloc = bytes_of(k) + replay_transient_[k];
+        change_memory(now, alloc, i);
+        add_event(Stream::kCompute, EventKind::kRecompute, analysis_.candidates[k].tensor_id, now,
+                  now + replay_us_[k], alloc);
+        now += replay_us_[k];
+        replayed_us += replay_us_[k];
+        change_memory(now, -(replay_transient_[k] - replay_kept_bytes_[k]), i);
+        state_[k].fetched = true;
+        for (int64_t j : replay_keeps_[k]) state_[j].fetched = true;
+      }
       for (int64_t k : sched_.prefetch_at[i]) {
         const double end = now + h2d_time_us(device_, bytes_of(k));
         r_.bytes_to_device += bytes_of(k);
@@ -247,7 +307,7 @@ class Simulation {
         state_[k].fetched = true;
         now = end;
       }
-      r_.stall_us_per_op[i] = now - prev_end;
+      r_.stall_us_per_op[i] = now - prev_end - replayed_us;
       r_.op_start_us[i] = now;
       change_memory(now, outputs_bytes_[i], i);
       add_event(Stream::kCompute, EventKind::kOp, i, now, now + duration_us_[i], outputs_bytes_[i]);
@@ -280,6 +340,10 @@ class Simulation {
   int64_t initial_bytes_ = 0;           // tensors live before the step
   OffloadSchedule sched_;
   std::vector<TensorState> state_;
+  std::vector<double> replay_us_;          // per candidate: replay time of a recomputed tensor
+  std::vector<int64_t> replay_transient_;  // per candidate: bytes its replay allocates besides itself
+  std::vector<std::vector<int64_t>> replay_keeps_;  // per candidate: candidates its replay recreates and keeps
+  std::vector<int64_t> replay_kept_bytes_;  // per candidate: their bytes (part of replay_transient_, not freed)
   int64_t mem_ = 0;
   SimResult r_;
 };
@@ -311,8 +375,25 @@ void SimResult::check_invariants(const Trace& trace, const Plan& plan) const {
   // Every offloaded tensor is back before its first backward use starts.
   const OffloadAnalysis analysis = analyze_offload(trace);
   for (size_t k = 0; k < plan.decisions.size(); ++k) {
-    if (!plan.decisions[k].offload) continue;
     const auto& c = analysis.candidates[k];
+    if (plan.decisions[k].recompute) {
+      int replays = 0;
+      for (const auto& e : events) {
+        if (e.kind != EventKind::kRecompute || e.id != c.tensor_id) continue;
+        ++replays;
+        MEMSCHED_CHECK(e.stream == Stream::kCompute && e.end_us <= op_start_us[c.first_backward_use],
+                       "sim invariant: tensor ", c.tensor_id, " is replayed by ", e.end_us,
+                       " us, after its first backward use (op ", c.first_backward_use, ") started");
+        MEMSCHED_CHECK(c.first_backward_use == 0 || e.start_us >= op_end_us[c.first_backward_use - 1],
+                       "sim invariant: tensor ", c.tensor_id, " is replayed before op ", c.first_backward_use - 1,
+                       " ended");
+      }
+      const int expected = plan.decisions[k].recompute_ops.empty() ? 0 : 1;  // 0: kept by an earlier replay
+      MEMSCHED_CHECK(replays == expected, "sim invariant: recomputed tensor ", c.tensor_id, " was replayed ",
+                     replays, " times (expected ", expected, ")");
+      continue;
+    }
+    if (!plan.decisions[k].offload) continue;
     int copies_in = 0;
     for (const auto& e : events) {
       if (e.kind != EventKind::kH2D || e.id != c.tensor_id) continue;

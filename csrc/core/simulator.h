@@ -27,9 +27,21 @@
 //     budget never triggers this (See Note [Modelled memory] in plan.h).
 //   - copies_on_compute_stream: each D2H copy runs on the compute stream right
 //     after op offload_after_op, each H2D copy right before op prefetch_at_op.
-//   - stall_us_per_op[i] = start of op i - end of op i-1 (end of "op -1" is 0):
-//     time the compute stream ran no op before op i (waiting for inputs or
-//     memory, or running synchronous copies). step_time_us = end of the last op.
+//   - Recompute (See Note [Recompute model] in recompute.h): a recomputed
+//     tensor is released when op last_forward_use ends. When the compute
+//     stream reaches op recompute_at_op (its first backward use), the replay
+//     of its recompute_ops runs on the compute stream before that op, one
+//     replay at a time (ascending tensor id), taking the sum of their op
+//     times. A replay allocates the tensor plus its transient bytes (the
+//     other outputs of its ops) when it starts -- waiting for budget room like
+//     an op -- and frees them when it ends, except the recomputed tensors it
+//     keeps alive (those with empty recompute_ops, ready from then on). The
+//     op waits for its replays.
+//   - stall_us_per_op[i] = start of op i - end of op i-1 (end of "op -1" is 0)
+//     - the replay time run in between: time the compute stream ran neither an
+//     op nor a replay before op i (waiting for inputs or memory, or running
+//     synchronous copies). step_time_us = end of the last op
+//     = compute_us + recompute_us + stall_us.
 #pragma once
 
 #include <cstdint>
@@ -43,17 +55,17 @@
 namespace memsched {
 
 enum class Stream { kCompute, kD2H, kH2D };
-enum class EventKind { kOp, kD2H, kH2D };  // what ran: an op or a copy in one direction
+enum class EventKind { kOp, kD2H, kH2D, kRecompute };  // what ran: an op, a copy, or a replay
 const char* to_string(Stream stream);
 const char* to_string(EventKind kind);
 
 struct TimelineEvent {
   Stream stream = Stream::kCompute;  // where it ran
-  EventKind kind = EventKind::kOp;   // kOp: id is an op id; kD2H/kH2D: id is a tensor id
+  EventKind kind = EventKind::kOp;   // kOp: id is an op id; kD2H/kH2D/kRecompute: id is a tensor id
   int64_t id = 0;                    // op id or tensor id
   double start_us = 0.0;             // microseconds from step start
   double end_us = 0.0;               // microseconds from step start
-  int64_t bytes = 0;                 // bytes copied (copies), bytes allocated at start (ops)
+  int64_t bytes = 0;                 // bytes copied (copies), bytes allocated at start (ops, replays)
 };
 
 struct MemorySample {
@@ -65,6 +77,7 @@ struct SimResult {
   double step_time_us = 0.0;             // end of the last op
   double compute_us = 0.0;               // sum of op times (step time with no stall)
   double stall_us = 0.0;                 // sum of stall_us_per_op
+  double recompute_us = 0.0;             // time the compute stream spent replaying recompute_ops
   std::vector<double> stall_us_per_op;   // See Note [Simulator semantics]
   std::vector<double> op_start_us;       // per op
   std::vector<double> op_end_us;         // per op
@@ -80,7 +93,8 @@ struct SimResult {
 
   // Throws if an invariant does not hold: memory never negative, copies on one
   // stream never overlap, ops in order without overlap, every offloaded
-  // tensor back before its first backward use (needs the plan and trace).
+  // tensor back (every recomputed tensor replayed, once) before its first
+  // backward use (needs the plan and trace).
   void check_invariants(const Trace& trace, const Plan& plan) const;
 };
 

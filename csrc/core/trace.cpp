@@ -2,6 +2,7 @@
 #include "core/trace.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 
 #include "core/check.h"
@@ -54,6 +55,16 @@ TensorKind tensor_kind_from_string(const std::string& text) {
   MEMSCHED_CHECK(parse_tensor_kind(text, &k), "unknown tensor kind '", text,
                  "'; expected parameter, gradient, activation, optimizer_state or temporary");
   return k;
+}
+
+bool is_rng_op_name(const std::string& name) {
+  std::string lower(name);
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+  for (const char* word : {"dropout", "bernoulli", "rand", "rrelu", "normal", "uniform", "multinomial", "exponential",
+                           "geometric", "cauchy"})
+    if (lower.find(word) != std::string::npos) return true;
+  return false;
 }
 
 bool is_valid_utf8(const std::string& text) {

@@ -78,7 +78,16 @@ struct Op {
   double flops = 0.0;           // floating-point operations
   int64_t bytes_read = 0;       // bytes of tensor inputs
   int64_t bytes_written = 0;    // bytes of tensor outputs
+  bool rng = false;             // draws random numbers (dropout, bernoulli, rand*): a replay must
+                                // restore the RNG state first (See Note [Recompute model] in recompute.h)
 };
+
+// True for op names that draw random numbers: they contain (case-insensitive)
+// dropout, bernoulli, rand (rand, randn, randint, randperm), rrelu, normal,
+// uniform, multinomial, exponential, geometric or cauchy. Conservative: a
+// false positive only asks a replay to restore the RNG state. The default of
+// Op::rng wherever a trace is built or read without the field.
+bool is_rng_op_name(const std::string& name);
 
 struct TensorRecord {
   int64_t id = 0;                      // == index in Trace::tensors

@@ -32,6 +32,7 @@ int64_t TraceBuilder::begin_op(const std::string& name, const std::string& modul
   op.name = name;
   op.module_path = module_path;
   op.phase = phase;
+  op.rng = is_rng_op_name(name);
   ops_.push_back(std::move(op));
   in_op_ = true;
   return ops_.back().id;

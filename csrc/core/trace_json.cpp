@@ -65,6 +65,14 @@ Op op_from_json(const json& j, size_t index) {
   op.flops = get_number(j, where, "flops");
   op.bytes_read = get_int(j, where, "bytes_read");
   op.bytes_written = get_int(j, where, "bytes_written");
+  // Optional (traces written before it lack it): derived from the name by default.
+  op.rng = is_rng_op_name(op.name);
+  if (j.contains("rng")) {
+    const json& v = j.at("rng");
+    MEMSCHED_CHECK(v.is_boolean(), "trace: ", where, " field 'rng' must be true or false (whether the op draws "
+                   "random numbers), got ", type_name(v), "; omit it to derive it from the op name");
+    op.rng = v.get<bool>();
+  }
   return op;
 }
 
@@ -188,6 +196,7 @@ std::string trace_to_json(const Trace& trace, int indent) {
                    {"flops", op.flops},
                    {"bytes_read", op.bytes_read},
                    {"bytes_written", op.bytes_written}});
+    if (op.rng != is_rng_op_name(op.name)) ops.back()["rng"] = op.rng;  // written only where not the default
   }
   json tensors = json::array();
   for (const TensorRecord& t : trace.tensors) {

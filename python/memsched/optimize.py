@@ -120,6 +120,23 @@ Note [Budgets]
   optimize() (ValueError naming budget and the forms); a budget below what any
   plan can reach raises the planner's MemschedError (naming the least budget)
   from the first run.step().
+
+Note [Recompute decisions run as keep]
+  Rationale: planner="hybrid" may decide to recompute an activation (Note
+  [Hybrid planner] in csrc/core/hybrid_planner.h). Executing that needs a
+  replay of forward ops during backward with the RNG state restored
+  (torch.utils.checkpoint's selective-checkpoint policy or an unpack-time
+  replay), which the executor does not do yet.
+  Approach: _executable_plan() turns every recompute decision into keep before
+  the schedule is built, warns once, and run.report() says how many tensors
+  and bytes the plan wanted recomputed, the replay time its simulation
+  predicted, and that they were kept. The
+  simulation, the schedule and the reported figures are those of the plan
+  that runs, so prediction and measurement stay comparable; offload decisions
+  run as planned. Keeping a tensor never changes a gradient.
+  Limitations: the kept tensors cost memory the budget did not count: the
+  step may exceed the budget by up to the recomputed bytes (the simulation of
+  the executed plan shows by how much: SimResult.over_budget, peak_bytes).
 """
 import collections
 import warnings
@@ -184,6 +201,7 @@ class Run:
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
         self.budget_note_ = ""                   # how a fraction was resolved, when run.report() should say
+        self.recompute_note_ = ""                # recompute decisions run as keep (Note [Recompute decisions run as keep])
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
         if device_model is not None:
@@ -483,6 +501,7 @@ class Run:
                 if isinstance(self.budget_spec, float) and "least budget" in str(err):
                     raise fraction_refusal(trace, self.budget_spec, err) from None
                 raise
+            self.plan = self._executable_plan(trace, self.plan)
         schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_)
         need = schedule.offloaded_bytes
         if self.host.limit is not None and need > self.host.limit:
@@ -497,6 +516,28 @@ class Run:
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)
         self.executor.active = True
+
+    def _executable_plan(self, trace, plan):
+        """The plan with recompute decisions kept. See Note [Recompute decisions run as keep]."""
+        if not any(getattr(d, "recompute", False) for d in plan.decisions):
+            return plan  # also a stand-in plan object without recompute fields
+        n, nbytes = plan.num_recomputed(), plan.recomputed_bytes(trace)
+        planned = simulate(trace, plan, self.device_model)  # the plan as made: its replay time, for the note
+        replay = f", {planned.recompute_us / 1e3:.3f} ms of replay in its simulated step" if planned is not None else ""
+        decisions = list(plan.decisions)
+        for d in decisions:
+            if d.recompute:
+                d.recompute = False
+                d.recompute_ops = []
+                d.recompute_at_op = -1
+        plan.decisions = decisions
+        plan.objective_name = f"{plan.objective_name} (recompute run as keep)"
+        self.recompute_note_ = (f"the {self.planner} plan recomputes {n} activation(s) ({format_bytes(nbytes)}{replay}); "
+                                f"recompute is not executed yet, so they were kept on the device (the step may "
+                                f"exceed the budget by up to {format_bytes(nbytes)})")
+        warnings.warn(f"memsched.optimize: {self.recompute_note_}. Offload decisions run as planned; gradients "
+                      f"are unchanged.", stacklevel=3)
+        return plan
 
     def _resolve_budget(self, trace):
         """(budget_bytes or None, planner name or None for keep everything). See Note [Budgets]."""
@@ -622,6 +663,8 @@ class Run:
         if limited:
             notes.append(f"{limited} offload(s) stayed on the device: host_memory_limit "
                          f"({format_bytes(self.host.limit)}) was reached (Note [Host memory limit])")
+        if self.recompute_note_:
+            notes.append(self.recompute_note_)
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes,

@@ -4,6 +4,7 @@ simulator.h); this module resolves budgets and device models and formats the com
 
 Entry points:
   plan(trace, budget, planner="dp", device=None, durations="auto") -> Plan
+    (planner="hybrid" may also recompute activations: TensorDecision.action, .recompute_ops)
   simulate(trace, plan, device=None, durations="auto") -> SimResult
   compare(trace, budget, planners="all", device=None) -> list of rows (one per planner)
   format_table(rows), save_timeline(trace, result, path, title)
@@ -187,7 +188,8 @@ def plan(trace, budget=None, planner="dp", device=None, durations="auto"):
 
 def simulate(trace, plan, device=None, durations="auto"):
     """Simulate one step of `trace` executing `plan`: SimResult with step_time_us, stall_us,
-    stall_us_per_op, peak_bytes, peak_time_us, bytes_to_host, bytes_to_device, timeline."""
+    stall_us_per_op, recompute_us (step_time_us == compute_us + recompute_us + stall_us), peak_bytes,
+    peak_time_us, bytes_to_host, bytes_to_device, timeline."""
     _check_trace(trace)
     if not isinstance(plan, _C.Plan):
         raise TypeError(f"plan: expected a memsched.Plan (from memsched.plan), got {type(plan).__name__}")
@@ -197,6 +199,7 @@ def simulate(trace, plan, device=None, durations="auto"):
 def compare(trace, budget, planners="all", device=None, durations="auto"):
     """Plan and simulate `trace` with each planner at one budget. Returns one dict per planner:
     planner, ok, error, plan, result, step_time_us, stall_us, peak_bytes, bytes_moved (both ways),
+    offloaded and recomputed (tensor counts), recompute_us (replay time on the compute stream),
     ratio (step time / keep_all's step time without a budget)."""
     _check_trace(trace)
     known = planner_names()
@@ -229,7 +232,7 @@ def compare(trace, budget, planners="all", device=None, durations="auto"):
         r = _C.simulate(trace, p, model)
         row.update(ok=True, plan=p, result=r, step_time_us=r.step_time_us, stall_us=r.stall_us,
                    peak_bytes=r.peak_bytes, bytes_moved=r.bytes_to_host + r.bytes_to_device,
-                   offloaded=p.num_offloaded(),
+                   offloaded=p.num_offloaded(), recomputed=p.num_recomputed(), recompute_us=r.recompute_us,
                    ratio=r.step_time_us / baseline.step_time_us if baseline.step_time_us > 0 else math.nan)
         rows.append(row)
     return rows
@@ -242,8 +245,10 @@ def best_row(rows):
 
 
 def format_table(rows):
-    """One line per planner: step time, stall, peak, bytes moved, ratio to keep_all (no budget)."""
-    header = f"{'planner':<22}{'step (ms)':>11}{'stall (ms)':>12}{'peak':>12}{'moved':>12}{'offloaded':>11}{'vs keep_all':>13}"
+    """One line per planner: step time, stall, peak, bytes moved, tensors offloaded and recomputed,
+    ratio to keep_all (no budget)."""
+    header = (f"{'planner':<22}{'step (ms)':>11}{'stall (ms)':>12}{'peak':>12}{'moved':>12}{'offloaded':>11}"
+              f"{'recomputed':>12}{'vs keep_all':>13}")
     lines = [header, "-" * len(header)]
     for r in rows:
         if not r["ok"]:
@@ -253,7 +258,7 @@ def format_table(rows):
             continue
         lines.append(f"{r['planner']:<22}{r['step_time_us'] / 1e3:>11.3f}{r['stall_us'] / 1e3:>12.3f}"
                      f"{format_bytes(r['peak_bytes']):>12}{format_bytes(r['bytes_moved']):>12}"
-                     f"{r['offloaded']:>11}{r['ratio']:>12.3f}x")
+                     f"{r['offloaded']:>11}{r['recomputed']:>12}{r['ratio']:>12.3f}x")
     return "\n".join(lines)
 
 
@@ -285,7 +290,7 @@ def save_timeline(result, path, title="simulated step", budget_bytes=None):
     ax_mem.set_ylabel("GiB")
     ax_mem.legend(loc="upper right")
     ax_mem.set_title(title)
-    colors = {"op": "tab:blue", "d2h": "tab:orange", "h2d": "tab:green"}
+    colors = {"op": "tab:blue", "recompute": "tab:red", "d2h": "tab:orange", "h2d": "tab:green"}
     for row, stream in enumerate(("compute", "d2h", "h2d")):
         spans = [(e["start_us"] / 1e3, (e["end_us"] - e["start_us"]) / 1e3) for e in tl[stream]]
         kinds = [e["kind"] for e in tl[stream]]

@@ -8,6 +8,10 @@ same initial weights, inputs and RNG state. The parameters and buffers at the
 end must be bitwise equal to plain PyTorch's -- or memsched must refuse at the
 first step with a clear error, before it changed anything.
 
+Under hybrid at 0.5 the CPU preset's cheap copies make the plans offload-only
+so far (recompute decisions would run as keep): that configuration checks the
+planner and plan validation on every module's trace.
+
 Under the offload planners every saved activation goes to host memory on
 CPU (min_offload_bytes is 0 there), so the executor's whole pack/unpack path
 runs; those steps must also execute the plan (not fall back to plain because
@@ -30,6 +34,7 @@ CONFIGS = {
     "offload_all_sync": dict(budget="1GiB", planner="offload_all_sync"),
     "offload_all_prefetch": dict(budget="1GiB", planner="offload_all_prefetch"),
     "dp-50%": dict(budget=0.5, planner="dp"),
+    "hybrid-50%": dict(budget=0.5, planner="hybrid"),  # recompute decisions run as keep for now
     "ooo-fused": "ooo",
     "offload+ooo-fused": dict(budget="1GiB", planner="offload_all_prefetch", ooo=True, fuse_optimizer=True),
 }

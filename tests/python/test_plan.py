@@ -72,7 +72,7 @@ def test_every_planner_within_budget(synthetic, planner):
     assert ids == sorted(ids) == memsched._C.offloadable_tensor_ids(synthetic)
     r = memsched.simulate(synthetic, plan, device="h100-pcie")
     assert r.peak_bytes <= budget and not r.over_budget
-    assert r.step_time_us == pytest.approx(r.compute_us + r.stall_us)
+    assert r.step_time_us == pytest.approx(r.compute_us + r.recompute_us + r.stall_us)
     assert r.bytes_to_host == r.bytes_to_device == plan.offloaded_bytes(synthetic)
     r.check_invariants(synthetic, plan)
 
@@ -138,7 +138,8 @@ def test_measure_device_on_gpu():
 
 
 def test_dp_no_slower_than_heuristics_on_a_profiled_model():
-    """On a real (small) transformer trace, dp's simulated step time is the best of all planners."""
+    """On a real (small) transformer trace, dp's simulated step time is the best of all offload-only
+    planners, and hybrid's the best of all."""
     model = memsched.models.build_model("transformer", "small")
     step = memsched.models.make_step_fn(model, "transformer", batch=8, size="small")
     trace = memsched.profile(step, model=model)
@@ -147,7 +148,9 @@ def test_dp_no_slower_than_heuristics_on_a_profiled_model():
         ok = {r["planner"]: r for r in rows if r["ok"]}
         assert "dp" in ok, budget
         for name, r in ok.items():
-            assert ok["dp"]["step_time_us"] <= r["step_time_us"] * (1 + 1e-9), (budget, name)
+            if name != "hybrid":  # hybrid may recompute, which dp cannot
+                assert ok["dp"]["step_time_us"] <= r["step_time_us"] * (1 + 1e-9), (budget, name)
+            assert ok["hybrid"]["step_time_us"] <= r["step_time_us"] * (1 + 1e-9), (budget, name)
 
 
 def test_cli_plan_table_and_png(synthetic, tmp_path, capsys):

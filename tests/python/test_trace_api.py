@@ -61,3 +61,16 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects_with_field_name(bad):
     with pytest.raises(ValueError, match="budget"):
         memsched.parse_bytes(bad)
+
+
+def test_op_rng_is_derived_from_the_name_and_can_be_set(tmp_path):
+    t = memsched.Trace()
+    t.add_op("aten::native_dropout")
+    t.add_op("aten::linear")
+    t.add_op("my_noise", rng=True)
+    assert [op.rng for op in t.ops] == [True, False, True]
+    with pytest.raises(memsched.MemschedError, match="rng must be True, False or None"):
+        t.add_op("x", rng="yes")
+    path = tmp_path / "t.json"
+    t.to_json(str(path))
+    assert [op.rng for op in memsched.Trace.from_json(str(path)).ops] == [True, False, True]
