@@ -7,11 +7,20 @@ difference to plain is the cost of memsched's hooks alone: the executor's pack/u
 tensor, its module hooks, and run.step()'s bookkeeping. Issue 10's goals: at most 3 us of
 overhead per saved tensor and at most 1.10x plain's step.
 
+Measured on this machine (2 cores, medians of 60 interleaved rounds, plain ~2.8 ms/step, 63 saved
+tensors per step):
+  Python hooks (before the C++ path):           1.41x, 18.3 us per saved tensor
+  C++ hooks (SavedTensorPath), default:         1.12x,  5.5 us
+  C++ hooks without the CPU memory count:       1.12x,  5.3 us
+  identity Python hooks (PyTorch's floor):      1.06x,  2.9 us
+The goals (1.10x, 3 us) sit at PyTorch's own saved-tensor hook floor on this model.
+
 Run: python3 -m pytest -q -s benchmarks/python/bench_offload_overhead.py
 Plain and memsched steps are interleaved (so machine load hits both alike); medians, the ratio and
 the per-saved-tensor overhead are printed and stored in extra_info.
 """
 
+import pytest
 import torch
 
 from bench_common import interleaved_medians, one_thread  # noqa: F401 (autouse fixture)
@@ -47,26 +56,49 @@ def _setup():
     return model, opt, step, train_step
 
 
-def test_optimize_keep_all_overhead_per_saved_tensor(benchmark):
-    """Two copies of the model, one plain and one under optimize(budget=None), stepped alternately."""
+def _identity_hooks_step(fwd_bwd, opt):
+    """The floor: PyTorch's saved-tensor hook machinery with Python identity hooks."""
+    def step():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            fwd_bwd()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+@pytest.mark.parametrize("config", ["default", "no-cpu-memory-count", "identity-hooks"])
+def test_optimize_keep_all_overhead_per_saved_tensor(benchmark, config):
+    """Two copies of the model, one plain and one under optimize(budget=None), stepped alternately.
+
+    default: what a CPU user runs (the executor also counts saved storages alive, for run.report());
+    no-cpu-memory-count: the same hooks without that count, i.e. the per-tensor work of the CUDA
+    path (which reads the allocator instead); identity-hooks: no memsched at all, PyTorch's
+    saved-tensor hook mechanism with `lambda t: t` -- the floor any hook-based offloader pays.
+    """
     _, _, plain_fwd_bwd, plain = _setup()
     model, opt, step, _ = _setup()
     for _ in range(3):
         plain()
     saved = _saved_tensors_per_step(plain_fwd_bwd)
     with optimize(model, opt, budget=None) as run:
+        run.executor.path.track_memory = config != "no-cpu-memory-count"
+
         def memsched_step():
             step()
             run.step()
 
         memsched_step()  # profiled
-        plain_s, ms_s = interleaved_medians(plain, memsched_step, ROUNDS)
+        measured = _identity_hooks_step(step, opt) if config == "identity-hooks" else memsched_step
+        if config == "identity-hooks":
+            run.executor.active = False  # the Run steps plainly; the identity hooks are the only hooks
+        plain_s, ms_s = interleaved_medians(plain, measured, ROUNDS)
         benchmark.group = "offload hooks: small transformer b8, CPU, keep everything"
-        benchmark.pedantic(memsched_step, rounds=ROUNDS, warmup_rounds=2)
+        benchmark.pedantic(measured, rounds=ROUNDS, warmup_rounds=2)
     per_saved_us = (ms_s - plain_s) / saved * 1e6
-    benchmark.extra_info.update(plain_median_ms=plain_s * 1e3, memsched_median_ms=ms_s * 1e3,
+    benchmark.extra_info.update(config=config, plain_median_ms=plain_s * 1e3, memsched_median_ms=ms_s * 1e3,
                                 ratio_vs_plain=ms_s / plain_s, saved_tensors_per_step=saved,
                                 overhead_us_per_saved_tensor=per_saved_us, threads=torch.get_num_threads())
-    print(f"\nsmall transformer b8, CPU, 1 thread: plain median {plain_s * 1e3:.3f} ms, optimize(budget=None) "
-          f"median {ms_s * 1e3:.3f} ms: {ms_s / plain_s:.2f}x (goal <= 1.10x); {saved} saved tensors per step, "
+    print(f"\nsmall transformer b8, CPU, 1 thread, {config}: plain median {plain_s * 1e3:.3f} ms, "
+          f"{'identity hooks' if config == 'identity-hooks' else 'optimize(budget=None)'} median "
+          f"{ms_s * 1e3:.3f} ms: {ms_s / plain_s:.2f}x (goal <= 1.10x); {saved} saved tensors per step, "
           f"{per_saved_us:.2f} us of overhead per saved tensor (goal <= 3 us)")
