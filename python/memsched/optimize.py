@@ -139,6 +139,7 @@ Note [Recompute decisions run as keep]
   the executed plan shows by how much: SimResult.over_budget, peak_bytes).
 """
 import collections
+import threading
 import warnings
 
 import torch
@@ -258,6 +259,7 @@ class Run:
         self.plan = None             # the plan executed now (None: keep everything)
         self.schedule = None         # OffloadSchedule of self.plan
         self.node_of_op_ = {}        # the profiled step's backward op -> autograd node offset
+        self.step_thread_ = None     # thread of this step's first forward (Note [One thread per step])
         self.simulation = None       # memsched.simulate() result for (trace, plan)
         self.budget_bytes = None     # resolved budget, bytes (None: no budget)
         self.step_stats = collections.deque(maxlen=history)  # StepStats of the last `history` executed steps
@@ -366,6 +368,8 @@ class Run:
     def _finish_step(self):
         """The step boundary before the update: stop the profile and plan, or end the executed step.
         Returns the executed step's StepStats (None for a profiled or not-profiled step)."""
+        self._check_step_thread()
+        self.step_thread_ = None
         if self.profile_ is not None:
             session, self.profile_ = self.profile_, None
             trace = session.stop()
@@ -442,7 +446,21 @@ class Run:
             except Exception:
                 pass  # a half-recorded step has no valid trace; drop it
 
+    def _check_step_thread(self):
+        """Note [One thread per step]: PyTorch's saved-tensor hooks are per thread; memsched pushes
+        them at a step's first forward and pops them at its end, so both must run on one thread.
+        Refused before anything changes: the step can still be ended from the forward's thread."""
+        here = threading.get_ident()
+        if self.step_thread_ is not None and self.step_thread_ != here:
+            raise _C.MemschedError(
+                "run.step() (or optimizer.step()) runs on another thread than this step's forward: "
+                "memsched's saved-tensor hooks are per thread (PyTorch keeps them in thread-local state), "
+                "pushed at the step's first forward and popped at its end. Run the forward, backward and "
+                "run.step() of a step on one thread (the data loading may use others)")
+
     def _root_pre(self, module, args):
+        if self.step_thread_ is None:
+            self.step_thread_ = threading.get_ident()
         if self.in_forward_ or (self.profile_ is not None and (
                 self.profile_failed_ or getattr(self.profile_, "backward_failed", False))):
             # The profiled forward raised (or a KeyboardInterrupt skipped our forward hook), or a
@@ -486,6 +504,12 @@ class Run:
     def _adopt_trace(self, trace):
         budget_bytes, planner = self._resolve_budget(trace)
         if planner is not None and not any(op.phase == "backward" for op in trace.ops):
+            if any(p.grad is not None for p in self.model.parameters()):
+                raise _C.MemschedError(
+                    "run.step(): the profiled step's parameters have gradients, but memsched's profiler saw no "
+                    "backward op: the backward ran on another thread than the forward (the profiler, like "
+                    "PyTorch's saved-tensor hooks, is per thread). Run the forward, backward and run.step() of "
+                    "a step on one thread (Note [One thread per step])")
             raise _C.MemschedError(
                 "run.step(): the profiled step ran no backward pass before run.step(), so there is nothing "
                 "to plan (no saved activation is used by a backward op); call loss.backward() before "
