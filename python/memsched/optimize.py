@@ -139,6 +139,7 @@ Note [Recompute decisions run as keep]
   the executed plan shows by how much: SimResult.over_budget, peak_bytes).
 """
 import collections
+import sys
 import threading
 import warnings
 
@@ -500,6 +501,8 @@ class Run:
                 self.profile_failed_ = True
             if self.ooo_ is not None:
                 self.ooo_.abandon_forward()
+            _explain_hook_refusal(sys.exc_info()[1])
+
 
     def _adopt_trace(self, trace):
         budget_bytes, planner = self._resolve_budget(trace)
@@ -765,6 +768,23 @@ class Run:
 
 _OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumulation_steps", "timeline", "history",
             "host_memory_limit")
+
+
+_HOOK_REFUSALS = ("don't yet support saved tensor hooks", "saved tensors default hooks are disabled")
+
+
+def _explain_hook_refusal(exc):
+    """Note [Forwards that refuse saved-tensor hooks]: torch.func transforms (grad, vjp, jacrev, ...)
+    and disable_saved_tensors_hooks inside the model's forward refuse any saved-tensor hooks, and
+    memsched's cover the whole forward. The error is PyTorch's; say why it happens under memsched."""
+    if exc is None or getattr(exc, "_memsched_noted", False) or not hasattr(exc, "add_note"):
+        return
+    if any(s in str(exc) for s in _HOOK_REFUSALS):
+        exc._memsched_noted = True
+        exc.add_note("memsched: this forward runs under memsched.optimize(), whose saved-tensor hooks cover the "
+                     "whole step, and torch.func transforms (or disable_saved_tensors_hooks) inside a forward "
+                     "refuse any saved-tensor hooks. Apply the transform outside the module memsched wraps, or "
+                     "train this model without memsched.optimize()")
 
 
 def compiled_module_reason(model):

@@ -235,3 +235,22 @@ def test_a_second_runs_forward_inside_the_first_runs_step_says_so():
                 rb.step()
     messages = [str(w.message) for w in caught]
     assert any("another memsched Run's step is open" in m for m in messages), messages
+
+
+def test_a_forward_using_torch_func_says_why_it_fails_under_memsched():
+    """torch.func transforms inside forward refuse any saved-tensor hooks: PyTorch's error carries a
+    note naming memsched and what to do (Note [Forwards that refuse saved-tensor hooks])."""
+    class Pinn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def forward(self, x):
+            du = torch.func.vmap(torch.func.grad(lambda xi: self.net(xi).squeeze()))(x)
+            return self.net(x) + du.sum(1, keepdim=True)
+
+    model = Pinn()
+    with optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=None):
+        with pytest.raises(RuntimeError, match="saved tensor hooks") as err:
+            model(torch.randn(4, 2)).sum().backward()
+    assert any("memsched.optimize()" in n for n in getattr(err.value, "__notes__", []))
