@@ -162,7 +162,7 @@ class _Checkpointed(nn.Module):
 COMPILE = "torch.compile budget 0.5"
 TRL = "trl OffloadActivations"
 METHODS = ["plain", "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched dp 30%", "memsched dp 50%",
-           "memsched dp 70%", "memsched greedy 50%", COMPILE, TRL]
+           "memsched dp 70%", "memsched greedy 50%", "memsched hybrid 50%", "memsched hybrid 30%", COMPILE, TRL]
 COMPILE_BUDGET = 0.5
 
 

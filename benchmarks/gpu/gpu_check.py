@@ -51,8 +51,8 @@ WEIGHTS = collections.OrderedDict([("build", 110), ("cuda_tests", 70), ("offload
                                    ("offload_resnet", 60), ("ooo", 45), ("allocator", 65)])
 # bench_offload rows in order of what the issue asks first, so a short budget drops the least wanted.
 OFFLOAD_ORDER = ["plain", "torch.compile budget 0.5", "trl OffloadActivations", "offload_all_prefetch",
-                 "memsched dp 70%", "memsched dp 50%", "checkpoint", "save_on_cpu", "memsched dp 30%",
-                 "memsched greedy 50%"]
+                 "memsched dp 70%", "memsched dp 50%", "checkpoint", "save_on_cpu", "memsched hybrid 50%",
+                 "memsched hybrid 30%", "memsched dp 30%", "memsched greedy 50%"]
 
 PROBE = r"""
 import json, os, platform, shutil, subprocess
