@@ -19,7 +19,8 @@ def test_bench_offload_small_runs_on_cpu(tmp_path):
     rows = res["models"]["gpt"]["rows"]
     assert [r["method"] for r in rows] == ["plain", "save_on_cpu", "offload_all_prefetch", "checkpoint",
                                            "memsched dp 30%", "memsched dp 50%", "memsched dp 70%",
-                                           "memsched greedy 50%", "torch.compile budget 0.5",
+                                           "memsched greedy 50%", "memsched hybrid 50%", "memsched hybrid 30%",
+                                           "torch.compile budget 0.5",
                                            "trl OffloadActivations"]
     by = {r["method"]: r for r in rows}
     for name in ("plain", "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched greedy 50%"):
