@@ -388,7 +388,6 @@ class OffloadExecutor:
         self.graph_ = None          # weakref to this step's _StepGraph (None: nothing offloaded yet)
         self.dropped_ = set()       # ordinals offloaded in this step (their handles may have died)
         self.queued_ = []           # (_Offloaded, flat device bytes) whose D2H copy is not issued yet
-        self.queued_op_ = -1        # autograd sequence number when they were queued
         self.fetched_ = {}          # storage key of a fetched copy -> (StorageWeakRef, ordinal)
         self.stall_events_ = []     # CUDA: (before, after) events around each compute-stream wait
         self.t0_ = time.perf_counter()
@@ -618,8 +617,7 @@ class OffloadExecutor:
         h = _Offloaded(k, nbytes, t._version, _C.version_counter_key(t), None, StorageWeakRef(storage), graph)
         h.tensor = weakref.ref(t)
         self.queued_.append((h, flat))
-        self.queued_op_ = _C.autograd_sequence_peek()
-        self.path.queued_op = self.queued_op_
+        self.path.queued_op = _C.autograd_sequence_peek()  # See Note [Copy after the op]
         self.path.has_queued = True
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += nbytes
@@ -684,7 +682,7 @@ class OffloadExecutor:
                 for h in first.copies() if first is not None else ():
                     if h.h2d is None and h.device_bytes is None:
                         h.h2d = self.engine.fetch(h.d2h.dst, after=h.d2h)
-                        self._track(h.h2d.dst, h.nbytes)
+                        self.path.track(h.h2d.dst)
                         self.stats.prefetched += 1
         self.path.need_poll = self.engine.pending_count() > 0
 
@@ -702,7 +700,7 @@ class OffloadExecutor:
         else:
             start = time.perf_counter()
             ticket = self.engine.fetch(h.d2h.dst, after=h.d2h)
-            self._track(ticket.dst, h.nbytes)
+            self.path.track(ticket.dst)
             self.stats.on_demand += 1
             self.path.need_poll = self.engine.pending_count() > 0
             if not self.engine.is_cuda:
@@ -721,11 +719,6 @@ class OffloadExecutor:
         else:
             warnings.warn(f"memsched: this step does not match the profiled trace ({why}); "
                           "it runs without offloading from there on", RuntimeWarning, stacklevel=3)
-
-    def _track(self, t, nbytes):
-        """Count a device storage's bytes while it lives (CPU memory samples; CUDA reads the allocator).
-        See Note [CPU memory by weak references] in csrc/torch/saved_tensor_path.cpp."""
-        self.path.track(t)
 
     def _sample(self):
         """A memory sample: the timeline's (timeline=True), otherwise only the CPU peak (CUDA reads
