@@ -11,6 +11,8 @@
 #include "core/simulator.h"
 #include "core/trace.h"
 
+#include "trace_fixtures.h"
+
 namespace memsched {
 namespace {
 
@@ -31,15 +33,7 @@ Trace small_trace() {
     t.ops.push_back(op);
   }
   auto add = [&](int64_t bytes, TensorKind kind, int64_t producer, std::vector<int64_t> uses, int64_t freed) {
-    TensorRecord r;
-    r.id = static_cast<int64_t>(t.tensors.size());
-    r.bytes = bytes;
-    r.dtype = "float32";
-    r.kind = kind;
-    r.producer_op = producer;
-    r.uses = std::move(uses);
-    r.freed_after_op = freed;
-    t.tensors.push_back(r);
+    test_traces::add_tensor(t, bytes, kind, producer, std::move(uses), freed);
   };
   add(100, TensorKind::kParameter, kBeforeStep, {0, 6}, kAfterStep);
   add(1000, TensorKind::kActivation, kBeforeStep, {0, 6}, 6);
@@ -99,15 +93,7 @@ TEST(Recompute, InPlaceWritersAreReplayedWithTheProducer) {
     t.ops.push_back(op);
   }
   auto add = [&](TensorKind kind, int64_t producer, std::vector<int64_t> uses, int64_t freed) {
-    TensorRecord r;
-    r.id = static_cast<int64_t>(t.tensors.size());
-    r.bytes = 64;
-    r.dtype = "float32";
-    r.kind = kind;
-    r.producer_op = producer;
-    r.uses = std::move(uses);
-    r.freed_after_op = freed;
-    t.tensors.push_back(r);
+    test_traces::add_tensor(t, 64, kind, producer, std::move(uses), freed);
   };
   add(TensorKind::kParameter, kBeforeStep, {0, 3}, kAfterStep);  // x (held all step)
   add(TensorKind::kActivation, 0, {1, 2, 3, 4}, 4);               // the mask

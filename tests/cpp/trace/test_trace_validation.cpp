@@ -23,6 +23,8 @@
 #include "core/trace.h"
 #include "core/trace_json.h"
 
+#include "trace_fixtures.h"
+
 namespace memsched {
 namespace {
 
@@ -41,15 +43,7 @@ Trace four_op_trace() {
     t.ops.push_back(op);
   }
   auto add = [&](int64_t bytes, TensorKind kind, int64_t producer, std::vector<int64_t> uses, int64_t freed) {
-    TensorRecord r;
-    r.id = static_cast<int64_t>(t.tensors.size());
-    r.bytes = bytes;
-    r.dtype = "float32";
-    r.kind = kind;
-    r.producer_op = producer;
-    r.uses = std::move(uses);
-    r.freed_after_op = freed;
-    t.tensors.push_back(r);
+    test_traces::add_tensor(t, bytes, kind, producer, std::move(uses), freed);
   };
   add(1000, TensorKind::kParameter, kBeforeStep, {0, 3}, kAfterStep);
   add(100, TensorKind::kActivation, 0, {1, 3}, 3);
