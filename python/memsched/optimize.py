@@ -121,22 +121,13 @@ Note [Budgets]
   plan can reach raises the planner's MemschedError (naming the least budget)
   from the first run.step().
 
-Note [Recompute decisions run as keep]
-  Rationale: planner="hybrid" may decide to recompute an activation (Note
-  [Hybrid planner] in csrc/core/hybrid_planner.h). Executing that needs a
-  replay of forward ops during backward with the RNG state restored
-  (torch.utils.checkpoint's selective-checkpoint policy or an unpack-time
-  replay), which the executor does not do yet.
-  Approach: _executable_plan() turns every recompute decision into keep before
-  the schedule is built, warns once, and run.report() says how many tensors
-  and bytes the plan wanted recomputed, the replay time its simulation
-  predicted, and that they were kept. The
-  simulation, the schedule and the reported figures are those of the plan
-  that runs, so prediction and measurement stay comparable; offload decisions
-  run as planned. Keeping a tensor never changes a gradient.
-  Limitations: the kept tensors cost memory the budget did not count: the
-  step may exceed the budget by up to the recomputed bytes (the simulation of
-  the executed plan shows by how much: SimResult.over_budget, peak_bytes).
+Note [Recompute decisions run]
+  planner="hybrid" may recompute activations (Note [Hybrid planner] in
+  csrc/core/hybrid_planner.h). The executor runs those decisions as planned:
+  each is released after the forward and replayed from the ops that made it
+  at its first unpack (Note [Unpack-time recompute] in offload/recompute.py).
+  A save the executor cannot replay exactly keeps its tensor, and run.report()
+  counts it with the reason; the budget may then be exceeded by its bytes.
 """
 import collections
 import sys
@@ -203,7 +194,6 @@ class Run:
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
         self.budget_note_ = ""                   # how a fraction was resolved, when run.report() should say
-        self.recompute_note_ = ""                # recompute decisions run as keep (Note [Recompute decisions run as keep])
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
         if device_model is not None:
@@ -528,7 +518,6 @@ class Run:
                 if isinstance(self.budget_spec, float) and "least budget" in str(err):
                     raise fraction_refusal(trace, self.budget_spec, err) from None
                 raise
-            self.plan = self._executable_plan(trace, self.plan)
         schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_)
         need = schedule.offloaded_bytes
         if self.host.limit is not None and need > self.host.limit:
@@ -543,28 +532,6 @@ class Run:
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)
         self.executor.active = True
-
-    def _executable_plan(self, trace, plan):
-        """The plan with recompute decisions kept. See Note [Recompute decisions run as keep]."""
-        if not any(getattr(d, "recompute", False) for d in plan.decisions):
-            return plan  # also a stand-in plan object without recompute fields
-        n, nbytes = plan.num_recomputed(), plan.recomputed_bytes(trace)
-        planned = simulate(trace, plan, self.device_model)  # the plan as made: its replay time, for the note
-        replay = f", {planned.recompute_us / 1e3:.3f} ms of replay in its simulated step" if planned is not None else ""
-        decisions = list(plan.decisions)
-        for d in decisions:
-            if d.recompute:
-                d.recompute = False
-                d.recompute_ops = []
-                d.recompute_at_op = -1
-        plan.decisions = decisions
-        plan.objective_name = f"{plan.objective_name} (recompute run as keep)"
-        self.recompute_note_ = (f"the {self.planner} plan recomputes {n} activation(s) ({format_bytes(nbytes)}{replay}); "
-                                f"recompute is not executed yet, so they were kept on the device (the step may "
-                                f"exceed the budget by up to {format_bytes(nbytes)})")
-        warnings.warn(f"memsched.optimize: {self.recompute_note_}. Offload decisions run as planned; gradients "
-                      f"are unchanged.", stacklevel=3)
-        return plan
 
     def _resolve_budget(self, trace):
         """(budget_bytes or None, planner name or None for keep everything). See Note [Budgets]."""
@@ -650,11 +617,14 @@ class Run:
             out["prefetched"] = len(sched.trigger_op)
             out["on_demand"] = len(sched.offload) - len(sched.trigger_op)
             out["bytes_moved"] = 2 * sched.offloaded_bytes
+            out["recomputed"] = len(sched.recompute)
+            out["recomputed_bytes"] = sum(sched.bytes[k] for k in sched.recompute)
         sim = self.simulation
         if sim is not None:
             out["peak_bytes"] = sim.peak_bytes
             out["step_time_s"] = sim.step_time_us / 1e6
             out["stall_s"] = sim.stall_us / 1e6
+            out["recompute_s"] = sim.recompute_us / 1e6
             out["bytes_moved"] = sim.bytes_to_host + sim.bytes_to_device
         elif self.plan is None:
             out["peak_bytes"] = self.trace.peak_bytes()
@@ -690,8 +660,13 @@ class Run:
         if limited:
             notes.append(f"{limited} offload(s) stayed on the device: host_memory_limit "
                          f"({format_bytes(self.host.limit)}) was reached (Note [Host memory limit])")
-        if self.recompute_note_:
-            notes.append(self.recompute_note_)
+        kept = collections.Counter()
+        for st in self.step_stats:
+            kept.update(st.recompute_kept_reasons)
+        if kept:
+            why = ", ".join(f"{n} {reason}" for reason, n in kept.most_common())
+            notes.append(f"{sum(kept.values())} planned recompute(s) kept their tensor instead ({why}; Note "
+                         f"[Unpack-time recompute]): the step may exceed the budget by their bytes")
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes,

@@ -8,9 +8,11 @@ same initial weights, inputs and RNG state. The parameters and buffers at the
 end must be bitwise equal to plain PyTorch's -- or memsched must refuse at the
 first step with a clear error, before it changed anything.
 
-Under hybrid at 0.5 the CPU preset's cheap copies make the plans offload-only
-so far (recompute decisions would run as keep): that configuration checks the
-planner and plan validation on every module's trace.
+Under hybrid at 0.5 the CPU preset's cheap copies make the plans mostly
+offload-only; "hybrid-recompute-50%" plans for a device whose copies take
+seconds, so the plan recomputes wherever it can and every module's forward
+ops are recorded and replayed (Note [Unpack-time recompute]): those steps
+must recompute what the plan says, or say why a save kept its tensor.
 
 Under the offload planners every saved activation goes to host memory on
 CPU (min_offload_bytes is 0 there), so the executor's whole pack/unpack path
@@ -34,7 +36,8 @@ CONFIGS = {
     "offload_all_sync": dict(budget="1GiB", planner="offload_all_sync"),
     "offload_all_prefetch": dict(budget="1GiB", planner="offload_all_prefetch"),
     "dp-50%": dict(budget=0.5, planner="dp"),
-    "hybrid-50%": dict(budget=0.5, planner="hybrid"),  # recompute decisions run as keep for now
+    "hybrid-50%": dict(budget=0.5, planner="hybrid"),
+    "hybrid-recompute-50%": dict(budget=0.5, planner="hybrid", device_model="slow-copies"),
     "ooo-fused": "ooo",
     "offload+ooo-fused": dict(budget="1GiB", planner="offload_all_prefetch", ooo=True, fuse_optimizer=True),
 }
@@ -76,7 +79,18 @@ def _train_ooo(variant, progress):
     return model, None
 
 
+def _slow_copies():
+    """A device whose copies cost seconds: the hybrid planner recomputes wherever it can."""
+    d = memsched.DeviceModel()
+    d.name = "slow-copies"
+    d.d2h_bw_gbps = d.h2d_bw_gbps = 1e-3
+    d.d2h_latency_us = d.h2d_latency_us = 1e6
+    return d
+
+
 def _train_optimize(variant, kwargs, progress):
+    if kwargs.get("device_model") == "slow-copies":
+        kwargs = dict(kwargs, device_model=_slow_copies())
     case, model, opt = _build(variant)
     torch.manual_seed(1)
     with optimize(model, optimizer=opt, **kwargs) as run:
@@ -159,3 +173,10 @@ def test_module_trains_bitwise_as_plain(variant, config):
         assert not diverged, f"{variant} under {config}: the plan did not run: {diverged[0]}"
         if run.trace.activation_bytes() > 0:
             assert all(s.offloaded > 0 for s in executed), f"{variant} under {config}: nothing was offloaded"
+    if run is not None and config == "hybrid-recompute-50%" and run.schedule is not None \
+            and run.schedule.recompute and variant not in PROFILE_ORDER_DIFFERS:
+        executed = [s for s in run.step_stats if s.mode == "planned"]
+        assert executed, f"{variant}: no step executed the plan"
+        for s in executed:
+            assert s.recomputed + s.recompute_kept == len(run.schedule.recompute), (variant, s)
+            assert s.recompute_kept == 0, f"{variant}: planned recomputes kept: {s.recompute_kept_reasons}"

@@ -130,6 +130,7 @@ from torch.utils._pytree import tree_leaves
 from memsched import _C
 from memsched.copy_inert import inert_on_copy
 from memsched.offload.copy_engine import CopyEngine
+from memsched.offload.recompute import ForwardOpLog, RecomputedView, RecomputeStats
 from memsched.saved_tensors import storage_key
 
 
@@ -156,6 +157,12 @@ class StepStats:
     memory_source: str = ""        # what the samples measure
     mismatch: str = ""             # first identity mismatch, "" if none
     host_limited: int = 0          # COUNT offloads kept on the device: host_memory_limit reached
+    recomputed: int = 0            # COUNT storages released after the forward and replayed in backward
+    recomputed_bytes: int = 0      # SUM
+    replays: int = 0               # COUNT recipes run (a shared replay recreates several storages)
+    replay_s: float = 0.0          # host seconds spent replaying (CUDA: launches, not kernel time)
+    recompute_kept: int = 0        # COUNT planned recomputes kept on the device (Note [Unpack-time recompute])
+    recompute_kept_reasons: dict = field(default_factory=dict)
     samples: list = field(default_factory=list)  # [(t_s, bytes)] memory over the step (timeline=True only)
     copies_: list = field(default_factory=list)  # see copies
     pending_: object = field(default=None, repr=False, compare=False)  # (ready, resolve) of CUDA events
@@ -301,6 +308,7 @@ class OffloadExecutor:
         self.active = True                       # False: forward runs untouched (e.g. while profiling)
         self.handles_ = []                       # hook handles on the root module
         self.pushed_ = False                     # our saved-tensor hooks are on the hook stack
+        self.oplog_ = None                       # the running forward's ForwardOpLog (recompute plans only)
         self.buried_ = False                     # popped by us but under the caller's hooks: pop when on top
         self.in_step__ = False                   # a step has started (first forward seen)
         self.forward_failed__ = False            # the last forward raised: restart numbering
@@ -376,7 +384,7 @@ class OffloadExecutor:
         if schedule is None:
             self.path.clear_schedule()
         else:
-            self.path.set_schedule(schedule.labels, schedule.offload, schedule.first_bwd_op,
+            self.path.set_schedule(schedule.labels, schedule.offload | schedule.recompute, schedule.first_bwd_op,
                                    [q for q, ks in schedule.prefetch_at.items() if ks])
             self.path.set_trigger_nodes(schedule.trigger_nodes)
         self.engine.on_compute_stream = bool(schedule is not None and schedule.copies_on_compute_stream)
@@ -392,6 +400,10 @@ class OffloadExecutor:
         self.stall_events_ = []     # CUDA: (before, after) events around each compute-stream wait
         self.t0_ = time.perf_counter()
         self.t0_event_ = None
+        self._stop_recording()
+        self.oplogs_ = []           # this step's ForwardOpLogs (Note [Unpack-time recompute]), one per forward
+        self.recipes_ = weakref.WeakValueDictionary()  # recomputed ordinal -> its Recipe
+        self.recompute_stats = RecomputeStats()
         # counters, memory samples, the prefetch trigger and `diverged` live in self.path
         self.path.begin_step(self.t0_)
 
@@ -424,6 +436,10 @@ class OffloadExecutor:
         self._sample()
         stats.activations = self.path.activations
         stats.activation_bytes = self.path.activation_bytes
+        rs = self.recompute_stats
+        stats.recomputed, stats.recomputed_bytes, stats.replays = rs.recomputed, rs.recomputed_bytes, rs.replays
+        stats.replay_s, stats.recompute_kept = rs.replay_s, rs.kept_instead
+        stats.recompute_kept_reasons = dict(rs.kept_reasons or {})
         stats.peak_bytes = self.path.peak_bytes
         if self.timeline:
             stats.samples = list(self.path.samples)
@@ -484,9 +500,12 @@ class OffloadExecutor:
                 return
             torch._C._autograd._push_saved_tensors_default_hooks(self.pack_fn_, self.unpack_fn_)
             self.pushed_ = True
+        if self.pushed_ and self.schedule is not None and self.schedule.recompute:
+            self._start_recording()
 
     def _forward_post(self, module, args, output):
         self.in_forward_ = False
+        self._stop_recording()
         if self.queued_:
             self._issue_copies()
         if output is not None and self.in_step_ and self.schedule is not None and self.schedule.trigger_nodes:
@@ -504,6 +523,7 @@ class OffloadExecutor:
     def _abandon_step(self):
         """Drop the running step: pop our hooks, wait for its copies and release what they held.
         What its graph holds (host copies, fetched copies) dies with the graph."""
+        self._stop_recording()
         self._pop_hooks()
         self.engine.finish()
         self._reset_step()
@@ -525,9 +545,59 @@ class OffloadExecutor:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self.buried_ = False
 
+    # -- unpack-time recompute (See Note [Unpack-time recompute] in recompute.py) -----------------------
+    def _start_recording(self):
+        """Record this forward's chain ops; its first op is the trace's n-th forward start."""
+        n = len(self.oplogs_)
+        starts = self.schedule.forward_starts
+        if n >= len(starts) or self.diverged_ or torch._C._len_torch_dispatch_stack() > 0:
+            return  # not matchable (or under a caller's dispatch mode): its recomputes keep their tensors
+        log = ForwardOpLog(self.schedule.recompute_ops, self.schedule.shared, self.recompute_stats)
+        self.oplogs_.append(log)
+        log.push(starts[n])
+        self.oplog_ = log
+
+    def _stop_recording(self):
+        log, self.oplog_ = getattr(self, "oplog_", None), None
+        if log is not None:
+            log.pop()
+
+    def _pack_recompute(self, t, k, first):
+        """A save of ordinal k, which the plan recomputes: a RecomputedView, or kept (a tuple)."""
+        stats = self.recompute_stats
+        recipe = self.recipes_.get(k)
+        if first:
+            log = self.oplog_
+            recipe = log.begin(t, k) if log is not None else "forward not recorded"
+            if isinstance(recipe, str):
+                stats.keep(recipe)
+                recipe = None
+            else:
+                self.recipes_[k] = recipe  # counted as recomputed (or kept) once its op has run
+                recipe.label = self.path.label(k)
+        elif recipe is not None and (storage_key(t) != recipe.key or t._version != recipe.version):
+            recipe = None  # another storage or version at this ordinal: keep this save
+        if recipe is None:
+            return (k, t.detach(), t._version)  # See Notes [Packing without reference cycles], [Version checks]
+        recipe.packs += 1
+        return RecomputedView(recipe, self.oplog_ or (self.oplogs_[-1] if self.oplogs_ else None), self, t)
+
     # -- the slow path of the C++ hooks (See Note [The saved-tensor fast path]) ----------------------
     def _pack_slow(self, t, k, may_offload, nbytes):
-        """A save of ordinal k, which the plan offloads. may_offload: its first pack, matching the trace."""
+        """A save of ordinal k, which the plan offloads or recomputes. may_offload: its first pack,
+        matching the trace."""
+        log = self.oplog_
+        if log is None:
+            return self._pack_slow_unlogged(t, k, may_offload, nbytes)
+        log.paused += 1  # ops issued here are not the model's (Note [Unpack-time recompute])
+        try:
+            return self._pack_slow_unlogged(t, k, may_offload, nbytes)
+        finally:
+            log.paused -= 1
+
+    def _pack_slow_unlogged(self, t, k, may_offload, nbytes):
+        if k in self.schedule.recompute:
+            return self._pack_recompute(t, k, may_offload)
         h = None
         if may_offload and self._offloadable(t, nbytes):
             h = self._offload(k, t, nbytes)  # held here: the table's reference is weak
@@ -561,7 +631,14 @@ class OffloadExecutor:
 
     def _poll(self):
         """Release what completed copies held; True while copies are still in flight."""
-        self.engine.poll()
+        log = self.oplog_
+        if log is not None:
+            log.paused += 1  # ops issued here are not the model's (Note [Unpack-time recompute])
+        try:
+            self.engine.poll()
+        finally:
+            if log is not None:
+                log.paused -= 1
         return self.engine.pending_count() > 0
 
     def _memory_allocated(self):
@@ -626,8 +703,15 @@ class OffloadExecutor:
     def _issue_copies(self):
         queued, self.queued_ = self.queued_, []
         self.path.has_queued = False
-        for h, flat in queued:
-            h.d2h = self.engine.offload(flat)
+        log = self.oplog_
+        if log is not None:
+            log.paused += 1  # ops issued here are not the model's (Note [Unpack-time recompute])
+        try:
+            for h, flat in queued:
+                h.d2h = self.engine.offload(flat)
+        finally:
+            if log is not None:
+                log.paused -= 1
         self.path.need_poll = self.engine.pending_count() > 0
 
     def _copy_for(self, h, t):

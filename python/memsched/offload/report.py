@@ -113,6 +113,9 @@ def build_report(run_info, planned, step_stats, notes=(), counts=None):
             "offloaded_bytes": int(med("offloaded_bytes")),
             "prefetched": int(med("prefetched")),
             "on_demand": int(med("on_demand")),
+            "recomputed": int(med("recomputed")),
+            "recomputed_bytes": int(med("recomputed_bytes")),
+            "recompute_s": med("replay_s"),
         }
         r.memory_source = executed[-1].memory_source
     m, p = r.measured, r.planned
@@ -128,6 +131,13 @@ def build_report(run_info, planned, step_stats, notes=(), counts=None):
         ["prefetched / on demand", f"{p.get('prefetched', '-')} / {p.get('on_demand', '-')}",
          f"{m.get('prefetched', '-')} / {m.get('on_demand', '-')}"],
     ]
+    if p.get("recomputed") or m.get("recomputed"):
+        rows += [
+            ["recomputed activations", f"{p.get('recomputed', '-')} ({_b(p.get('recomputed_bytes'))})",
+             f"{m.get('recomputed', '-')} ({_b(m.get('recomputed_bytes'))})"],
+            # measured: host time in the replays (on CUDA their launches; the kernels are in step time)
+            ["recompute time", _ms(p.get("recompute_s")), _ms(m.get("recompute_s"))],
+        ]
     budget = (format_bytes(r.budget_bytes) if r.budget_bytes is not None
               else r.budget_text or "none (keep all)")
     head = (f"memsched.optimize: device {r.device}, planner {r.planner}, budget {budget}; steps: "

@@ -86,6 +86,10 @@ class OffloadSchedule:
         self.skipped_small = 0     # COUNT: planned offloads below the size floor (kept)
         self.skipped_held = 0      # COUNT: planned offloads of tensors held past the step (kept)
         self.copies_on_compute_stream = False  # the plan wants copies on the compute stream (offload_all_sync)
+        self.recompute = set()     # ordinals released after the forward and replayed (Note [Unpack-time recompute])
+        self.recompute_ops = set() # forward trace op ids of their chains: what the forward records
+        self.shared = set()        # recomputed ordinals the plan recreates inside another one's replay
+        self.forward_starts = []   # trace op id where each forward of the step begins
 
     @classmethod
     def build(cls, trace, plan, min_bytes=0, node_of_op=None):
@@ -122,6 +126,9 @@ class OffloadSchedule:
         for op, node in sorted((node_of_op or {}).items()):
             node_first_op.setdefault(node, op)
         for d in plan_decisions(plan):
+            if getattr(d, "recompute", False):
+                s._add_recompute(d, ordinal_of_id, held, min_bytes)
+                continue
             if not d.offload:
                 continue
             k = ordinal_of_id.get(d.tensor_id)
@@ -147,10 +154,28 @@ class OffloadSchedule:
                 continue  # on demand
             s.trigger_op[k] = trigger
             s.prefetch_at.setdefault(trigger, []).append(k)
+        if s.recompute:
+            s.forward_starts = [op.id for op in ops
+                                if op.phase == "forward" and (op.id == 0 or ops[op.id - 1].phase != "forward")]
         s.trigger_ops = sorted(s.prefetch_at)
         s.trigger_nodes = {n: q for n, q in s.trigger_nodes.items() if q in s.prefetch_at}
         s.check_invariants()
         return s
+
+    def _add_recompute(self, d, ordinal_of_id, held, min_bytes):
+        k = ordinal_of_id.get(d.tensor_id)
+        if k is None or k not in self.first_bwd_op:
+            return
+        if k in held:
+            self.skipped_held += 1  # See Note [Activations held past the step]
+            return
+        if self.bytes[k] < min_bytes:
+            self.skipped_small += 1
+            return
+        self.recompute.add(k)
+        self.recompute_ops.update(d.recompute_ops)
+        if not d.recompute_ops:
+            self.shared.add(k)
 
     def triggers_through(self, op, fired_upto):
         """Trigger ops in (fired_upto, op], in order; -1 (backward start) first when fired_upto < -1."""
@@ -164,6 +189,7 @@ class OffloadSchedule:
 
     def check_invariants(self):
         assert self.offload <= set(self.first_bwd_op), "offloaded tensors are read in backward"
+        assert self.recompute <= set(self.first_bwd_op) and not (self.recompute & self.offload)
         for k, q in self.trigger_op.items():
             assert k in self.offload and q < self.first_bwd_op[k], "a prefetch fires before its first use"
             assert k in self.prefetch_at[q]

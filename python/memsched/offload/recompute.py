@@ -1,0 +1,591 @@
+"""Unpack-time recompute: the executor's side of a plan's recompute decisions (planner="hybrid").
+
+Entry points: ForwardOpLog (a dispatch mode over one forward that records the ops of the plan's
+recompute chains), Recipe (what recreates one activation) and RecomputeStats.
+
+Note [Unpack-time recompute]
+  Rationale: a recomputed activation is released after the forward and recreated just before its
+  first backward use by replaying the forward ops that made it (Note [Recompute model] in
+  csrc/core/recompute.h). torch.utils.checkpoint replays whole regions under hooks of its own,
+  which would hide the region's saves from the executor's numbering (and its offloads); here
+  the replay is per activation, exactly the chain the planner priced.
+  Approach:
+    Recording. While a step's forward runs, a TorchDispatchMode counts the aten ops the profiler
+    counted (views and profiler markers pass through uncounted, as in RecordingMode), starting at
+    the trace op where this forward began. An op whose trace id is in some recomputed
+    activation's chain is run and recorded: its function, its arguments with every tensor either
+    *produced in this step by a recorded op* (kept only as storage key + view geometry: no
+    reference, so the storage can die) or *external* (held, with its version), and the RNG state
+    before it when its schema takes a Generator. Every other op runs untouched; only its writes
+    (schema alias_info.is_write) are looked at.
+    Packing. When the saved-tensor hook sees the first save of an activation the plan recomputes,
+    the recipe is the slice of recorded ops that writes its storage, followed backwards through
+    their recorded inputs. The save then holds the recipe and not the tensor.
+    Replay. At the first unpack the recipe runs under no_grad with autocast off, each recorded op
+    on fresh tensors rebuilt from the replayed storages, the RNG state restored around random
+    ops; the result is a view with the saved tensor's dtype, size, stride and offset. An
+    activation the plan recreates inside another's replay (a shared replay) takes its value
+    from that replay and holds it until its own unpack.
+  Exactness: the replay runs the very ops and arguments of this forward, so it does not depend
+  on the profile being right: a wrong or stale plan costs memory or time, never values. What
+  could change a value is refused at pack time (the save keeps its tensor, counted as
+  `kept_instead` in StepStats):
+    - a storage of the slice written by an op that was not recorded (an in-place writer the chain
+      does not list): "tainted";
+    - an activation not written by any recorded op (the profile's op numbering does not match
+      this forward, e.g. a different code path);
+    - a recorded op that writes an external tensor larger than kScratchBytes (BatchNorm's running
+      statistics are small: the replay writes into a copy taken before the op, so the running
+      statistics are updated once, as in plain PyTorch).
+  An external input written in place later in the forward (seen by the mode) makes every pending
+  recipe that reads it replay at once, before the write, and keep its result. After the forward
+  nothing is watched: an external input modified between the forward and the replay raises at
+  unpack, as PyTorch does for a modified saved tensor.
+  Limitations: the mode is Python per aten op of the forward (only in steps whose plan
+  recomputes something); the replay is the slow path's Python; an op that is nondeterministic
+  on the device (atomics) may replay to different bits, as in torch.utils.checkpoint.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Set
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+kScratchBytes = 1 << 20  # largest external tensor a recorded op may write (replayed into a copy)
+
+_SYM, _EXT, _SCRATCH, _SNAP = 0, 1, 2, 3
+
+
+def _key(t):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class _Info:
+    __slots__ = ("passthrough", "writes", "rng", "func")  # rng: may draw random numbers
+
+    def __init__(self, func):
+        schema = func._schema
+        self.func = func
+        self.passthrough = func.is_view or func.namespace == "profiler"  # as in RecordingMode
+        self.writes = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
+                            if (a.alias_info is not None and a.alias_info.is_write)
+                            or ("batch_norm" in schema.name and a.name in _UNDECLARED_WRITES))
+        self.rng = (any("Generator" in str(a.type) for a in schema.arguments)
+                    or any(word in schema.name for word in _RNG_WORDS))
+
+
+# Ops that may draw from the default generator without a Generator argument (native_dropout, the
+# attention kernels' dropout_p): csrc/core's is_rng_op_name words, plus attention. Reading the CPU
+# generator's state costs ~0.3 ms, so it is read only before these.
+_RNG_WORDS = ("dropout", "bernoulli", "rand", "rrelu", "normal", "uniform", "multinomial", "exponential",
+              "geometric", "cauchy", "attention")
+
+# Schemas that write an argument without saying so: native_batch_norm, cudnn_batch_norm and
+# miopen_batch_norm update the running statistics in training (the reason ATen added
+# _native_batch_norm_legit). Treated as written by every *batch_norm* op.
+_UNDECLARED_WRITES = ("running_mean", "running_var")
+
+_INFO: Dict[int, _Info] = {}  # id(func) -> _Info; the entry holds func, so its id is not reused
+
+
+def _info(func) -> _Info:
+    info = _INFO.get(id(func))
+    if info is None:
+        info = _INFO[id(func)] = _Info(func)
+    return info
+
+
+def _written(info, args, kwargs):
+    """The tensors an op writes, from its schema."""
+    out = []
+    for i, name, kwarg_only in info.writes:
+        v = kwargs.get(name) if (kwarg_only or i >= len(args)) else args[i]
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
+
+
+class _Record:
+    """One recorded forward op."""
+    __slots__ = ("index", "func", "spec", "leaves", "writes", "made", "rng", "grad", "valid", "why")
+
+    def __init__(self, index, func):
+        self.index = index      # position in the step's log
+        self.func = func
+        self.spec = None        # pytree spec of (args, kwargs)
+        self.leaves = []        # non-tensors as they are; tensors as (_SYM, key, geometry) / (_EXT, t, version) /
+                                #   (_SCRATCH, copy written by the replay) / (_SNAP, storage bytes, geometry)
+        self.writes = set()     # storage keys this op writes (outputs it made and inputs written in place)
+        self.made = []          # storage keys of new outputs, in output order
+        self.rng = None         # (device or generator, state) before a random op
+        self.grad = True        # grad mode it ran under (kernels may read it: mkldnn_rnn_layer's workspace)
+        self.valid = True
+        self.why = ""
+
+
+def _geometry(t):
+    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+
+def _on_bytes(flat, geometry):
+    dtype, size, stride, offset = geometry
+    return torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, size, stride)
+
+
+def _on(storage_of, key, geometry):
+    dtype, size, stride, offset = geometry
+    base = storage_of[key]
+    return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
+
+
+class Recipe:
+    """One recomputed activation: from its first save until the op that saved it has run, the
+    tensor itself (`held`); then either the recorded ops that recreate it (`records`), or, when it
+    cannot be recreated exactly, still `held` (kept, with `why`)."""
+    __slots__ = ("records", "key", "geometry", "value", "packs", "unpacks", "label", "nbytes", "ordinal",
+                 "version", "tensor", "shared", "indices", "held", "marker", "final", "why", "__weakref__")
+
+    def __init__(self, key, t, ordinal, shared, marker):
+        self.records = ()
+        self.indices = frozenset()
+        self.held = t.detach()  # shares storage and version counter, not grad_fn (no reference cycle)
+        self.marker = marker    # the op counter at the save: final once a later op starts
+        self.final = False
+        self.why = ""
+        self.key = key
+        self.geometry = _geometry(t)
+        self.value = None       # the replayed storage (a tensor on it), between replay and last unpack
+        self.packs = 0
+        self.unpacks = 0
+        self.label = ""
+        self.nbytes = t.untyped_storage().nbytes()
+        self.ordinal = ordinal
+        self.version = t._version
+        self.tensor = weakref.ref(t)  # the saved tensor while it lives: its version is checked at unpack
+        self.shared = shared          # the plan recreates it inside another activation's replay
+
+    def externals(self):
+        for r in self.records:
+            for leaf in r.leaves:
+                if type(leaf) is tuple and leaf[0] == _EXT:
+                    yield leaf[1], leaf[2]
+
+    def replay(self):
+        """Run the recorded ops; returns storage key -> replayed tensor (a tensor on each new storage)."""
+        for t, version in self.externals():
+            if t._version != version:
+                raise RuntimeError(
+                    f"memsched: an input of recomputed activation {self.label or self.ordinal} was modified "
+                    f"in place after the forward read it (version {version} -> {t._version}), so it cannot be "
+                    "recomputed exactly. Modify a copy instead, or plan with planner='dp' (no recompute)")
+        storage_of = {}
+        grad = torch.is_grad_enabled()
+        # At the level the forward's dispatch mode saw: below autograd and ADInplaceOrView, so
+        # nothing is recorded or saved, in the grad mode of the forward (Note [Unpack-time recompute]).
+        try:
+            with torch._C._AutoDispatchBelowADInplaceOrView(), _autocast_off():
+                for r in self.records:
+                    torch._C._set_grad_enabled(r.grad)
+                    self._run(r, storage_of)
+        finally:
+            torch._C._set_grad_enabled(grad)
+        return storage_of
+
+    @staticmethod
+    def _run(r, storage_of):
+        leaves = []
+        for leaf in r.leaves:
+            if type(leaf) is tuple:
+                kind = leaf[0]
+                leaf = (_on(storage_of, leaf[1], leaf[2]) if kind == _SYM else
+                        leaf[1] if kind == _EXT else leaf[1].clone() if kind == _SCRATCH else
+                        _on_bytes(leaf[1], leaf[2]))
+            leaves.append(leaf)
+        args, kwargs = tree_unflatten(leaves, r.spec)
+        out = r.func(*args, **kwargs) if r.rng is None else _with_rng(r.rng, r.func, args, kwargs)
+        given = {_key(x) for x in leaves if isinstance(x, torch.Tensor)}
+        new = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and _key(o) not in given]
+        for key, o in zip(r.made, new):
+            storage_of[key] = o
+
+    def view_on(self, storage_of):
+        return _on(storage_of, self.key, self.geometry)
+
+    def set_records(self, records):
+        self.records = records
+        self.indices = frozenset(r.index for r in records)
+        self.held = None
+        self.final = True
+
+    def keep(self, why):
+        self.why = why
+        self.final = True
+
+
+class _autocast_off:
+    """Recorded ops are below autocast (their casts were recorded): replay them as they are."""
+
+    def __enter__(self):
+        self.states = [(d, torch.is_autocast_enabled(d)) for d in ("cpu", "cuda")]
+        self.ctx = [torch.autocast(d, enabled=False) for d, on in self.states if on]
+        for c in self.ctx:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.ctx):
+            c.__exit__(*exc)
+        return False
+
+
+def _rng_source(args, kwargs, leaves):
+    """The generator an op would draw from: its Generator argument, else its device's default one.
+    (native_dropout and the attention kernels' dropout take none and use the default.)"""
+    gen = kwargs.get("generator")
+    if gen is None:
+        gen = next((x for x in args if isinstance(x, torch.Generator)), None)
+    if gen is not None:
+        return gen
+    device = kwargs.get("device")
+    if device is None:
+        device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), "cpu")
+    return torch.device(device)
+
+
+def _rng_state(where):
+    if isinstance(where, torch.Generator):
+        return where.get_state()
+    if where.type == "cuda":
+        return torch.cuda.get_rng_state(where)  # seed and offset, kept on the host: no sync
+    return torch.get_rng_state()
+
+
+def _with_rng(rng, func, args, kwargs):
+    where, state = rng
+    if isinstance(where, torch.Generator):
+        before = where.get_state()
+        where.set_state(state)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            where.set_state(before)
+    if where.type == "cuda":
+        before = torch.cuda.get_rng_state(where)
+        torch.cuda.set_rng_state(state, where)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch.cuda.set_rng_state(before, where)
+    before = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        torch.set_rng_state(before)
+
+
+@dataclass
+class RecomputeStats:
+    recomputed: int = 0          # activations released after the forward and recreated
+    recomputed_bytes: int = 0
+    replays: int = 0             # recipes run (shared replays recreate several activations in one)
+    replay_s: float = 0.0        # host time spent replaying (CUDA: launch time, not kernel time)
+    kept_instead: int = 0        # planned recomputes that kept their tensor (Note [Unpack-time recompute])
+    kept_reasons: Dict[str, int] = None
+
+    def keep(self, why):
+        self.kept_instead += 1
+        if self.kept_reasons is None:
+            self.kept_reasons = {}
+        self.kept_reasons[why] = self.kept_reasons.get(why, 0) + 1
+
+
+class ForwardOpLog:
+    """The recording state of one step (Note [Unpack-time recompute])."""
+
+    def __init__(self, record_ops: Set[int], shared: Set[int], stats: RecomputeStats):
+        self.record_ops = record_ops  # trace op ids to record
+        self.shared = shared          # ordinals the plan recreates inside another's replay
+        self.stats = stats
+        self.op = 0                   # trace id of the next counted op
+        self.paused = 0               # > 0 while the executor's own hooks issue ops
+        self.log: List[_Record] = []
+        self.live: Dict[int, tuple] = {}  # storage key -> (StorageWeakRef, [record indices writing it])
+        self.tainted: Set[int] = set()    # keys written by ops not recorded
+        self.watch: Dict[int, list] = {}  # external storage key -> [weakref(Recipe)] pending
+        self.readers: Dict[int, list] = {}  # external storage key -> [_Record] reading it
+        self.pending: Dict[int, Recipe] = {}  # ordinal -> recipe not yet unpacked (for shared replays)
+        self.unfinished: List[Recipe] = []    # saved, but the op that saved them may still write them
+        self.mode: Optional[_LogMode] = None
+
+    # -- the dispatch mode ---------------------------------------------------------------------------
+    def push(self, first_op):
+        self.op = first_op
+        self.mode = _LogMode(self)
+        self.mode.__enter__()
+
+    def pop(self):
+        """Leave the mode (the end of a forward, or an abandoned step); the log is dropped."""
+        self.finish(None)
+        mode, self.mode = self.mode, None
+        if mode is not None:
+            try:
+                mode.__exit__(None, None, None)
+            except Exception:
+                pass  # not on top any more (a caller's mode entered inside forward and left open)
+        self.log = []
+        self.live = {}
+        self.tainted = set()
+        self.watch = {}
+        self.readers = {}
+
+    def dispatch(self, func, args, kwargs):
+        info = _INFO.get(id(func)) or _info(func)
+        if info.passthrough or self.paused:
+            return func(*args, **kwargs)
+        j = self.op
+        self.op = j + 1
+        if self.unfinished and j > self.unfinished[0].marker:
+            self.finish(j)
+        if j in self.record_ops or (info.writes and self._writes_live(info, args, kwargs)):
+            return self._record(func, info, args, kwargs)
+        if info.writes:
+            self._foreign_write(info, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _writes_live(self, info, args, kwargs):
+        """True when the op writes a storage a recorded op made: it is recorded too (rrelu_with_noise
+        fills the noise that empty_like made; the chain names in-place writers by their name only)."""
+        for t in _written(info, args, kwargs):
+            entry = self.live.get(_key(t))
+            if entry is not None and not entry[0].expired():
+                return True
+        return False
+
+    def _record(self, func, info, args, kwargs):
+        r = _Record(len(self.log), func)
+        leaves, r.spec = tree_flatten((args, kwargs))
+        written = {id(t) for t in _written(info, args, kwargs)} if info.writes else ()
+        inputs = set()  # storage keys of every tensor argument: an output on one of them is not new
+        for x in leaves:
+            if not isinstance(x, torch.Tensor):
+                r.leaves.append(x)
+                continue
+            key = _key(x)
+            inputs.add(key)
+            entry = self.live.get(key) if key is not None else None
+            if entry is not None and not entry[0].expired():
+                r.leaves.append((_SYM, key, _geometry(x)))
+                if id(x) in written:
+                    r.writes.add(key)
+                    if key in self.tainted:
+                        r.valid, r.why = False, "tainted"
+            elif id(x) in written:
+                if x.untyped_storage().nbytes() > kScratchBytes:
+                    r.valid, r.why = False, "writes an input in place"
+                    r.leaves.append((_EXT, x, x._version))
+                else:
+                    self._snapshot_for_readers(key, x)  # earlier recorded readers saw it before this write
+                    r.leaves.append((_SCRATCH, x.detach().clone()))
+            else:
+                r.leaves.append((_EXT, x, x._version))
+                self.readers.setdefault(key, []).append(r)
+        if info.rng:  # the generator's state before a random op, restored around its replay
+            where = _rng_source(args, kwargs, leaves)
+            r.rng = (where, _rng_state(where))
+        r.grad = torch.is_grad_enabled()
+        out = func(*args, **kwargs)
+        for o in tree_flatten(out)[0]:
+            if not isinstance(o, torch.Tensor):
+                continue
+            key = _key(o)
+            if key is None or key in inputs:
+                continue  # an in-place op's result (its write is above) or a view of an input
+            st = o.untyped_storage()
+            self.live[key] = (StorageWeakRef(st), [r.index])
+            self.tainted.discard(key)
+            r.made.append(key)
+            r.writes.add(key)
+        for key in r.writes:
+            if key not in r.made:
+                self.live[key][1].append(r.index)
+        self.log.append(r)
+        return out
+
+    def _snapshot_for_readers(self, key, x):
+        """External storage `key` is about to be written: recorded ops that read it replay from a copy
+        of its bytes now (small storages), or cannot be replayed."""
+        readers = self.readers.pop(key, None)
+        if not readers:
+            return
+        st = x.untyped_storage()
+        flat = None
+        if st.nbytes() <= kScratchBytes:
+            flat = torch.empty(0, dtype=torch.uint8, device=x.device).set_(st, 0, (st.nbytes(),), (1,)).clone()
+        copied = True
+        for r in readers:
+            for i, leaf in enumerate(r.leaves):
+                if type(leaf) is tuple and leaf[0] == _EXT and _key(leaf[1]) == key:
+                    if flat is None or leaf[1]._version != leaf[2]:
+                        r.valid, r.why = False, "an input modified in place"
+                        copied = False
+                    else:
+                        r.leaves[i] = (_SNAP, flat, _geometry(leaf[1]))
+        refs = self.watch.pop(key, None)
+        if copied or not refs:
+            return
+        # Recipes already built on a reader that has no copy: replay them now, before the write.
+        for ref in refs:
+            recipe = ref()
+            if recipe is not None and recipe.held is None and recipe.value is None and recipe.unpacks == 0:
+                self.materialize(recipe)
+
+    def _foreign_write(self, info, args, kwargs):
+        for t in _written(info, args, kwargs):
+            key = _key(t)
+            if key is None:
+                continue
+            if key in self.live:
+                self.tainted.add(key)
+            self._snapshot_for_readers(key, t)
+
+    # -- packing and replay ----------------------------------------------------------------------------
+    def begin(self, t, ordinal):
+        """The first save of a recomputed activation: a Recipe holding `t` until the op that saved it
+        has run (it may still write it: rrelu_with_noise saves its noise before filling it), or a
+        reason to keep it (str)."""
+        key = _key(t)
+        entry = self.live.get(key) if key is not None else None
+        if entry is None or entry[0].expired():
+            return "not made by a recorded op"
+        recipe = Recipe(key, t, ordinal, ordinal in self.shared, self.op)
+        self.unfinished.append(recipe)
+        return recipe
+
+    def finish(self, before_op):
+        """Build the recipes of the saves made before op `before_op` (None: all of them)."""
+        keep = []
+        for recipe in self.unfinished:
+            if before_op is not None and recipe.marker >= before_op:
+                keep.append(recipe)
+                continue
+            why = self._build(recipe)
+            if why:
+                recipe.keep(why)
+                self.stats.keep(why)
+            else:
+                self.stats.recomputed += 1
+                self.stats.recomputed_bytes += recipe.nbytes
+        self.unfinished = keep
+
+    def _build(self, recipe):
+        """Give `recipe` the slice of recorded ops that writes its storage; a reason if it cannot."""
+        if recipe.held._version != recipe.version:
+            return "modified in place"  # unpack raises, as PyTorch does
+        needed = {recipe.key}
+        chosen = []
+        for r in reversed(self.log):
+            if r.writes.isdisjoint(needed):
+                continue
+            if not r.valid:
+                return r.why
+            chosen.append(r)
+            for leaf in r.leaves:
+                if type(leaf) is tuple and leaf[0] == _SYM:
+                    needed.add(leaf[1])
+        if not chosen:
+            return "not made by a recorded op"
+        if not needed.isdisjoint(self.tainted):
+            return "tainted"
+        chosen.reverse()
+        recipe.set_records(chosen)
+        ref = weakref.ref(recipe)
+        for x, _ in recipe.externals():
+            k = _key(x)
+            if k is not None:
+                self.watch.setdefault(k, []).append(ref)
+        self.pending[recipe.ordinal] = recipe
+        return ""
+
+    def materialize(self, recipe):
+        """Replay `recipe` now and keep its value (and those of the shared replays it recreates)."""
+        t0 = time.perf_counter()
+        storage_of = recipe.replay()
+        self.stats.replays += 1
+        self.stats.replay_s += time.perf_counter() - t0
+        recipe.value = recipe.view_on(storage_of)
+        for other in list(self.pending.values()):
+            if (other is not recipe and other.value is None and other.shared and other.key in storage_of
+                    and other.indices <= recipe.indices):
+                other.value = other.view_on(storage_of)
+        self.pending.pop(recipe.ordinal, None)
+
+
+class _LogMode(TorchDispatchMode):
+    """Counts and records a forward's aten ops for ForwardOpLog.
+
+    WARNING: __torch_dispatch__ is assigned after the class body, as for the profiler's
+    RecordingMode: TorchDispatchMode.__init_subclass__ would wrap it in torch._disable_dynamo,
+    which costs more per op than a small CPU op."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+
+def _log_dispatch(self, func, types, args=(), kwargs=None):
+    return self.log.dispatch(func, args, kwargs or {})
+
+
+_LogMode.__torch_dispatch__ = _log_dispatch
+
+
+class RecomputedView:
+    """A save of a recomputed activation: unpack() replays (or takes the shared replay's value) and
+    returns the saved view. Saves of one storage share its Recipe; each has its own geometry (an
+    attention saves q as [B, T, D] in one op and as [B*H, T, d] in the next)."""
+    __slots__ = ("recipe", "log", "owner", "geometry")
+
+    def __init__(self, recipe, log, owner, t):
+        self.recipe = recipe
+        self.log = weakref.ref(log)
+        self.owner = owner
+        self.geometry = _geometry(t)
+
+    def unpack(self):
+        r = self.recipe
+        self.owner.path.observe(r.ordinal)
+        t = r.held if r.held is not None else r.tensor()
+        if t is not None and t._version != r.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: saved activation {r.label or r.ordinal} is at version {t._version}; expected "
+                f"version {r.version} instead (memsched recomputes it)")
+        if r.held is not None:
+            # kept (Note [Unpack-time recompute]), or a step abandoned before its recipe was built
+            return _on_bytes(r.held, self.geometry)
+        if r.value is None:
+            log = self.log()
+            if log is not None and r.ordinal in log.pending:
+                log.materialize(r)
+            else:
+                t0 = time.perf_counter()
+                storage_of = r.replay()
+                r.value = r.view_on(storage_of)
+                self.owner.recompute_stats.replays += 1
+                self.owner.recompute_stats.replay_s += time.perf_counter() - t0
+        out = r.value
+        r.unpacks += 1
+        if r.unpacks % r.packs == 0:
+            r.value = None  # every save has been used once; another backward replays again
+        return _on_bytes(out, self.geometry)  # a fresh tensor object: the caller may keep it

@@ -1,0 +1,257 @@
+"""Unpack-time recompute (python/memsched/offload/recompute.py, Note [Unpack-time recompute]): the
+recorded forward ops recreate an activation bitwise, and whatever could change its value makes the
+save keep its tensor (or raise at unpack, as PyTorch does for a modified saved tensor)."""
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memsched
+from memsched.offload.recompute import ForwardOpLog, RecomputeStats, Recipe
+
+
+def _record(fn, *args):
+    """Run fn(*args) under a ForwardOpLog that records every counted op; returns (log, result)."""
+    log = ForwardOpLog(record_ops=set(range(10_000)), shared=set(), stats=RecomputeStats())
+    log.push(0)
+    try:
+        out = fn(*args)
+    finally:
+        mode, log.mode = log.mode, None
+        mode.__exit__(None, None, None)  # leave the mode but keep the log (pop() would drop it)
+    return log, out
+
+
+def _recipe(log, t):
+    """The recipe of `t`'s save, built as at the end of a forward."""
+    recipe = log.begin(t, ordinal=0)
+    if isinstance(recipe, str):
+        return recipe
+    log.finish(None)
+    return recipe.why or recipe
+
+
+def _replayed(log, t):
+    recipe = _recipe(log, t)
+    assert isinstance(recipe, Recipe), recipe
+    assert recipe.held is None  # released: only the recorded ops remain
+    return recipe.view_on(recipe.replay())
+
+
+def test_dropout_replays_the_same_mask_with_the_rng_restored():
+    x = torch.randn(64, 32)
+    torch.manual_seed(3)
+    log, (y, mask) = _record(lambda a: torch.ops.aten.native_dropout(F.gelu(a), 0.3, True), x)
+    torch.rand(100)  # the RNG moves on before backward, as it does in a training step
+    for t in (y, mask):
+        again = _replayed(log, t)
+        assert again.dtype == t.dtype and again.shape == t.shape and again.stride() == t.stride()
+        assert torch.equal(again, t)
+    assert log.log[1].rng is not None  # native_dropout takes a Generator: its state was saved
+
+
+def test_a_view_is_rebuilt_with_its_geometry():
+    x = torch.randn(8, 6)
+    log, v = _record(lambda a: torch.tanh(a).t()[1:], x)
+    again = _replayed(log, v)
+    assert (again.shape, again.stride(), again.storage_offset()) == (v.shape, v.stride(), v.storage_offset())
+    assert torch.equal(again, v)
+
+
+def test_batch_norm_replay_leaves_the_running_statistics_alone():
+    x = torch.randn(16, 4, 5, 5)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    log, y = _record(lambda a: F.batch_norm(a * 2, rm, rv, training=True), x)
+    stats = rm.clone(), rv.clone()
+    again = _replayed(log, y)
+    assert torch.equal(again, y)
+    assert torch.equal(rm, stats[0]) and torch.equal(rv, stats[1]), "the replay updated the running statistics"
+
+
+def test_an_in_place_writer_outside_the_chain_is_recorded_too():
+    x = torch.randn(10)
+    log = ForwardOpLog(record_ops={0}, shared=set(), stats=RecomputeStats())
+    log.push(0)
+    try:
+        h = torch.sin(x)   # op 0: in the chain
+        h.mul_(2)          # op 1: not in the chain, but it writes what op 0 made
+    finally:
+        log.mode.__exit__(None, None, None)
+    assert torch.equal(_replayed(log, h), h)
+
+
+def test_a_writer_of_a_large_outside_tensor_keeps_the_save():
+    x = torch.randn(10)
+    big = torch.zeros(1 << 19)  # 2 MiB: above kScratchBytes, so the replay could not write a copy
+    log = ForwardOpLog(record_ops={0}, shared=set(), stats=RecomputeStats())
+    log.push(0)
+    try:
+        h = torch.sin(x)
+        torch._foreach_mul_([h, big], 2.0)  # writes h and big
+    finally:
+        log.mode.__exit__(None, None, None)
+    assert _recipe(log, h) == "writes an input in place"
+    assert log.stats.kept_instead == 1 and log.stats.recomputed == 0
+
+
+def test_a_tensor_not_made_by_a_recorded_op_keeps_its_tensor():
+    x = torch.randn(10)
+    log = ForwardOpLog(record_ops={0}, shared=set(), stats=RecomputeStats())
+    log.push(0)
+    try:
+        torch.sin(x)
+        h = torch.cos(x)   # op 1: not recorded
+    finally:
+        log.mode.__exit__(None, None, None)
+    assert _recipe(log, h) == "not made by a recorded op"
+
+
+@pytest.mark.parametrize("numel", [10, 1 << 19])
+def test_an_input_changed_later_in_the_forward_does_not_change_the_replay(numel):
+    x = torch.randn(numel)
+    log = ForwardOpLog(record_ops={0}, shared=set(), stats=RecomputeStats())
+    log.push(0)
+    try:
+        h = torch.sin(x)            # op 0: recorded, reads x
+        recipe = log.begin(h, 0)
+        want = h.clone()
+        torch.cos(x)                # op 1: the save's op has run, its recipe is built
+        x.add_(1)                   # op 2: writes x
+    finally:
+        log.mode.__exit__(None, None, None)
+    if numel == 10:
+        # small: the replay reads a copy of x's bytes taken before the write
+        assert recipe.value is None and torch.equal(recipe.view_on(recipe.replay()), want)
+    else:
+        # large (2 MiB): the recipe replayed before the write and keeps its value
+        assert recipe.value is not None and torch.equal(recipe.value, want)
+
+
+def test_an_input_changed_after_the_forward_raises_at_replay():
+    x = torch.randn(10)
+    log, h = _record(torch.sin, x)
+    recipe = _recipe(log, h)
+    with torch.no_grad():
+        x.add_(1)  # outside any recorded forward
+    with pytest.raises(RuntimeError, match="modified in place after the forward read it"):
+        recipe.replay()
+
+
+# -- through memsched.optimize ---------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, extra=False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 128), nn.Linear(128, 32)
+        self.drop = nn.Dropout(0.2)
+        self.extra = extra
+
+    def forward(self, x):
+        h = self.drop(F.gelu(self.fc1(x)))
+        if self.extra:
+            h = h * 1.0  # an op the profile did not see: every later op number shifts
+        return x + self.fc2(h)
+
+
+def _slow_copies():
+    d = memsched.DeviceModel()
+    d.name = "slow-copies"
+    d.d2h_bw_gbps = d.h2d_bw_gbps = 1e-3
+    d.d2h_latency_us = d.h2d_latency_us = 1e6
+    return d
+
+
+def _train(model, opt, run=None, steps=4, shift_at=None):
+    torch.manual_seed(7)
+    for step in range(steps):
+        if shift_at is not None:
+            for m in model.modules():
+                if isinstance(m, Block):
+                    m.extra = step >= shift_at
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+        F.mse_loss(model(x), y).backward()
+        if run is not None:
+            run.step()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("shift_at", [None, 2])
+def test_optimize_hybrid_recomputes_bitwise_even_when_the_forward_changes(shift_at):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), Block())
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=_slow_copies(),
+                           max_reprofiles=0) as run:
+        _train(model, opt, run, shift_at=shift_at)
+    _train(ref, ref_opt, shift_at=shift_at)
+    assert run.plan.num_recomputed() > 0
+    executed = list(run.step_stats)
+    assert executed[0].recomputed == len(run.schedule.recompute) > 0 and executed[0].recompute_kept == 0
+    if shift_at is not None:
+        # a shifted forward: its saves keep their tensors (or are replayed from what really ran) -- never
+        # a value from the wrong op
+        shifted = executed[shift_at - 1:]
+        assert all(s.recompute_kept > 0 and set(s.recompute_kept_reasons) == {"not made by a recorded op"}
+                   for s in shifted), [s.recompute_kept_reasons for s in shifted]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+class TwoViews(nn.Module):
+    """h is saved twice, as [256, 64] by mm and as [32, 8, 64] by bmm: one storage, two geometries."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.w2 = nn.Parameter(torch.randn(64, 8) / 8)
+        self.w3 = nn.Parameter(torch.randn(32, 64, 8) / 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return (h @ self.w2).sum(1) + torch.bmm(h.view(32, 8, 64), self.w3).sum((1, 2)).repeat_interleave(8)
+
+
+def _recompute_the_tanh_output(trace, budget, planner, device):
+    """A hand-made plan: keep everything but the tanh output h, which is recomputed."""
+    plan = memsched.plan(trace, budget=None, planner="keep_all")
+    decisions = plan.decisions
+    d = next(d for d in decisions if trace.ops[trace.tensors[d.tensor_id].producer_op].name == "aten::tanh")
+    first_backward = next(op.id for op in trace.ops if op.phase == "backward")
+    d.recompute = True
+    d.recompute_ops = memsched._C.recompute_chain(trace, d.tensor_id)["ops"]
+    d.recompute_at_op = min(u for u in trace.tensors[d.tensor_id].uses if u >= first_backward)
+    plan.decisions = decisions
+    memsched._C.validate_plan(trace, plan)
+    return plan
+
+
+def test_saves_of_one_recomputed_storage_keep_their_own_view(monkeypatch):
+    monkeypatch.setattr(sys.modules["memsched.optimize"], "make_plan", _recompute_the_tanh_output)
+    torch.manual_seed(0)
+    model = TwoViews()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def train(m, o, run=None):
+        for step in range(3):
+            x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+            m(x).square().mean().backward()
+            if run is not None:
+                run.step()
+            else:
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+    with memsched.optimize(model, opt, budget="1GiB", planner="hybrid") as run:
+        train(model, opt, run)
+    train(ref, ref_opt)
+    assert run.plan.num_recomputed() == 1
+    s = run.step_stats[-1]
+    assert s.recomputed == 1 and s.recompute_kept == 0 and s.recomputed_bytes == 256 * 64 * 4
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
