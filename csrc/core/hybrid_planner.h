@@ -67,8 +67,8 @@
 //   depends on which inputs stay kept; copy contention is seen only by the
 //   simulator), so optimality holds for the stated model, not for simulated
 //   step time; the least budget is the offload model's (recompute frees the
-//   same windows). Execution of recompute decisions is not implemented yet:
-//   memsched.optimize() keeps those tensors (see optimize.py).
+//   same windows). memsched.optimize() executes the decisions (Note
+//   [Unpack-time recompute] in python/memsched/offload/recompute.py).
 #pragma once
 
 #include <cstdint>

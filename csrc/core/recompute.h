@@ -53,8 +53,10 @@
 //   preserve_rng_state) or the recreated tensor differs.
 //   Limitations: in-place writers are recognised by name only (a custom op
 //   that writes its input without a trailing underscore is missed, and the
-//   chain's cost underestimated); the executor (torch.utils.checkpoint)
-//   replays the real forward code and stays exact whatever the model says.
+//   chain's cost underestimated); the executor records the chain's ops in
+//   the forward, and every op that writes what they made, and replays those
+//   (Note [Unpack-time recompute] in python/memsched/offload/recompute.py),
+//   so it stays exact whatever the model says.
 //   Only forward ops are replayed.
 #pragma once
 
