@@ -255,3 +255,48 @@ def test_saves_of_one_recomputed_storage_keep_their_own_view(monkeypatch):
     assert s.recomputed == 1 and s.recompute_kept == 0 and s.recomputed_bytes == 256 * 64 * 4
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.requires_cuda
+def test_cuda_recompute_is_bitwise_and_never_waits_for_the_gpu():
+    """On a GPU: dropout masks replay from the CUDA generator's (seed, offset), BatchNorm replays into
+    copies of its statistics, and a recomputing step issues no synchronising CUDA call."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.bn, self.b = nn.Linear(256, 512), nn.BatchNorm1d(512), nn.Linear(512, 256)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.b(self.drop(F.gelu(self.bn(self.a(x)))))
+
+    torch.manual_seed(0)
+    model = Net().cuda()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    xs = [torch.randn(1024, 256, device="cuda") for _ in range(4)]
+
+    def train(m, o, run=None, sync_free_from=None):
+        torch.manual_seed(5)
+        try:
+            for i in range(4):
+                if i == sync_free_from:  # the planned steps after the first: no host synchronisation
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                m(xs[i]).square().mean().backward()
+                if run is not None:
+                    run.step()
+                else:
+                    o.step()
+                    o.zero_grad(set_to_none=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=_slow_copies(),
+                           min_offload_bytes=0) as run:
+        train(model, opt, run, sync_free_from=2)
+    train(ref, ref_opt)
+    s = run.step_stats[-1]
+    assert s.recomputed > 0 and s.recompute_kept == 0, s
+    for p, q in zip(list(model.parameters()) + list(model.buffers()), list(ref.parameters()) + list(ref.buffers())):
+        assert torch.equal(p, q)
