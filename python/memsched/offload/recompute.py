@@ -391,11 +391,11 @@ class ForwardOpLog:
                     if key in self.tainted:
                         r.valid, r.why = False, "tainted"
             elif id(x) in written:
+                self._snapshot_for_readers(key, x)  # earlier recorded readers saw it before this write
                 if x.untyped_storage().nbytes() > kScratchBytes:
                     r.valid, r.why = False, "writes an input in place"
                     r.leaves.append((_EXT, x, x._version))
                 else:
-                    self._snapshot_for_readers(key, x)  # earlier recorded readers saw it before this write
                     r.leaves.append((_SCRATCH, x.detach().clone()))
             else:
                 r.leaves.append((_EXT, x, x._version))
@@ -558,7 +558,7 @@ class RecomputedView:
 
     def __init__(self, recipe, log, owner, t):
         self.recipe = recipe
-        self.log = weakref.ref(log)
+        self.log = weakref.ref(log) if log is not None else (lambda: None)
         self.owner = owner
         self.geometry = _geometry(t)
 
