@@ -45,10 +45,16 @@ using memsched::StreamHandle;
 
 constexpr int kMaxDevices = 64;
 
+// Note [Pool lookup on the hot path]
+//   Every CUDA tensor's malloc and free passes through pool_for/existing_pool,
+//   so the lookup is one acquire load of a pointer that, once set, never
+//   changes (pools are never destroyed: torch frees tensors after exit
+//   handlers run). Only the first call per device takes create_mutex; a
+//   std::call_once per call would add a pthread_once and two thread-local
+//   writes to every allocation.
 struct DevicePools {
-  std::array<std::once_flag, kMaxDevices> once;
-  std::array<std::unique_ptr<BlockPool>, kMaxDevices> pools;
-  std::mutex history_mutex;
+  std::mutex create_mutex;                             // creating a pool; history settings
+  std::array<std::atomic<BlockPool*>, kMaxDevices> pools{};
   bool history_enabled = false;   // applied to pools created later too
   size_t history_max_entries = 0;
 };
@@ -64,23 +70,24 @@ thread_local std::string last_error;
 std::atomic<int64_t> record_stream_calls{0};
 std::atomic<int64_t> empty_cache_calls{0};
 
+BlockPool* existing_pool(int device) {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  return device_pools().pools[device].load(std::memory_order_acquire);
+}
+
 BlockPool* pool_for(int device) {
+  if (BlockPool* pool = existing_pool(device)) return pool;  // See Note [Pool lookup on the hot path]
   MEMSCHED_CHECK(device >= 0 && device < kMaxDevices, "memsched_malloc: device ", device,
                  " is out of range [0, ", kMaxDevices, ")");
   DevicePools& d = device_pools();
-  std::call_once(d.once[device], [&] {
-    auto raw = memsched::make_cuda_device_memory(device);  // first: names a missing device
-    auto pool = std::make_unique<BlockPool>(raw, memsched::make_cuda_stream_events(device));
-    std::lock_guard<std::mutex> lock(d.history_mutex);
-    if (d.history_enabled) pool->record_history(true, d.history_max_entries);
-    d.pools[device] = std::move(pool);
-  });
-  return d.pools[device].get();
-}
-
-BlockPool* existing_pool(int device) {
-  if (device < 0 || device >= kMaxDevices) return nullptr;
-  return device_pools().pools[device].get();
+  std::lock_guard<std::mutex> lock(d.create_mutex);
+  if (BlockPool* pool = d.pools[device].load(std::memory_order_relaxed)) return pool;
+  auto raw = memsched::make_cuda_device_memory(device);  // first: names a missing device
+  auto pool = std::make_unique<BlockPool>(raw, memsched::make_cuda_stream_events(device));
+  if (d.history_enabled) pool->record_history(true, d.history_max_entries);
+  BlockPool* created = pool.release();  // never destroyed, like device_pools()
+  d.pools[device].store(created, std::memory_order_release);
+  return created;
 }
 
 }  // namespace
@@ -169,7 +176,7 @@ __attribute__((visibility("default"))) size_t memsched_state_json(int device, in
 
 __attribute__((visibility("default"))) void memsched_record_history(int enabled, size_t max_entries) {
   DevicePools& d = device_pools();
-  std::lock_guard<std::mutex> lock(d.history_mutex);
+  std::lock_guard<std::mutex> lock(d.create_mutex);
   d.history_enabled = enabled != 0;
   d.history_max_entries = max_entries;
   for (int i = 0; i < kMaxDevices; ++i) {
