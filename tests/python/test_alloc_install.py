@@ -147,13 +147,20 @@ def test_install_routes_cuda_tensors_through_memsched(tmp_path):
         ptr = y.data_ptr()
         # record_stream: y is read on a side stream, so its block must not be reused yet.
         side = torch.cuda.Stream()
+        # Warm the kernels up first: with lazy module loading a kernel's first launch may
+        # synchronise the context, so the side stream would be done before the free below.
         with torch.cuda.stream(side):
-            torch.cuda._sleep(100_000_000)   # keep the side stream busy
+            torch.cuda._sleep(10)
+            y.float().sum()
+        side.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)   # ~0.1 s: keep the side stream busy
             z = y.float().sum()
         y.record_stream(side)
         assert memsched.allocator.hook_calls()["record_stream"] == 1
         del y
         w = torch.empty(3 << 20, device="cuda", dtype=torch.uint8)
+        assert not side.query(), "the side stream finished before the check: it proved nothing"
         assert w.data_ptr() != ptr, "block reused while the side stream may read it"
         side.synchronize()
         del w
@@ -170,6 +177,25 @@ def test_install_routes_cuda_tensors_through_memsched(tmp_path):
     """)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout
+
+
+@pytest.mark.requires_cuda
+def test_pinned_host_tensors_are_pinned_in_a_fresh_process():
+    # The H100 failure: is_pinned() was False when no CUDA tensor existed yet in the process
+    # (See Note [Pinned tensors need torch's CUDA initialised]).
+    r = run_python("""
+        import torch, memsched
+        pool = memsched.allocator.HostTensorPool(pinned=True)
+        t = pool.empty([1 << 20], torch.float32)
+        print("PINNED", t.is_pinned(), t[17:].is_pinned())
+        t.fill_(3.0)
+        g = t.to("cuda", non_blocking=True)
+        pool.record_stream(t, torch.cuda.current_stream().cuda_stream)
+        print("SUM", float(g.sum()))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "PINNED True True" in r.stdout, r.stdout
+    assert f"SUM {3.0 * (1 << 20)}" in r.stdout, r.stdout
 
 
 @pytest.mark.requires_cuda
