@@ -19,11 +19,13 @@
 // Note [Errors across the C ABI]
 //   Rationale: exceptions must not cross into torch's C++ through a C
 //   function pointer. Approach: every entry point catches; the message goes to
-//   a thread-local buffer (memsched_last_error) and, for a failed malloc, to
-//   stderr, because CUDAPluggableAllocator does not check for nullptr and
-//   the Python caller would otherwise never learn why.
-//   Limitations: an out-of-memory therefore surfaces as a nullptr storage
-//   (and a CUDA error at first use), not as torch.OutOfMemoryError.
+//   a thread-local buffer (memsched_last_error, memsched_last_error_is_oom).
+//   memsched.allocator.install() gives torch a C++ wrapper around
+//   memsched_malloc that turns nullptr into torch.OutOfMemoryError or a
+//   RuntimeError with that message (Note [Installing from C++] in
+//   csrc/torch/pluggable_hooks.cpp). Loaded directly by
+//   torch.cuda.memory.CUDAPluggableAllocator, which does not check for
+//   nullptr, the shim also prints a failed malloc's message to stderr.
 #include <sys/types.h>
 
 #include <array>
@@ -65,6 +67,11 @@ DevicePools& device_pools() {
 }
 
 thread_local std::string last_error;
+thread_local bool last_error_is_oom = false;
+// memsched_malloc also prints its failures to stderr unless the C++ install
+// path (Note [Installing from C++] in csrc/torch/pluggable_hooks.cpp) turns
+// that off: it raises them as torch errors instead.
+std::atomic<bool> report_malloc_errors_to_stderr{true};
 // Calls that reached the shim through torch's hooks (diagnostics: they show
 // that Tensor.record_stream / torch.cuda.empty_cache really arrive here).
 std::atomic<int64_t> record_stream_calls{0};
@@ -100,7 +107,8 @@ __attribute__((visibility("default"))) void* memsched_malloc(ssize_t size, int d
     return pool_for(device)->malloc(static_cast<size_t>(size), reinterpret_cast<StreamHandle>(stream));
   } catch (const std::exception& e) {
     last_error = e.what();
-    std::fprintf(stderr, "%s\n", e.what());
+    last_error_is_oom = dynamic_cast<const memsched::OutOfMemoryError*>(&e) != nullptr;
+    if (report_malloc_errors_to_stderr.load(std::memory_order_relaxed)) std::fprintf(stderr, "%s\n", e.what());
     return nullptr;
   }
 }
@@ -206,6 +214,14 @@ __attribute__((visibility("default"))) int64_t memsched_hook_calls(int which) {
 
 // The last error on the calling thread ("" if none).
 __attribute__((visibility("default"))) const char* memsched_last_error() { return last_error.c_str(); }
+
+// 1 if the calling thread's last failed memsched_malloc was an out-of-memory.
+__attribute__((visibility("default"))) int memsched_last_error_is_oom() { return last_error_is_oom ? 1 : 0; }
+
+// Whether memsched_malloc prints its failures to stderr (default 1).
+__attribute__((visibility("default"))) void memsched_report_malloc_errors_to_stderr(int enabled) {
+  report_malloc_errors_to_stderr.store(enabled != 0, std::memory_order_relaxed);
+}
 
 __attribute__((visibility("default"))) int memsched_built_with_cuda() {
 #ifdef MEMSCHED_WITH_CUDA
