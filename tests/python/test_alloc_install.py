@@ -29,7 +29,8 @@ def test_shim_loads_and_exports_its_entry_points():
     for name in ("memsched_malloc", "memsched_free", "memsched_record_stream", "memsched_empty_cache",
                  "memsched_state_json", "memsched_record_history", "memsched_reset_peak_stats",
                  "memsched_num_devices_used", "memsched_last_error", "memsched_check_invariants",
-                 "memsched_hook_calls"):
+                 "memsched_hook_calls", "memsched_last_error_is_oom",
+                 "memsched_report_malloc_errors_to_stderr"):
         assert ctypes.cast(getattr(lib, name), ctypes.c_void_p).value, name
     lib.memsched_built_with_cuda.restype = ctypes.c_int
     assert lib.memsched_built_with_cuda() == int(memsched._C.built_with_cuda)
