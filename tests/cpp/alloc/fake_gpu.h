@@ -92,6 +92,8 @@ class FakeGpu : public RawMemory, public StreamEvents {
 
   // ---- StreamEvents
   EventHandle record(StreamHandle stream) override {
+    MEMSCHED_CHECK(!failing_stream_ || *failing_stream_ != stream, "FakeGpu: recording an event on stream ",
+                   stream, " failed (as a CUDA error would)");
     const EventHandle id = next_event_++;
     events_.emplace(id, EventState{stream, false});
     queues_[stream].push_back(Item{/*event=*/id, Touch{}});
@@ -107,6 +109,8 @@ class FakeGpu : public RawMemory, public StreamEvents {
   }
 
   // ---- the test's side
+  // Make record() on `stream` throw (nullopt: never).
+  void fail_records_on(std::optional<StreamHandle> stream) { failing_stream_ = stream; }
   // Queue a kernel on `stream` that touches [address, address + bytes).
   void launch(StreamHandle stream, uintptr_t address, size_t bytes, bool foreign) {
     queues_[stream].push_back(Item{0, Touch{stream, address, bytes, foreign}});
@@ -178,6 +182,7 @@ class FakeGpu : public RawMemory, public StreamEvents {
   std::unordered_map<EventHandle, EventState> events_;
   EventHandle next_event_ = 1;
   std::vector<std::string> violations_;
+  std::optional<StreamHandle> failing_stream_;  // record() on it throws
 };
 
 }  // namespace memsched::testing

@@ -2,7 +2,7 @@
 // reuse]) against a fake GPU (fake_gpu.h) whose streams run only when the
 // test says so and whose memory addresses are reused:
 //   * one deterministic test per rule of record_stream / free / events /
-//     process_events / empty_cache / the out-of-memory retry;
+//     process_events / empty_cache / the out-of-memory retry / a failed event;
 //   * random alloc / use-on-a-stream / free / stream-progress / empty_cache
 //     sequences over 4 streams, checking after every malloc that no stream
 //     other than the new owner still has a kernel queued on the block, and
@@ -184,6 +184,25 @@ TEST(BlockPoolStreams, RecordStreamOnAFreedBlockIsAnError) {
   void* p = f.alloc(4096, 0);
   f.pool->free(p);
   EXPECT_THROW(f.pool->record_stream(p, 2), Error);
+}
+
+// Rule 10: a free whose event cannot be recorded (a CUDA error) throws and
+// leaves the block allocated -- never half pending, never free.
+TEST(BlockPoolStreams, FreeThatCannotRecordItsEventsChangesNothing) {
+  Fixture f;
+  void* p = f.alloc(4096, 0);
+  f.use(p, 4096, 2);
+  f.use(p, 4096, 3);
+  f.gpu->fail_records_on(StreamHandle{3});
+  EXPECT_THROW(f.pool->free(p), Error);
+  EXPECT_TRUE(f.pool->owns(p));
+  EXPECT_EQ(f.gpu->live_events(), 0u);  // the event already recorded on stream 2 was released
+  EXPECT_EQ(f.pool->stats().allocation[kAggregatePool].current, 1);
+  f.pool->check_invariants();
+  f.gpu->fail_records_on(std::nullopt);
+  f.pool->free(p);
+  EXPECT_EQ(f.pool->pending_free_blocks(), 1u);
+  f.pool->check_invariants();
 }
 
 struct WalkResult {
