@@ -445,7 +445,7 @@ def main(argv=None):
                       else ["--steps", "20", "--warmup", "5"]), {})]
         elif name == "allocator":
             cmds = [([py, os.path.join(GPU_DIR, "bench_allocator_gpu.py"), "--out", result_file, "--steps", "10",
-                      "--warmup", "3"], {})]
+                      "--warmup", "3", "--rounds", "2"], {})]
         tails, wall, status = [], 0.0, "ok"
         for cmd, extra in cmds:
             r = run(name, cmd, max(1.0, timeout - wall), extra)

@@ -64,6 +64,34 @@ void bind_torch(pybind11::module_& m) {
       .def_property_readonly("backend", [](HostTensorPool& p) { return std::string(p.pool().backend_name()); });
 
   m.def("_pluggable_hooks_supported", &pluggable_hooks_supported);
+  m.def(
+      "_install_memsched_allocator",
+      [](uintptr_t malloc_fn, uintptr_t free_fn, uintptr_t last_error_fn, uintptr_t last_error_is_oom_fn,
+         uintptr_t record_stream_fn, uintptr_t empty_cache_fn) {
+        install_memsched_allocator(ShimFunctions{malloc_fn, free_fn, last_error_fn, last_error_is_oom_fn,
+                                                 record_stream_fn, empty_cache_fn});
+      },
+      py::arg("malloc_fn"), py::arg("free_fn"), py::arg("last_error_fn"), py::arg("last_error_is_oom_fn"),
+      py::arg("record_stream_fn"), py::arg("empty_cache_fn"),
+      "Make the shim torch's CUDA allocator, with its hooks. See Note [Installing from C++].");
+  m.def(
+      "_memsched_malloc_or_throw",
+      [](uintptr_t malloc_fn, uintptr_t last_error_fn, uintptr_t last_error_is_oom_fn, size_t size,
+         int device) -> py::tuple {
+        ShimFunctions shim;
+        shim.malloc_fn = malloc_fn;
+        shim.last_error_fn = last_error_fn;
+        shim.last_error_is_oom_fn = last_error_is_oom_fn;
+        try {
+          const auto ptr = reinterpret_cast<uintptr_t>(memsched_malloc_or_throw(shim, size, device, 0));
+          return py::make_tuple(ptr, "ok", "");
+        } catch (const c10::OutOfMemoryError& e) {
+          return py::make_tuple(0, "OutOfMemoryError", e.what_without_backtrace());
+        } catch (const c10::Error& e) {
+          return py::make_tuple(0, "Error", e.what_without_backtrace());
+        }
+      },
+      "Test helper: the malloc torch gets from _install_memsched_allocator, as (ptr, thrown type, message).");
   m.def("_install_pluggable_hooks", &install_pluggable_hooks, py::arg("record_stream_fn"),
         py::arg("empty_cache_fn"),
         "Point torch's CUDAPluggableAllocator record_stream/reset hooks at C function addresses. "

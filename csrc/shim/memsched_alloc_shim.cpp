@@ -19,11 +19,13 @@
 // Note [Errors across the C ABI]
 //   Rationale: exceptions must not cross into torch's C++ through a C
 //   function pointer. Approach: every entry point catches; the message goes to
-//   a thread-local buffer (memsched_last_error) and, for a failed malloc, to
-//   stderr, because CUDAPluggableAllocator does not check for nullptr and
-//   the Python caller would otherwise never learn why.
-//   Limitations: an out-of-memory therefore surfaces as a nullptr storage
-//   (and a CUDA error at first use), not as torch.OutOfMemoryError.
+//   a thread-local buffer (memsched_last_error, memsched_last_error_is_oom).
+//   memsched.allocator.install() gives torch a C++ wrapper around
+//   memsched_malloc that turns nullptr into torch.OutOfMemoryError or a
+//   RuntimeError with that message (Note [Installing from C++] in
+//   csrc/torch/pluggable_hooks.cpp). Loaded directly by
+//   torch.cuda.memory.CUDAPluggableAllocator, which does not check for
+//   nullptr, the shim also prints a failed malloc's message to stderr.
 #include <sys/types.h>
 
 #include <array>
@@ -45,10 +47,16 @@ using memsched::StreamHandle;
 
 constexpr int kMaxDevices = 64;
 
+// Note [Pool lookup on the hot path]
+//   Every CUDA tensor's malloc and free passes through pool_for/existing_pool,
+//   so the lookup is one acquire load of a pointer that, once set, never
+//   changes (pools are never destroyed: torch frees tensors after exit
+//   handlers run). Only the first call per device takes create_mutex; a
+//   std::call_once per call would add a pthread_once and two thread-local
+//   writes to every allocation.
 struct DevicePools {
-  std::array<std::once_flag, kMaxDevices> once;
-  std::array<std::unique_ptr<BlockPool>, kMaxDevices> pools;
-  std::mutex history_mutex;
+  std::mutex create_mutex;                             // creating a pool; history settings
+  std::array<std::atomic<BlockPool*>, kMaxDevices> pools{};
   bool history_enabled = false;   // applied to pools created later too
   size_t history_max_entries = 0;
 };
@@ -59,28 +67,34 @@ DevicePools& device_pools() {
 }
 
 thread_local std::string last_error;
+thread_local bool last_error_is_oom = false;
+// memsched_malloc also prints its failures to stderr unless the C++ install
+// path (Note [Installing from C++] in csrc/torch/pluggable_hooks.cpp) turns
+// that off: it raises them as torch errors instead.
+std::atomic<bool> report_malloc_errors_to_stderr{true};
 // Calls that reached the shim through torch's hooks (diagnostics: they show
 // that Tensor.record_stream / torch.cuda.empty_cache really arrive here).
 std::atomic<int64_t> record_stream_calls{0};
 std::atomic<int64_t> empty_cache_calls{0};
 
+BlockPool* existing_pool(int device) {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  return device_pools().pools[device].load(std::memory_order_acquire);
+}
+
 BlockPool* pool_for(int device) {
+  if (BlockPool* pool = existing_pool(device)) return pool;  // See Note [Pool lookup on the hot path]
   MEMSCHED_CHECK(device >= 0 && device < kMaxDevices, "memsched_malloc: device ", device,
                  " is out of range [0, ", kMaxDevices, ")");
   DevicePools& d = device_pools();
-  std::call_once(d.once[device], [&] {
-    auto raw = memsched::make_cuda_device_memory(device);  // first: names a missing device
-    auto pool = std::make_unique<BlockPool>(raw, memsched::make_cuda_stream_events(device));
-    std::lock_guard<std::mutex> lock(d.history_mutex);
-    if (d.history_enabled) pool->record_history(true, d.history_max_entries);
-    d.pools[device] = std::move(pool);
-  });
-  return d.pools[device].get();
-}
-
-BlockPool* existing_pool(int device) {
-  if (device < 0 || device >= kMaxDevices) return nullptr;
-  return device_pools().pools[device].get();
+  std::lock_guard<std::mutex> lock(d.create_mutex);
+  if (BlockPool* pool = d.pools[device].load(std::memory_order_relaxed)) return pool;
+  auto raw = memsched::make_cuda_device_memory(device);  // first: names a missing device
+  auto pool = std::make_unique<BlockPool>(raw, memsched::make_cuda_stream_events(device));
+  if (d.history_enabled) pool->record_history(true, d.history_max_entries);
+  BlockPool* created = pool.release();  // never destroyed, like device_pools()
+  d.pools[device].store(created, std::memory_order_release);
+  return created;
 }
 
 }  // namespace
@@ -93,7 +107,8 @@ __attribute__((visibility("default"))) void* memsched_malloc(ssize_t size, int d
     return pool_for(device)->malloc(static_cast<size_t>(size), reinterpret_cast<StreamHandle>(stream));
   } catch (const std::exception& e) {
     last_error = e.what();
-    std::fprintf(stderr, "%s\n", e.what());
+    last_error_is_oom = dynamic_cast<const memsched::OutOfMemoryError*>(&e) != nullptr;
+    if (report_malloc_errors_to_stderr.load(std::memory_order_relaxed)) std::fprintf(stderr, "%s\n", e.what());
     return nullptr;
   }
 }
@@ -169,7 +184,7 @@ __attribute__((visibility("default"))) size_t memsched_state_json(int device, in
 
 __attribute__((visibility("default"))) void memsched_record_history(int enabled, size_t max_entries) {
   DevicePools& d = device_pools();
-  std::lock_guard<std::mutex> lock(d.history_mutex);
+  std::lock_guard<std::mutex> lock(d.create_mutex);
   d.history_enabled = enabled != 0;
   d.history_max_entries = max_entries;
   for (int i = 0; i < kMaxDevices; ++i) {
@@ -199,6 +214,14 @@ __attribute__((visibility("default"))) int64_t memsched_hook_calls(int which) {
 
 // The last error on the calling thread ("" if none).
 __attribute__((visibility("default"))) const char* memsched_last_error() { return last_error.c_str(); }
+
+// 1 if the calling thread's last failed memsched_malloc was an out-of-memory.
+__attribute__((visibility("default"))) int memsched_last_error_is_oom() { return last_error_is_oom ? 1 : 0; }
+
+// Whether memsched_malloc prints its failures to stderr (default 1).
+__attribute__((visibility("default"))) void memsched_report_malloc_errors_to_stderr(int enabled) {
+  report_malloc_errors_to_stderr.store(enabled != 0, std::memory_order_relaxed);
+}
 
 __attribute__((visibility("default"))) int memsched_built_with_cuda() {
 #ifdef MEMSCHED_WITH_CUDA

@@ -1,6 +1,7 @@
 // host_tensor.cpp -- see host_tensor.h.
 #include "torch/host_tensor.h"
 
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
 
 #include "backend/cuda_backend.h"
@@ -32,6 +33,8 @@ at::Tensor HostTensorPool::empty(const std::vector<int64_t>& shape, at::ScalarTy
     numel *= d;
   }
   const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  // See Note [Pinned tensors need torch's CUDA initialised].
+  if (pinned_) at::globalContext().lazyInitDevice(at::kCUDA);
   auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
   if (nbytes == 0) return at::empty(shape, options);
   void* ptr = pool_->malloc(static_cast<size_t>(nbytes), stream);

@@ -14,6 +14,21 @@
 //   WARNING: if a pinned buffer is read by an asynchronous copy on a CUDA
 //   stream, call record_stream(tensor, stream) before dropping the tensor;
 //   otherwise the block can be reused while the copy still reads it.
+//
+// Note [Pinned tensors need torch's CUDA initialised]
+//   Rationale: Tensor.is_pinned() asks at::globalContext().isPinnedPtr(),
+//   which answers false -- without looking at the pointer -- until torch
+//   has lazily initialised its CUDA state (ATen/Context.h: "If the device is
+//   not initialized, no pointer can be pinned for it"). memsched's pinned
+//   segments come from cudaHostAlloc in csrc/backend, which does not tell
+//   torch, so in a process with no CUDA tensor yet is_pinned() said False
+//   and torch treated the blocks as pageable (non_blocking copies).
+//   Approach: a pinned pool's empty() calls lazyInitDevice(kCUDA) (a
+//   call_once, as torch.empty(pin_memory=True) does); torch's check then
+//   reaches cudaPointerGetAttributes, which reports cudaMemoryTypeHost for
+//   every address inside a cudaHostAlloc range.
+//   WARNING: that initialises torch's CUDA allocator too, so
+//   memsched.allocator.install() must come before the first pinned tensor.
 #pragma once
 
 #include <ATen/Tensor.h>

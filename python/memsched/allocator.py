@@ -64,7 +64,7 @@ _ALLOC_FN = "memsched_malloc"
 _FREE_FN = "memsched_free"
 
 _lock = threading.Lock()
-_installed: Optional[Any] = None  # the torch CUDAPluggableAllocator, once installed
+_installed: Optional[Any] = None  # torch's allocator object (a CUDAPluggableAllocator), once installed
 _shim: Optional[ctypes.CDLL] = None
 _record_stream_hooked = False
 
@@ -103,6 +103,8 @@ def _load_shim() -> ctypes.CDLL:
         lib.memsched_check_invariants.argtypes = [ctypes.c_int]
         lib.memsched_check_invariants.restype = ctypes.c_int
         lib.memsched_last_error.restype = ctypes.c_char_p
+        lib.memsched_last_error_is_oom.restype = ctypes.c_int
+        lib.memsched_report_malloc_errors_to_stderr.argtypes = [ctypes.c_int]
         lib.memsched_built_with_cuda.restype = ctypes.c_int
         lib.memsched_hook_calls.restype = ctypes.c_int64
         lib.memsched_hook_calls.argtypes = [ctypes.c_int]
@@ -123,7 +125,9 @@ def install(*, record_history: bool = False, history_entries: int = 100000) -> N
 
     Must run before CUDA is initialised (see the error text for the fix if not).
     Idempotent. Tensor.record_stream(s) and torch.cuda.empty_cache() are routed
-    to memsched as well (See Note [Wiring record_stream]).
+    to memsched as well (See Note [Wiring record_stream]), and an allocation
+    memsched cannot serve raises torch.OutOfMemoryError with memsched's figures
+    (See Note [Installing from C++]).
     """
     global _installed, _record_stream_hooked
     with _lock:
@@ -141,22 +145,27 @@ def install(*, record_history: bool = False, history_entries: int = 100000) -> N
                 "allocator only serves CUDA memory. On a CPU-only machine use "
                 "memsched.allocator.HostTensorPool or BlockPool(backend='host') directly.")
         shim = _load_shim()
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(shim_path(), _ALLOC_FN, _FREE_FN)
+        hooks = _C._pluggable_hooks_supported()
         try:
-            torch.cuda.memory.change_current_allocator(allocator)
+            if hooks:  # See Note [Installing from C++] in csrc/torch/pluggable_hooks.cpp
+                addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+                _C._install_memsched_allocator(
+                    addr(shim.memsched_malloc), addr(shim.memsched_free), addr(shim.memsched_last_error),
+                    addr(shim.memsched_last_error_is_oom), addr(shim.memsched_record_stream),
+                    addr(shim.memsched_empty_cache))
+                shim.memsched_report_malloc_errors_to_stderr(0)  # they arrive as torch errors
+            else:
+                torch.cuda.memory.change_current_allocator(
+                    torch.cuda.memory.CUDAPluggableAllocator(shim_path(), _ALLOC_FN, _FREE_FN))
         except RuntimeError as e:
             if "initialized" in str(e):
                 raise MemschedError(_TOO_LATE) from e
             raise
-        _installed = allocator
+        _installed = torch.cuda.memory._get_current_allocator()
+        _record_stream_hooked = hooks
         if record_history:
             shim.memsched_record_history(1, history_entries)
-        if _C._pluggable_hooks_supported():
-            record_stream = ctypes.cast(shim.memsched_record_stream, ctypes.c_void_p).value
-            empty = ctypes.cast(shim.memsched_empty_cache, ctypes.c_void_p).value
-            _C._install_pluggable_hooks(record_stream, empty)
-            _record_stream_hooked = True
-        else:
+        if not hooks:
             import warnings
 
             warnings.warn(

@@ -29,7 +29,8 @@ def test_shim_loads_and_exports_its_entry_points():
     for name in ("memsched_malloc", "memsched_free", "memsched_record_stream", "memsched_empty_cache",
                  "memsched_state_json", "memsched_record_history", "memsched_reset_peak_stats",
                  "memsched_num_devices_used", "memsched_last_error", "memsched_check_invariants",
-                 "memsched_hook_calls"):
+                 "memsched_hook_calls", "memsched_last_error_is_oom",
+                 "memsched_report_malloc_errors_to_stderr"):
         assert ctypes.cast(getattr(lib, name), ctypes.c_void_p).value, name
     lib.memsched_built_with_cuda.restype = ctypes.c_int
     assert lib.memsched_built_with_cuda() == int(memsched._C.built_with_cuda)
@@ -147,13 +148,20 @@ def test_install_routes_cuda_tensors_through_memsched(tmp_path):
         ptr = y.data_ptr()
         # record_stream: y is read on a side stream, so its block must not be reused yet.
         side = torch.cuda.Stream()
+        # Warm the kernels up first: with lazy module loading a kernel's first launch may
+        # synchronise the context, so the side stream would be done before the free below.
         with torch.cuda.stream(side):
-            torch.cuda._sleep(100_000_000)   # keep the side stream busy
+            torch.cuda._sleep(10)
+            y.float().sum()
+        side.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)   # ~0.1 s: keep the side stream busy
             z = y.float().sum()
         y.record_stream(side)
         assert memsched.allocator.hook_calls()["record_stream"] == 1
         del y
         w = torch.empty(3 << 20, device="cuda", dtype=torch.uint8)
+        assert not side.query(), "the side stream finished before the check: it proved nothing"
         assert w.data_ptr() != ptr, "block reused while the side stream may read it"
         side.synchronize()
         del w
@@ -170,6 +178,25 @@ def test_install_routes_cuda_tensors_through_memsched(tmp_path):
     """)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout
+
+
+@pytest.mark.requires_cuda
+def test_pinned_host_tensors_are_pinned_in_a_fresh_process():
+    # The H100 failure: is_pinned() was False when no CUDA tensor existed yet in the process
+    # (See Note [Pinned tensors need torch's CUDA initialised]).
+    r = run_python("""
+        import torch, memsched
+        pool = memsched.allocator.HostTensorPool(pinned=True)
+        t = pool.empty([1 << 20], torch.float32)
+        print("PINNED", t.is_pinned(), t[17:].is_pinned())
+        t.fill_(3.0)
+        g = t.to("cuda", non_blocking=True)
+        pool.record_stream(t, torch.cuda.current_stream().cuda_stream)
+        print("SUM", float(g.sum()))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "PINNED True True" in r.stdout, r.stdout
+    assert f"SUM {3.0 * (1 << 20)}" in r.stdout, r.stdout
 
 
 @pytest.mark.requires_cuda
@@ -194,3 +221,74 @@ def test_training_step_matches_native_allocator():
         assert r.returncode == 0, r.stderr
         out.append(r.stdout.strip())
     assert out[0] == out[1]
+
+
+def test_install_from_cpp_wires_allocator_and_hooks_and_refuses_a_second_swap():
+    # install()'s C++ path (Note [Installing from C++]) up to the first CUDA allocation, which
+    # also runs without a GPU: torch's current allocator becomes the pluggable one over the shim,
+    # empty_cache reaches memsched, and a second swap is refused with torch's reason.
+    if not memsched._C._pluggable_hooks_supported():
+        pytest.skip("built without torch's CUDA libraries")
+    r = run_python("""
+        import ctypes, torch, memsched
+        from memsched import allocator, _C
+        shim = allocator._load_shim()
+        addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value
+        fns = [addr(shim.memsched_malloc), addr(shim.memsched_free), addr(shim.memsched_last_error),
+               addr(shim.memsched_last_error_is_oom), addr(shim.memsched_record_stream),
+               addr(shim.memsched_empty_cache)]
+        _C._install_memsched_allocator(*fns)
+        torch._C._cuda_emptyCache()
+        print("CALLS", allocator.hook_calls())
+        try:
+            _C._install_memsched_allocator(*fns)
+        except memsched.MemschedError as e:
+            print("SECOND", e)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "CALLS {'record_stream': 0, 'empty_cache': 1}" in r.stdout, r.stdout
+    assert "SECOND" in r.stdout and "initialized" in r.stdout, r.stdout
+
+
+def test_failed_malloc_becomes_a_torch_error_with_the_shims_reason():
+    # The malloc torch gets from install(): a null pointer from the shim is thrown as
+    # c10::OutOfMemoryError (torch.OutOfMemoryError in Python) when the shim says it was an
+    # out-of-memory, as c10::Error otherwise -- never handed to torch as a storage.
+    if not memsched._C._pluggable_hooks_supported():
+        pytest.skip("built without torch's CUDA libraries")
+    addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+    malloc_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+    text_t = ctypes.CFUNCTYPE(ctypes.c_void_p)  # a char* that stays valid (as the shim's thread-local)
+    flag_t = ctypes.CFUNCTYPE(ctypes.c_int)
+    refuse = malloc_t(lambda size, device, stream: None)
+    message = ctypes.create_string_buffer(b"memsched: out of memory: tried to allocate 2.00 GiB")
+    oom_text = text_t(lambda: ctypes.addressof(message))
+    yes, no = flag_t(lambda: 1), flag_t(lambda: 0)
+    got = memsched._C._memsched_malloc_or_throw(addr(refuse), addr(oom_text), addr(yes), 1 << 31, 0)
+    assert got[:2] == (0, "OutOfMemoryError") and "tried to allocate 2.00 GiB" in got[2], got
+    got = memsched._C._memsched_malloc_or_throw(addr(refuse), addr(oom_text), addr(no), 1 << 31, 0)
+    assert got[:2] == (0, "Error") and "tried to allocate 2.00 GiB" in got[2], got
+    assert memsched._C._memsched_malloc_or_throw(addr(refuse), addr(oom_text), addr(yes), 0, 0)[:2] == (0, "ok")
+    give = malloc_t(lambda size, device, stream: 4096)
+    assert memsched._C._memsched_malloc_or_throw(addr(give), addr(oom_text), addr(yes), 16, 0) == (4096, "ok", "")
+    if not torch.cuda.is_available():  # the real shim without a device: a plain error naming the cause
+        shim = allocator._load_shim()
+        got = memsched._C._memsched_malloc_or_throw(addr(shim.memsched_malloc), addr(shim.memsched_last_error),
+                                                    addr(shim.memsched_last_error_is_oom), 4096, 0)
+        assert got[:2] == (0, "Error") and "device 0 does not exist" in got[2], got
+
+
+@pytest.mark.requires_cuda
+def test_out_of_memory_under_memsched_raises_torch_out_of_memory_error():
+    r = run_python("""
+        import torch, memsched
+        memsched.allocator.install()
+        x = torch.ones(4, device="cuda")
+        try:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")   # 1 PiB
+        except torch.OutOfMemoryError as e:
+            print("OOM", "memsched: out of memory" in str(e))
+        print("STILL", float((x * 2).sum()), memsched.memory_stats()["num_ooms"])
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "OOM True" in r.stdout and "STILL 8.0 1" in r.stdout, r.stdout

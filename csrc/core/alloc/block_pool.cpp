@@ -286,6 +286,18 @@ void BlockPool::free(void* ptr) {
                  it == active_.end() ? " was not allocated by this pool"
                                      : " was already freed (double free)");
   Block* block = it->second;
+  // See Note [Stream-ordered reuse]. The events are recorded before anything
+  // changes: if the backend throws (a CUDA error), the block stays allocated.
+  std::vector<EventHandle> recorded;
+  if (!block->stream_uses.empty()) {
+    recorded.reserve(block->stream_uses.size());
+    try {
+      for (StreamHandle use : block->stream_uses) recorded.push_back(events_->record(use));
+    } catch (...) {
+      for (EventHandle e : recorded) events_->release(e);
+      throw;
+    }
+  }
   const bool s = block->is_small;
   stat_sub(stats_.allocation, s, 1);
   stat_sub(stats_.allocated_bytes, s, static_cast<int64_t>(block->size));
@@ -293,14 +305,13 @@ void BlockPool::free(void* ptr) {
   add_trace(TraceAction::kFreeRequested, block->address, block->size, block->stream);
   block->allocated = false;
   block->requested = 0;
-  if (block->stream_uses.empty()) {
+  if (recorded.empty()) {
     free_block(block);
     return;
   }
-  // See Note [Stream-ordered reuse].
   block->pending = true;
-  for (StreamHandle use : block->stream_uses) {
-    pending_[use].push_back(PendingEvent{events_->record(use), block});
+  for (size_t i = 0; i < recorded.size(); ++i) {
+    pending_[block->stream_uses[i]].push_back(PendingEvent{recorded[i], block});
     ++block->pending_events;
     ++pending_event_count_;
   }

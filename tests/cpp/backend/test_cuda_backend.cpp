@@ -10,6 +10,10 @@
 #include "backend/cuda_backend.h"
 #include "core/alloc/block_pool.h"
 
+#ifdef MEMSCHED_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace memsched {
 namespace {
 
@@ -56,6 +60,44 @@ TEST(CudaBackend, RecordStreamWaitsForTheRealStream) {
   EXPECT_EQ(pool.malloc(4096, 0), a);  // event done: a is reused
   pool.check_invariants();
   cuda_stream_destroy(side);
+}
+
+TEST(CudaBackend, EmptyCacheWaitsForABusySideStreamBeforeReleasing) {
+  SKIP_WITHOUT_GPU();
+  BlockPool pool(make_cuda_device_memory(0), make_cuda_stream_events(0));
+  const StreamHandle side = cuda_stream_create(0);
+  void* a = pool.malloc(12 * kMiB, 0);  // a segment of its own
+  void* live = pool.malloc(4096, 0);
+  cuda_stream_sleep(side, 100000);     // the side stream is busy for 100 ms
+  pool.record_stream(a, side);
+  pool.free(a);
+  EXPECT_EQ(pool.pending_free_blocks(), 1u);
+  pool.empty_cache();                  // waits for the side stream's event, then releases a's segment
+  EXPECT_EQ(pool.pending_free_blocks(), 0u);
+  const AllocatorStats s = pool.stats();
+  EXPECT_EQ(s.num_sync_all_streams, 1);
+  EXPECT_EQ(s.reserved_bytes[kAggregatePool].current, int64_t(2 * kMiB));  // the live block's segment stays
+  EXPECT_TRUE(pool.owns(live));
+  pool.check_invariants();
+  cuda_stream_destroy(side);
+}
+
+TEST(CudaBackend, PinnedBlocksAreHostMemoryToCuda) {
+  // What torch's Tensor.is_pinned() asks (CUDAHooks::isPinnedPtr), for blocks
+  // at a segment's start and inside it.
+  SKIP_WITHOUT_GPU();
+#ifdef MEMSCHED_WITH_CUDA
+  BlockPool pool(make_cuda_pinned_memory(), make_cuda_stream_events(-1));
+  void* first = pool.malloc(1000);
+  void* second = pool.malloc(1000);
+  for (void* p : {first, second}) {
+    cudaPointerAttributes attr{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, p), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeHost);
+  }
+  pool.free(first);
+  pool.free(second);
+#endif
 }
 
 TEST(CudaBackend, PinnedPoolIsHostWritable) {
