@@ -1,0 +1,114 @@
+"""The synchronous schedules of ``torch.distributed.pipelining`` behind
+memsched's entry point, for comparison with the asynchronous ones.
+
+Entry points: ``SYNC_SCHEDULES`` (name -> torch class, stages per rank),
+``SyncRunner(stage_modules, stage_indices, num_stages, optimizer, loss_fn,
+device, schedule, n_microbatches)`` with ``run_step(inputs, target)``.
+
+Each call is one flushed step: the batch is cut into ``n_microbatches``,
+torch's schedule runs their forwards and backwards, the gradients are averaged
+over micro-batches (``scale_grads``), and the optimizer updates once -- the
+same update as single-process training on the whole batch with a mean loss.
+Zero-bubble schedules split each backward into input and weight gradients
+(torch's own dX-first); ``zbv`` places two stages per rank in a V
+(rank r holds stages r and 2W - 1 - r), ``interleaved-*`` place stage r + i*W
+on rank r.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from memsched._C import MemschedError
+from memsched.pipeline.memory import stage_memory
+
+
+# name -> (class in torch.distributed.pipelining, stage layout)
+_TORCH_CLASSES = {"1f1b": ("Schedule1F1B", "single"), "gpipe": ("ScheduleGPipe", "single"),
+                  "interleaved-1f1b": ("ScheduleInterleaved1F1B", "interleaved"),
+                  "interleaved-zb": ("ScheduleInterleavedZeroBubble", "interleaved"),
+                  "zbv": ("ScheduleZBVZeroBubble", "v")}
+SYNC_SCHEDULES = tuple(_TORCH_CLASSES)
+
+
+def _torch_schedules() -> Dict[str, tuple]:
+    import torch.distributed.pipelining as pp
+
+    return {k: (getattr(pp, cls), layout) for k, (cls, layout) in _TORCH_CLASSES.items() if hasattr(pp, cls)}
+
+
+def stages_of_rank(schedule: str, rank: int, world: int, num_stages: int) -> List[int]:
+    """The stage indices rank `rank` runs under `schedule` (refusing a stage count the layout cannot place)."""
+    layout = _TORCH_CLASSES[schedule][1]
+    if layout == "single":
+        if num_stages != world:
+            raise MemschedError(f"split_points: schedule {schedule!r} runs one stage per process: give "
+                                f"{world - 1} split points for {world} processes (got {num_stages} stages)")
+        return [rank]
+    if layout == "v":
+        if num_stages != 2 * world:
+            raise MemschedError(f"split_points: schedule 'zbv' runs two stages per process in a V: give "
+                                f"{2 * world - 1} split points for {world} processes (got {num_stages} stages)")
+        return [rank, 2 * world - 1 - rank]
+    if num_stages % world or num_stages // world < 2:
+        raise MemschedError(f"split_points: schedule {schedule!r} interleaves several stages per process: the "
+                            f"number of stages must be a multiple (>= 2) of {world} processes (got {num_stages})")
+    return list(range(rank, num_stages, world))
+
+
+class SyncRunner:
+    def __init__(self, stage_modules: List[nn.Module], stage_indices: List[int], num_stages: int,
+                 optimizer: torch.optim.Optimizer, loss_fn: Callable, device: torch.device, schedule: str,
+                 n_microbatches: int, group=None):
+        from torch.distributed.pipelining import PipelineStage
+
+        available = _torch_schedules()
+        if schedule not in available:
+            raise MemschedError(f"schedule {schedule!r} needs torch.distributed.pipelining."
+                                f"{_TORCH_CLASSES[schedule][0]}, which torch {torch.__version__} does not have")
+        cls, layout = available[schedule]
+        self.schedule_name = schedule
+        self.modules = stage_modules
+        self.indices = stage_indices
+        self.num_stages = num_stages
+        self.optimizer = optimizer
+        self.device = device
+        self.stages = [PipelineStage(m, i, num_stages, device, group=group)
+                       for m, i in zip(stage_modules, stage_indices)]
+        self.is_first = 0 in stage_indices
+        self.is_last = num_stages - 1 in stage_indices
+        self.n_microbatches = n_microbatches
+        arg = self.stages[0] if layout == "single" else self.stages
+        self.schedule = cls(arg, n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        self.steps = 0
+
+    def run_step(self, inputs, target):
+        args = (inputs.to(self.device),) if self.is_first else ()
+        kwargs = {}
+        losses: List[torch.Tensor] = []
+        if self.is_last:
+            kwargs = {"target": target.to(self.device), "losses": losses}
+        self.schedule.step(*args, **kwargs)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        if self.is_last:
+            return torch.stack([l.detach() for l in losses]).mean()
+        return None
+
+    def drain(self) -> None:
+        """Every step is flushed: nothing in flight."""
+
+    def report(self) -> dict:
+        params = [p for m in self.modules for p in m.parameters()]
+        out = stage_memory(stage=self.indices[0] if len(self.indices) == 1 else list(self.indices),
+                           policy="sync", params=params, optimizer=self.optimizer, replica_copies=[],
+                           transient_buffer_bytes=0, in_flight=0, peak_deferred_bytes=0)
+        out.update({"schedule": self.schedule_name, "steps": self.steps, "updates": self.steps,
+                    "n_microbatches": self.n_microbatches})
+        return out
+
+    def close(self) -> None:
+        pass
