@@ -16,6 +16,7 @@ from memsched.optimize import Run, optimize
 from memsched import allocator
 from memsched.allocator import dump_snapshot, memory_snapshot, memory_stats
 from memsched.ooo import OutOfOrderBackward
+from memsched import partition  # callable: memsched.partition(trace, devices, cap)
 
 __version__ = "0.1.0"
 
@@ -42,4 +43,5 @@ __all__ = [
     "memory_snapshot",
     "memory_stats",
     "OutOfOrderBackward",
+    "partition",
 ]

@@ -342,6 +342,10 @@ S3Result run_s3(const PartitionProblem& p, const std::vector<int64_t>& caps, con
     starts.emplace_back("even", even_layer_split(p));
     starts.emplace_back("device0", std::vector<int>(n, 0));
   }
+  for (const auto& [name, assignment] : options.extra_starts) {
+    check_assignment(p, assignment);
+    starts.emplace_back(name, assignment);
+  }
   if (n <= 64 && nd > 1) {
     std::mt19937_64 rng(options.seed);
     std::uniform_int_distribution<int> pick(0, nd - 1);

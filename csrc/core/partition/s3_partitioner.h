@@ -37,15 +37,18 @@
 //      time_limit_s.
 //   The same repair and refinement also start from the contiguous layer
 //   splits (contiguous_split.h), from everything on device 0, and on graphs
-//   up to 64 ops from `restarts` random placements; the best placement that
-//   fits wins (ties: the earlier start). So S3 never returns a worse
-//   makespan than those baselines where they fit.
+//   up to 64 ops from `restarts` random placements, and from any
+//   `extra_starts` the caller gives (memsched.partition passes the METIS
+//   min-cut when pymetis is installed); the best placement that fits wins
+//   (ties: the earlier start). So S3 never returns a worse makespan than
+//   those baselines where they fit.
 //   Limitations: a local search: no optimality guarantee (the MILP in
 //   python/memsched/partition/milp.py measures the gap on small graphs).
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/partition/partition_eval.h"
@@ -59,6 +62,8 @@ struct S3Options {
   int64_t restarts = -1;             // random starts on graphs up to 64 ops; -1: 24
   uint64_t seed = 1;
   bool contiguous_starts = true;     // also start from the layer splits and from device 0
+  // More starting placements (name, device_of_op), e.g. a METIS min-cut from Python.
+  std::vector<std::pair<std::string, std::vector<int>>> extra_starts;
 };
 
 struct S3Result {
