@@ -74,23 +74,38 @@ void undo_all(MemoryLedger& ledger, std::vector<std::pair<int64_t, int>>& undo) 
 }
 
 // Step 3 of Note [S3 partitioner]. True when every cap holds at the end.
-bool repair(const Context& ctx, MemoryLedger& ledger) {
+// One scan of what is present at the worst device's peak yields up to
+// kUnitCandidates units and kTensorCandidates tensors (by bytes there); they
+// are tried in turn, each moved to its best device while that lowers (total
+// excess, the bytes at the peak op, bytes moved), until that op is under the
+// cap. Then the next peak is scanned.
+bool repair(const Context& ctx, MemoryLedger& ledger, bool honour_deadline) {
   const auto& p = ctx.p;
   const int nd = static_cast<int>(p.num_devices());
   const auto& tensors = p.tensors();
   const int64_t max_iterations = 8 * p.num_ops() + 1000;
+  constexpr size_t kUnitCandidates = 64;
+  constexpr size_t kTensorCandidates = 16;
   std::vector<std::pair<int64_t, int>> undo;
   std::vector<int64_t> ops;
+  std::unordered_map<int64_t, int64_t> unit_bytes;
+  std::vector<std::pair<int64_t, int64_t>> units, tensor_bytes;
+  auto by_bytes = [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; };
+  auto top = [&](std::vector<std::pair<int64_t, int64_t>>& v, size_t k) {
+    k = std::min(k, v.size());
+    std::partial_sort(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end(), by_bytes);
+    v.resize(k);
+  };
+  using Score = std::tuple<int64_t, int64_t, int64_t>;
   for (int64_t it = 0; it < max_iterations; ++it) {
-    const int64_t excess = ledger.excess(ctx.caps);
-    if (excess == 0) return true;
+    if (ledger.excess(ctx.caps) == 0) return true;
+    if (honour_deadline && Clock::now() > ctx.deadline) return false;
     int d = 0;
     for (int k = 1; k < nd; ++k)
       if (ledger.peak(k) - ctx.caps[k] > ledger.peak(d) - ctx.caps[d]) d = k;
     const int64_t at = ledger.peak_op(d);
-    // Candidates: units holding what is present on d at its peak, and those tensors' reason sets.
-    std::unordered_map<int64_t, int64_t> unit_bytes;
-    std::vector<std::pair<int64_t, int64_t>> tensor_bytes;
+    unit_bytes.clear();
+    tensor_bytes.clear();
     ctx.live.for_each_live(at, [&](int64_t t) {
       if (ledger.count(t, d) == 0) return;
       const auto& tensor = tensors[t];
@@ -101,48 +116,40 @@ bool repair(const Context& ctx, MemoryLedger& ledger) {
         }
       if (!tensor.reasons.empty()) tensor_bytes.emplace_back(tensor.bytes, t);
     });
-    constexpr size_t kCandidates = 8;
-    std::vector<std::pair<int64_t, int64_t>> units(unit_bytes.begin(), unit_bytes.end());
-    for (auto& u : units) std::swap(u.first, u.second);  // (bytes, unit)
-    auto by_bytes = [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; };
-    std::sort(units.begin(), units.end(), by_bytes);
-    std::sort(tensor_bytes.begin(), tensor_bytes.end(), by_bytes);
-    std::vector<std::vector<int64_t>> candidates;
-    for (size_t k = 0; k < std::min(kCandidates, units.size()); ++k) {
+    units.clear();
+    for (const auto& [unit, bytes] : unit_bytes) units.emplace_back(bytes, unit);
+    top(units, kUnitCandidates);
+    top(tensor_bytes, kTensorCandidates);
+    bool moved = false;
+    for (size_t c = 0; c < units.size() + tensor_bytes.size(); ++c) {
+      if (ledger.value_at(d, at) <= ctx.caps[d]) break;  // this peak is fixed
       ops.clear();
-      for (int64_t op : p.unit_ops(units[k].second))
-        if (ledger.device_of(op) == d) ops.push_back(op);
-      candidates.push_back(ops);
-    }
-    for (size_t k = 0; k < std::min(kCandidates, tensor_bytes.size()); ++k) {
-      ops.clear();
-      for (int64_t op : tensors[tensor_bytes[k].second].reasons)
-        if (ledger.device_of(op) == d) ops.push_back(op);
-      candidates.push_back(ops);
-    }
-    using Score = std::tuple<int64_t, int64_t, int64_t>;
-    const Score current{excess, ledger.value_at(d, at), ledger.bytes_moved()};
-    Score best = current;
-    int best_candidate = -1, best_device = -1;
-    for (size_t c = 0; c < candidates.size(); ++c) {
-      if (candidates[c].empty()) continue;
+      if (c < units.size()) {
+        for (int64_t op : p.unit_ops(units[c].second))
+          if (ledger.device_of(op) == d) ops.push_back(op);
+      } else {
+        for (int64_t op : tensors[tensor_bytes[c - units.size()].second].reasons)
+          if (ledger.device_of(op) == d) ops.push_back(op);
+      }
+      if (ops.empty()) continue;
+      const Score current{ledger.excess(ctx.caps), ledger.value_at(d, at), ledger.bytes_moved()};
+      Score best = current;
+      int best_device = -1;
       for (int b = 0; b < nd; ++b) {
         if (b == d) continue;
-        move_all(ledger, candidates[c], b, &undo);
+        move_all(ledger, ops, b, &undo);
         const Score s{ledger.excess(ctx.caps), ledger.value_at(d, at), ledger.bytes_moved()};
         undo_all(ledger, undo);
         if (s < best) {
           best = s;
-          best_candidate = static_cast<int>(c);
           best_device = b;
         }
       }
+      if (best_device < 0) continue;
+      move_all(ledger, ops, best_device, nullptr);
+      moved = true;
     }
-    if (best_candidate < 0 || std::get<0>(best) > excess ||
-        (std::get<0>(best) == excess && std::get<1>(best) >= std::get<1>(current))) {
-      return false;  // nothing lowers the excess or the bytes at the peak
-    }
-    move_all(ledger, candidates[best_candidate], best_device, nullptr);
+    if (!moved) return false;  // nothing lowers the excess or the bytes at the peak
   }
   return ledger.excess(ctx.caps) == 0;
 }
@@ -361,7 +368,7 @@ S3Result run_s3(const PartitionProblem& p, const std::vector<int64_t>& caps, con
   double best_makespan = 0;
   for (auto& [name, assignment] : starts) {
     MemoryLedger ledger(p, assignment);
-    const bool fits = repair(ctx, ledger);
+    const bool fits = repair(ctx, ledger, /*honour_deadline=*/have && result.fits);
     const int64_t excess = ledger.excess(caps);
     const double makespan = fits ? refine(ctx, ledger) : simulate_makespan(p, ledger.assignment());
     const bool better = !have || (fits && !result.fits) ||
