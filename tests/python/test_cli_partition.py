@@ -28,7 +28,7 @@ def test_caps_nothing_meets_name_the_cap_that_works(tmp_path, capsys):
     path, t = _trace_file(tmp_path)
     assert main(["partition", str(path), "--devices", "2", "--cap", "1MiB", "--methods", "s3,even"]) == 1
     err = capsys.readouterr().err
-    assert "smallest cap" in err and "pass cap=" in err
+    assert "smallest cap" in err and "pass --cap " in err
 
 
 def test_bad_cap_and_method_are_refused_before_work(tmp_path, capsys):

@@ -65,8 +65,8 @@ def run(args):
         from memsched.partition.api import caps_error, _Source, _problem
         problem, _ = _problem(_Source(trace, None), [args.device] * args.devices, args.cap, args.link_gbps, 5.0,
                               args.durations)
-        print(f"memsched partition: {str(caps_error(problem, dset, trace, None)).removeprefix('partition: ')}",
-              file=sys.stderr)
+        message = str(caps_error(problem, dset, trace, None, flag="--cap ")).removeprefix("partition: ")
+        print(f"memsched partition: {message}", file=sys.stderr)
         return 1
     if args.out is not None:
         best["partition"].to_json(args.out)

@@ -92,23 +92,26 @@ def _partition_of(problem, dset, method, device_of_op, seconds, note, graph):
     ev = problem.evaluate(device_of_op)
     transfers = [dict(tensor=t, **{"from": a}, to=b, bytes=n, ready_us=r, arrive_us=s)
                  for t, a, b, n, r, s in problem.transfers(device_of_op)]
-    node_device = None
+    node_device = node_ops = None
     if graph is not None:
         node_device = {name: device_of_op[op] for name, op in graph.forward_op_of_node.items()}
+        node_ops = {name: [op] + [o for o in (graph.backward_op_of_node.get(name), graph.optimizer_op_of_node.get(name))
+                                  if o is not None]
+                    for name, op in graph.forward_op_of_node.items()}
     return Partition(method=method, device_of_op=list(device_of_op), devices=list(dset.names), caps=list(dset.caps),
                      makespan_us=ev["makespan_us"], peak_bytes=list(ev["peak_bytes"]), busy_us=list(ev["busy_us"]),
                      bytes_moved=ev["bytes_moved"], transfers=transfers, fits=ev["fits"],
                      link_bw_gbps=dset.link_bw_gbps, link_latency_us=dset.link_latency_us, seconds=seconds,
-                     node_device=node_device, note=note)
+                     node_device=node_device, node_ops=node_ops, note=note)
 
 
-def caps_error(problem, dset, trace, method, why=""):
+def caps_error(problem, dset, trace, method, why="", flag="cap="):
     least = problem.least_uniform_cap()
     n = len(dset)
     msg = (f"partition: no placement found that meets the caps ({describe_caps(dset.caps)}) on {n} device(s)"
            f"{' with method ' + repr(method) if method else ''}{': ' + why if why else ''}. The step's single-device "
            f"peak is {format_bytes(trace.peak_bytes())}; the smallest cap (the same on every device) at which "
-           f"S3 fits is {format_bytes(least)} ({least} bytes): pass cap={least} or more, or more devices")
+           f"S3 fits is {format_bytes(least)} ({least} bytes): pass {flag}{least} or more, or more devices")
     return CapsError(msg, least)
 
 

@@ -30,6 +30,7 @@ class Partition:
     link_latency_us: float = 0.0
     seconds: float = 0.0             # time the method took
     node_device: Optional[Dict[str, int]] = None  # fx node name -> device (partitions of a GraphModule)
+    node_ops: Optional[Dict[str, List[int]]] = None  # fx node name -> its forward, backward, optimizer op ids
     note: str = ""                   # e.g. S3's winning start
 
     @property

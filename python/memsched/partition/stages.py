@@ -10,7 +10,6 @@ k's nodes (devices without nodes are dropped, so stages stay numbered 0..S-1). E
 take only the previous stage's outputs (a chain): torch.distributed.pipelining sends one stage's
 outputs to the next stage only.
 """
-import torch.fx
 from torch.fx.passes.split_module import split_module
 
 _COMPUTE = ("call_module", "call_function", "call_method")
@@ -20,6 +19,12 @@ def stage_of_node(gm, partition):
     if not partition.node_device:
         raise ValueError("pipeline stages: this partition has no node placement; partition a GraphModule or "
                          "nn.Module (with example_inputs), not a Trace")
+    for name, ops in (partition.node_ops or {}).items():
+        for op in ops[1:]:
+            if partition.device_of_op[op] != partition.device_of_op[ops[0]]:
+                raise ValueError(f"pipeline stages: node '{name}' runs forward on device "
+                                 f"{partition.device_of_op[ops[0]]} but its backward or optimizer update on device "
+                                 f"{partition.device_of_op[op]}; a pipeline stage keeps both on one device")
     stages, last, last_name = {}, 0, None
     order = {}
     for n in gm.graph.nodes:
@@ -38,24 +43,9 @@ def stage_of_node(gm, partition):
     return stages
 
 
-def _check_backward_colocated(partition, graph_ops):
-    for name, (fwd, others) in graph_ops.items():
-        for op in others:
-            if partition.device_of_op[op] != partition.device_of_op[fwd]:
-                raise ValueError(f"pipeline stages: node '{name}' runs forward on device "
-                                 f"{partition.device_of_op[fwd]} but its backward or optimizer update on device "
-                                 f"{partition.device_of_op[op]}; a pipeline stage keeps both on one device")
-
-
-def split_stages(gm, partition, graph_trace=None):
-    """(split GraphModule, stage submodules in order). With the GraphTrace the partition came from, also
-    checks that each node's backward and optimizer ops share its forward's device."""
+def split_stages(gm, partition):
+    """(split GraphModule, stage submodules in order)."""
     stages = stage_of_node(gm, partition)
-    if graph_trace is not None:
-        _check_backward_colocated(partition, {
-            name: (op, [o for o in (graph_trace.backward_op_of_node.get(name),
-                                    graph_trace.optimizer_op_of_node.get(name)) if o is not None])
-            for name, op in graph_trace.forward_op_of_node.items()})
     split = split_module(gm, gm, lambda node: stages[node.name])
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
     for k, call in enumerate(calls):
@@ -70,11 +60,11 @@ def split_stages(gm, partition, graph_trace=None):
     return split, [split.get_submodule(c.target) for c in calls]
 
 
-def pipeline_stage(gm, partition, rank, device="cpu", group=None, graph_trace=None):
+def pipeline_stage(gm, partition, rank, device="cpu", group=None):
     """torch.distributed.pipelining.PipelineStage holding this rank's stage of `gm` (one stage per rank)."""
     from torch.distributed.pipelining import PipelineStage
 
-    _, modules = split_stages(gm, partition, graph_trace)
+    _, modules = split_stages(gm, partition)
     if not 0 <= rank < len(modules):
         raise ValueError(f"pipeline stages: rank {rank} has no stage; the partition has {len(modules)} stages "
                          f"(run {len(modules)} processes)")
