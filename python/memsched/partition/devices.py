@@ -6,7 +6,8 @@ Note [Partition devices and links]
   devices: an int n (n of the default preset, h100-sxm), or a list whose items are preset names,
   device JSON paths or memsched.DeviceModel objects. cap: one value for every device or one per
   device; each is bytes (int or "8GiB") or "P%" of the trace's single-device peak (everything on
-  one device: the trace's own peak). links: None (a default from the devices: NVLink 4 between
+  one device: the trace's own peak); None: each device's memory_bytes (80 GiB for the H100
+  presets). links: None (a default from the devices: NVLink 4 between
   h100-sxm devices, 450 GB/s each way -- 18 links x 25 GB/s per direction, NVIDIA's H100 SXM5
   datasheet: 900 GB/s bidirectional; otherwise the slowest device's host copy bandwidth, as peer
   copies through PCIe), a number (GB/s for every pair) or a D x D matrix (GB/s, a -> b; the diagonal
