@@ -7,7 +7,8 @@ APT_PKGS    := libgtest-dev libbenchmark-dev nlohmann-json3-dev
 PY_PKGS     := pytest pytest-benchmark matplotlib
 # Test-only: the frameworks memsched.integrations plugs into (their tests skip without them). About 25 s
 # for the 42 packages on a machine that has torch (measured without a pip cache); installed by `make test`.
-TEST_PKGS   := transformers accelerate lightning
+# pymetis: the METIS baseline of memsched.partition (its rows say "not installed" without it).
+TEST_PKGS   := transformers accelerate lightning pymetis
 export MEMSCHED_BUILD_DIR := $(abspath $(BUILD_DIR))
 # torch's cpp_extension guesses CUDA_HOME from nvcc's location; point it at the toolkit.
 ifneq ($(wildcard /usr/local/cuda),)

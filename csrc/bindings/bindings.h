@@ -22,5 +22,6 @@ void bind_saved_tensors(pybind11::module_& m);
 void bind_sched(pybind11::module_& m);
 void bind_alloc(pybind11::module_& m);
 void bind_pipeline(pybind11::module_& m);
+void bind_partition(pybind11::module_& m);
 
 }  // namespace memsched::bindings

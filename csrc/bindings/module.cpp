@@ -13,6 +13,7 @@ PYBIND11_MODULE(_C, m) {
   memsched::bindings::bind_sched(m);
   memsched::bindings::bind_alloc(m);
   memsched::bindings::bind_pipeline(m);
+  memsched::bindings::bind_partition(m);
 #ifdef MEMSCHED_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else

@@ -17,6 +17,7 @@ from memsched import allocator
 from memsched.allocator import dump_snapshot, memory_snapshot, memory_stats
 from memsched.ooo import OutOfOrderBackward
 from memsched import pipeline
+from memsched import partition  # callable: memsched.partition(trace, devices, cap)
 
 __version__ = "0.1.0"
 
@@ -44,4 +45,5 @@ __all__ = [
     "memory_stats",
     "OutOfOrderBackward",
     "pipeline",
+    "partition",
 ]

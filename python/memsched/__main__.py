@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["demo", "profile", "plan"]
+COMMANDS = ["demo", "profile", "plan", "partition"]
 
 
 def main(argv=None):

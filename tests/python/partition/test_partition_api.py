@@ -1,0 +1,82 @@
+"""memsched.partition(...) on traces: the Partition's figures, JSON, methods side by side, and the
+errors (caps no placement meets name the smallest cap that works; bad devices and caps)."""
+import pytest
+
+import memsched
+from memsched import _C
+from memsched.partition import CapsError, Partition, compare, format_table
+
+
+def _trace(layers=16, seed=3):
+    return _C.synthetic_trace(num_layers=layers, ops_per_layer=3, seed=seed)
+
+
+def test_memsched_partition_is_callable_and_returns_a_fitting_partition(tmp_path):
+    t = _trace()
+    p = memsched.partition(t, devices=4, cap="40%")
+    assert isinstance(p, Partition) and p.method == "s3" and p.fits
+    assert len(p.device_of_op) == len(t.ops) and set(p.device_of_op) <= {0, 1, 2, 3}
+    assert all(peak <= cap for peak, cap in zip(p.peak_bytes, p.caps))
+    assert p.caps == [int(t.peak_bytes() * 0.4)] * 4
+    # Everything moved is a transfer, and the single-device makespan is the sum of op times.
+    assert p.bytes_moved == sum(x["bytes"] for x in p.transfers)
+    one = memsched.partition(t, devices=1, cap="100%")
+    assert one.peak_bytes == [t.peak_bytes()] and one.bytes_moved == 0
+    p.to_json(tmp_path / "p.json")
+    q = Partition.from_json(tmp_path / "p.json")
+    assert q == p
+
+
+def test_compare_puts_every_method_side_by_side_and_s3_is_no_worse():
+    t = _trace()
+    rows = compare(t, 4, "40%", methods=["s3", "even", "flops", "metis", "milp"])
+    by = {r["method"]: r for r in rows}
+    assert by["s3"]["ok"]
+    assert "skipped" in by["milp"]["error"]
+    for m in ("even", "flops", "metis"):
+        if by[m]["ok"]:
+            assert by["s3"]["partition"].makespan_us <= by[m]["partition"].makespan_us * (1 + 1e-9)
+    text = format_table(rows)
+    for m in ("s3", "even", "flops", "metis", "milp"):
+        assert m in text
+
+
+def test_caps_no_placement_meets_name_the_smallest_cap_that_works():
+    t = _trace()
+    with pytest.raises(CapsError) as err:
+        memsched.partition(t, devices=2, cap="20%")
+    least = err.value.least_cap
+    assert f"cap={least}" in str(err.value) and "smallest cap" in str(err.value)
+    assert t.peak_bytes() // 2 <= least <= t.peak_bytes()
+    assert memsched.partition(t, devices=2, cap=least).fits
+
+
+def test_a_baseline_that_breaks_the_cap_is_refused_with_the_least_cap():
+    t = _trace()
+    rows = compare(t, 4, "30%", methods=["s3", "even"])
+    if rows[1]["ok"]:
+        pytest.skip("even split fits here")
+    with pytest.raises(CapsError, match="method 'even'"):
+        memsched.partition(t, devices=4, cap="30%", method="even")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(devices=0, cap="1GiB"), "devices: need at least 1"),
+    (dict(devices=["h100-sxm", "nope"], cap="1GiB"), r"devices\[1\]"),
+    (dict(devices=2, cap=["1GiB"]), "1 caps for 2 devices"),
+    (dict(devices=2, cap="lots"), "cap: cannot read"),
+    (dict(devices=2, cap="1GiB", links=-3), "links"),
+    (dict(devices=2, cap="1GiB", links=[[0, 1], [0, 0]]), r"links\[1\]\[0\]"),
+    (dict(devices=2, cap="1GiB", method="magic"), "unknown method"),
+])
+def test_bad_arguments_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        memsched.partition(_trace(4), **kwargs)
+
+
+def test_links_matrix_and_presets_change_the_transfer_cost():
+    t = _trace()
+    fast = memsched.partition(t, devices=2, cap="60%", method="flops", links=1000.0)
+    slow = memsched.partition(t, devices=2, cap="60%", method="flops", links=[[0, 1.0], [1.0, 0]])
+    assert fast.device_of_op == slow.device_of_op
+    assert slow.makespan_us > fast.makespan_us
