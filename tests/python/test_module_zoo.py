@@ -27,6 +27,7 @@ import torch
 import memsched
 from memsched import _C
 from memsched.optimize import optimize
+from device_helpers import slow_copies
 from module_zoo import NOT_TRAINABLE, ZOO, ZooModel, class_name, loss_of, make_inputs, torch_nn_module_classes
 
 STEPS = 3
@@ -79,18 +80,9 @@ def _train_ooo(variant, progress):
     return model, None
 
 
-def _slow_copies():
-    """A device whose copies cost seconds: the hybrid planner recomputes wherever it can."""
-    d = memsched.DeviceModel()
-    d.name = "slow-copies"
-    d.d2h_bw_gbps = d.h2d_bw_gbps = 1e-3
-    d.d2h_latency_us = d.h2d_latency_us = 1e6
-    return d
-
-
 def _train_optimize(variant, kwargs, progress):
     if kwargs.get("device_model") == "slow-copies":
-        kwargs = dict(kwargs, device_model=_slow_copies())
+        kwargs = dict(kwargs, device_model=slow_copies())
     case, model, opt = _build(variant)
     torch.manual_seed(1)
     with optimize(model, optimizer=opt, **kwargs) as run:

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memsched
+from device_helpers import slow_copies
 from memsched.offload.recompute import ForwardOpLog, RecomputeStats, Recipe
 
 
@@ -155,14 +156,6 @@ class Block(nn.Module):
         return x + self.fc2(h)
 
 
-def _slow_copies():
-    d = memsched.DeviceModel()
-    d.name = "slow-copies"
-    d.d2h_bw_gbps = d.h2d_bw_gbps = 1e-3
-    d.d2h_latency_us = d.h2d_latency_us = 1e6
-    return d
-
-
 def _train(model, opt, run=None, steps=4, shift_at=None):
     torch.manual_seed(7)
     for step in range(steps):
@@ -186,7 +179,7 @@ def test_optimize_hybrid_recomputes_bitwise_even_when_the_forward_changes(shift_
     model = nn.Sequential(Block(), Block(), Block())
     ref = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
-    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=_slow_copies(),
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=slow_copies(),
                            max_reprofiles=0) as run:
         _train(model, opt, run, shift_at=shift_at)
     _train(ref, ref_opt, shift_at=shift_at)
@@ -292,7 +285,7 @@ def test_cuda_recompute_is_bitwise_and_never_waits_for_the_gpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=_slow_copies(),
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=slow_copies(),
                            min_offload_bytes=0) as run:
         train(model, opt, run, sync_free_from=2)
     train(ref, ref_opt)
