@@ -54,7 +54,7 @@ c10::intrusive_ptr<LayerConf> make_conf(const std::shared_ptr<DwRuntime>& rt, in
 
 // dW and db of one node: deferred to the runtime when this backward pass accumulates into
 // .grad and the runtime is live; returned now when torch.autograd.grad() asks for them or the
-// runtime is gone; nothing when the pass does not want them (Note [Same kernels, same order]).
+// runtime is gone; nothing when the pass does not want them (Note [Same kernels, same order] in deferred_layers.h).
 void weight_grads(AutogradContext* ctx, const LayerConf& conf, DwItem item, at::Tensor* dw, at::Tensor* db) {
   std::shared_ptr<DwRuntime> rt = conf.rt.lock();
   const bool live = rt != nullptr && rt->installed;

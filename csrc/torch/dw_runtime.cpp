@@ -8,6 +8,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "core/check.h"
@@ -69,7 +70,7 @@ std::vector<at::Tensor> compute_dw(const DwItem& item, bool want_weight, bool wa
 
 bool engine_runs(torch::autograd::Node* node, bool* captured) {
   // torch._C._will_engine_execute_node, in C++ (See Note [Same kernels, same order] in
-  // functions.py for how each answer is used).
+  // deferred_layers.h for how each answer is used).
   *captured = false;
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
@@ -136,6 +137,10 @@ int32_t DwRuntime::add_param(const at::Tensor& param, int32_t bucket) {
   buckets_.push_back(bucket);
   accumulators_.push_back(torch::autograd::impl::grad_accumulator(param));
   pending_.emplace_back();
+  autograd_expected_.push_back(0);
+  hook_expected_.push_back(0);
+  seen_.emplace_back();
+  stash_.emplace_back();
   return index;
 }
 
@@ -148,6 +153,9 @@ void DwRuntime::begin_iteration(bool last_micro_step) {
   sched_.begin_iteration();
   last_micro_step_ = last_micro_step;
   backward_started = false;
+  std::fill(autograd_expected_.begin(), autograd_expected_.end(), 0);
+  std::fill(hook_expected_.begin(), hook_expected_.end(), 0);
+  std::fill(seen_.begin(), seen_.end(), AutogradSeen{});
 }
 
 void DwRuntime::expect_contribution(int32_t param) {
@@ -185,8 +193,10 @@ void DwRuntime::track_locked(int64_t delta_bytes, int64_t transient_bytes) {
   track(delta_bytes, transient_bytes);
 }
 
-void DwRuntime::start_tracking(int64_t bytes) {
+void DwRuntime::start_tracking() {
   std::lock_guard<std::mutex> lock(mu_);
+  int64_t bytes = 0;
+  for (const at::Tensor& p : params_) bytes += nbytes(p.grad());
   grad_bytes = bytes;
   peak_grad_bytes = bytes;
 }
@@ -421,6 +431,11 @@ void DwRuntime::abandon() {
     items.swap(items_);
     pending.swap(pending_);
     pending_.resize(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (seen_[i].mixed) params_[i].mutable_grad() = std::move(stash_[i]);  // the parked .grad comes back
+      stash_[i] = at::Tensor();
+      seen_[i] = AutogradSeen{};
+    }
     new_scheduler();
     backward_started = false;
   }
@@ -435,6 +450,206 @@ void DwRuntime::drain() {
     worker_error_ = nullptr;
     std::rethrow_exception(e);
   }
+}
+
+void DwRuntime::call_owner(const char* method) {
+  py::object owner = owner_ref_();
+  if (owner.is_none()) return;
+  PyObject* r = PyObject_CallMethod(owner.ptr(), method, nullptr);
+  if (r == nullptr) throw_python_error();
+  Py_DECREF(r);
+}
+
+void DwRuntime::expect_hook(int32_t param) {
+  // See Note [AccumulateGrad gate]: one contribution per parameter for its AccumulateGrad node.
+  if (!hook_expected_[param]) {
+    hook_expected_[param] = 1;
+    sched_.expect_contribution(param);
+  }
+}
+
+int32_t DwRuntime::note_deferred_use(int32_t weight_idx, int32_t bias_idx) {
+  // A use during backward is legal: activation checkpointing recomputes forward there. A
+  // recomputed use whose backward never runs is finished at the flush (end_iteration).
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int32_t i : {weight_idx, bias_idx}) {
+    if (i < 0) continue;
+    if (phase == 2 && sched_.received(i) > 0) return i;
+    sched_.expect_contribution(i);
+    expect_hook(i);
+  }
+  return -1;
+}
+
+int32_t DwRuntime::note_autograd_use(const std::vector<int32_t>& params) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int32_t i : params) {
+    if (autograd_expected_[i]) continue;
+    if (phase == 2 && sched_.received(i) > 0) return i;
+    autograd_expected_[i] = 1;
+    expect_hook(i);
+  }
+  return -1;
+}
+
+void DwRuntime::on_autograd_grad(int32_t i, const at::Tensor& grad) {
+  // Tensor hook: runs before AccumulateGrad with the summed gradient of all autograd uses;
+  // undefined when every use was deferred (the Functions return none). A mixed parameter (a
+  // deferred use and autograd uses, e.g. a tied embedding) has its accumulated .grad parked so
+  // AccumulateGrad stores this gradient alone; on_autograd_accumulated moves it into the
+  // pending sum and restores .grad: the sum is then G + (h + e), autograd's order.
+  bool captured = false;
+  engine_runs(accumulator(i), &captured);
+  if (captured) return;  // torch.autograd.grad() asking for this parameter: plain, .grad untouched
+  if (phase == 0) {
+    // A forward that called no module owning a parameter (ParameterList entries read directly)
+    // counted no use and so never began the iteration: begin it now.
+    call_owner("_begin_if_idle");
+  }
+  at::Tensor& g = params_[i].mutable_grad();
+  bool hook_gate = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool mixed = grad.defined() && autograd_expected_[i] && sched_.expected(i) > 1;
+    seen_[i] = AutogradSeen{true, grad.defined(), !g.defined(), mixed};
+    if (mixed) {
+      stash_[i] = std::move(g);
+      g = at::Tensor();
+    }
+    if (!grad.defined() && hook_expected_[i]) {
+      // No gradient through autograd: every use of this graph task was deferred (or reached no
+      // loss). Its AccumulateGrad ran, so no uncounted use can still add to it: the gate opens.
+      hook_expected_[i] = 0;
+      hook_gate = true;
+    }
+  }
+  if (grad.defined()) {
+    if (!backward_started) {
+      call_owner("_backward_started");
+      backward_started = true;
+    }
+    return;
+  }
+  if (hook_gate) {
+    contribute(i);
+    if (executor_ == Executor::kInline) {
+      run(true);
+      if (poll_after_defer) call_owner("_poll_reducer");
+    }
+  }
+}
+
+void DwRuntime::on_autograd_accumulated(int32_t i) {
+  AutogradSeen seen;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seen = seen_[i];
+    seen_[i] = AutogradSeen{};
+  }
+  if (!seen.valid || !seen.defined) return;
+  bool refuse = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!autograd_expected_[i]) {
+      // No use of it was counted this iteration (MultiheadAttention reads out_proj.weight
+      // functionally, never calling out_proj): no deferred contribution exists, so this gradient
+      // is all of it -- count it now. A deferred use counted later is refused as a late use.
+      if (phase == 0 || sched_.expected(i) > 0) {
+        refuse = true;
+      } else {
+        autograd_expected_[i] = 1;
+        expect_hook(i);
+      }
+    }
+    if (!refuse) hook_expected_[i] = 0;
+  }
+  if (refuse) {
+    py::object owner = owner_ref_();
+    if (owner.is_none()) return;
+    PyObject* r = PyObject_CallMethod(owner.ptr(), "_refuse_uncounted", "(i)", static_cast<int>(i));
+    if (r == nullptr) throw_python_error();
+    Py_DECREF(r);
+    return;
+  }
+  at::Tensor& g = params_[i].mutable_grad();
+  if (seen.mixed) {
+    at::Tensor e = std::move(g);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      g = std::move(stash_[i]);
+      stash_[i] = at::Tensor();
+    }
+    add_autograd_grad(i, e);  // pending += e (on the side stream under "stream")
+  } else if (seen.had_none) {
+    track_locked(nbytes(g), 0);
+  }
+  contribute(i);
+}
+
+namespace {
+
+constexpr const char* kHookCapsule = "memsched.DwRuntimeHook";
+
+struct HookTarget {
+  std::weak_ptr<DwRuntime> rt;
+  int32_t param;
+};
+
+PyObject* hook_call(PyObject* capsule, PyObject* arg, bool accumulated) {
+  auto* target = static_cast<HookTarget*>(PyCapsule_GetPointer(capsule, kHookCapsule));
+  if (target == nullptr) return nullptr;
+  std::shared_ptr<DwRuntime> rt = target->rt.lock();
+  if (rt == nullptr || !rt->installed) Py_RETURN_NONE;
+  try {
+    if (accumulated) {
+      rt->on_autograd_accumulated(target->param);
+    } else if (arg == Py_None) {
+      rt->on_autograd_grad(target->param, at::Tensor());
+    } else {
+      rt->on_autograd_grad(target->param, THPVariable_Unpack(arg));
+    }
+  } catch (python_error& e) {
+    e.restore();
+    return nullptr;
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* grad_hook_entry(PyObject* capsule, PyObject* grad) { return hook_call(capsule, grad, false); }
+PyObject* accumulated_hook_entry(PyObject* capsule, PyObject* param) { return hook_call(capsule, param, true); }
+
+PyMethodDef grad_hook_def{"memsched_ooo_grad_hook", grad_hook_entry, METH_O,
+                          "memsched's AccumulateGrad gate (See Note [dW runtime in C++])."};
+PyMethodDef accumulated_hook_def{"memsched_ooo_accumulated_hook", accumulated_hook_entry, METH_O,
+                                 "memsched's post-accumulate-grad hook (See Note [dW runtime in C++])."};
+
+py::object make_hook(PyMethodDef* def, const std::shared_ptr<DwRuntime>& rt, int32_t param) {
+  auto* target = new HookTarget{rt, param};
+  PyObject* capsule = PyCapsule_New(target, kHookCapsule, [](PyObject* c) {
+    delete static_cast<HookTarget*>(PyCapsule_GetPointer(c, kHookCapsule));
+  });
+  if (capsule == nullptr) {
+    delete target;
+    throw py::error_already_set();
+  }
+  PyObject* fn = PyCFunction_New(def, capsule);
+  Py_DECREF(capsule);
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
+}  // namespace
+
+py::object DwRuntime::grad_hook(int32_t param) { return make_hook(&grad_hook_def, shared_from_this(), param); }
+
+py::object DwRuntime::accumulated_hook(int32_t param) {
+  return make_hook(&accumulated_hook_def, shared_from_this(), param);
 }
 
 void DwRuntime::worker_loop() {

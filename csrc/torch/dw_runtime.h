@@ -23,8 +23,13 @@
 //   micro-step -- owner._on_ready(final_params, ready_buckets).
 //   Executors: "inline" runs an item on the autograd thread when the scheduler says it is
 //   urgent, "thread" on a C++ worker thread, "stream" at once on a side stream.
-//   Limitations: the per-parameter AccumulateGrad hooks (Note [AccumulateGrad gate] in
-//   backward.py) are still Python tensor hooks calling contribute()/add_autograd_grad().
+//   The per-parameter AccumulateGrad hooks (Note [AccumulateGrad gate] in backward.py) are C
+//   functions registered through the parameter's own Python hook lists (grad_hook() and
+//   accumulated_hook(): METH_O PyCFunctions over a capsule, as Note [The saved-tensor fast path]
+//   does), so they sit where a Python hook would, in the user's hook order, and no Python runs
+//   per parameter; forward's use counting (note_deferred_use, note_autograd_use) is here too.
+//   Limitations: the per-iteration phase (idle/forward/backward) is the owner's; it mirrors it
+//   into `phase` whenever it changes.
 //
 // Note [Streams of out-of-order backward]
 //   Rationale: a dW item must read its input and output gradient after the compute stream
@@ -67,7 +72,7 @@
 namespace memsched {
 
 // One deferred weight-gradient computation (See Note [Same kernels, same order] in
-// python/memsched/ooo/functions.py for the kernels).
+// deferred_layers.h for the kernels).
 struct DwItem {
   bool conv = false;                 // false: Linear (mm / sum), true: aten::convolution_backward
   at::Tensor x;                      // the layer input
@@ -133,14 +138,29 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // Stops the worker; the Functions' items then run plainly (the owner was removed).
   void shutdown();
 
+  // -- forward: use counting (See Note [AccumulateGrad gate] in backward.py) --------------------
+  // Each returns -1, or the index of a parameter used by a forward that runs during backward
+  // after it already received gradient (the owner raises, naming it).
+  int32_t note_deferred_use(int32_t weight_idx, int32_t bias_idx);
+  int32_t note_autograd_use(const std::vector<int32_t>& params);
+
+  // -- the parameter's hooks ----------------------------------------------------------------
+  // New callables for param.register_hook / register_post_accumulate_grad_hook.
+  pybind11::object grad_hook(int32_t param);
+  pybind11::object accumulated_hook(int32_t param);
+  // The hooks' bodies (GIL held; a Python error is raised as python_error).
+  void on_autograd_grad(int32_t param, const at::Tensor& grad);
+  void on_autograd_accumulated(int32_t param);
+
   // -- gradient memory accounting (peak_grad_bytes in report()) ----------------------------
   void track_locked(int64_t delta_bytes, int64_t transient_bytes);  // the owner's updates
-  void start_tracking(int64_t grad_bytes);
+  void start_tracking();  // grad_bytes = the .grad bytes held now
 
   bool installed = true;          // false after shutdown(): Functions return gradients plainly
   bool notify = false;            // call owner._on_ready (fused update or DDP) on the last micro-step
   bool poll_after_defer = false;  // call owner._poll_reducer() after each deferred item (DDP)
   bool backward_started = false;  // owner._backward_started ran for this iteration
+  int phase = 0;                  // the owner's phase: 0 idle, 1 forward, 2 backward
   int64_t grad_bytes = 0;         // SUM: gradient bytes held (.grad + pending sums)
   int64_t peak_grad_bytes = 0;    // SUM: max of grad_bytes (+ a transient addend) this iteration
   Executor executor() const { return executor_; }
@@ -165,6 +185,14 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void hand_over(const Completion& c, Side* side);  // no lock; GIL taken when the owner is called
   void worker_loop();
   void track(int64_t delta_bytes, int64_t transient_bytes);  // under the lock
+  void expect_hook(int32_t param);                            // under the lock
+  void call_owner(const char* method);                        // GIL held; raises python_error
+  struct AutogradSeen {           // what the grad hook saw, for the accumulated hook
+    bool valid = false;           // the grad hook ran in this iteration and the pass accumulates
+    bool defined = false;         // autograd's gradient was defined
+    bool had_none = false;        // .grad was None before AccumulateGrad
+    bool mixed = false;           // deferred and autograd uses: .grad parked in stash_
+  };
   void new_scheduler();
 
   int64_t max_deferred_bytes_;
@@ -176,6 +204,10 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<int32_t> buckets_;                // per parameter, its bucket (-1: none)
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // per parameter
   std::vector<at::Tensor> pending_;             // per parameter, the sum of its contributions so far
+  std::vector<char> autograd_expected_;         // per parameter: an autograd use was counted this iteration
+  std::vector<char> hook_expected_;             // per parameter: its AccumulateGrad contribution is awaited
+  std::vector<AutogradSeen> seen_;              // per parameter
+  std::vector<at::Tensor> stash_;               // per parameter: the parked .grad of a mixed parameter
   std::unordered_map<int64_t, DwItem> items_;   // queued, by scheduler id
   std::vector<std::pair<c10::Device, Side>> sides_;
   bool last_micro_step_ = true;

@@ -129,7 +129,6 @@ from memsched._C import DwRuntime, MemschedError, deferred_conv, deferred_linear
 from memsched.copy_inert import PatchedForward, inert_on_copy
 from memsched.ooo import grad_scaler_guard
 from memsched.ooo.fused import ParamStepper
-from memsched.ooo.functions import engine_runs
 from memsched.units import parse_bytes
 
 DEFAULT_MAX_DEFERRED_BYTES = 64 * 1024 * 1024
@@ -255,19 +254,28 @@ class OutOfOrderBackward:
         self._installed = False
         self._reset_state()
 
+    _PHASES = {"idle": 0, "forward": 1, "backward": 2}
+
+    @property
+    def _phase(self) -> str:
+        """idle / forward / backward; mirrored into the runtime (its hooks read it)."""
+        return self._phase_name
+
+    @_phase.setter
+    def _phase(self, value: str) -> None:
+        self._phase_name = value
+        rt = self.__dict__.get("_rt")
+        if rt is not None:
+            rt.phase = self._PHASES[value]
+
     # ------------------------------------------------------------------ install
     def _reset_state(self) -> None:
         self._patched: List[tuple] = []  # (module, had_instance_forward, old)
         self._eligible_layers = 0
         self._handles: List = []
-        self._acc_nodes: List = []
         self._params: List[nn.Parameter] = []
         self._index: Dict[int, int] = {}
         self._deferred_only: Set[int] = set()
-        self._autograd_expected: Set[int] = set()
-        self._hook_expected: Set[int] = set()  # See Note [AccumulateGrad gate]
-        self._autograd_defined: Dict[int, tuple] = {}
-        self._stash: Dict[int, Optional[torch.Tensor]] = {}
         self._phase = "idle"
         self._callback_queued = False
         self._micro_step = 0
@@ -378,11 +386,9 @@ class OutOfOrderBackward:
                 ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
                 self._handles.append(m.register_forward_pre_hook(
                     inert_on_copy(lambda mod, args, ids=ids: me._note_autograd_use(ids))))
-        with torch.enable_grad():  # each parameter's AccumulateGrad node (one per leaf, reused)
-            self._acc_nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in self._params]
-        for i, p in enumerate(self._params):
-            self._handles.append(p.register_hook(lambda g, i=i: me._on_autograd_grad(i, g)))
-            self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: me._on_autograd_accumulated(i)))
+        for i, p in enumerate(self._params):  # C functions (See Note [dW runtime in C++])
+            self._handles.append(p.register_hook(self._rt.grad_hook(i)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._rt.accumulated_hook(i)))
 
     def _patch(self, m: nn.Module, me) -> None:
         had = "forward" in m.__dict__
@@ -403,9 +409,10 @@ class OutOfOrderBackward:
                 if torch.is_autocast_enabled(x.device.type):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return nn.Linear.forward(mod, x)
+                wi = -1 if wi is None else wi
+                bi = -1 if bi is None else bi
                 me._note_deferred_use(wi, bi)
-                return deferred_linear(rt, x, mod.weight, mod.bias, -1 if wi is None else wi,
-                                       -1 if bi is None else bi, me.graph_token())
+                return deferred_linear(rt, x, mod.weight, mod.bias, wi, bi, me.graph_token())
         else:
             base = next(b for b in _CONV_TYPES if isinstance(m, b))
             nd = _CONV_TYPES[base]
@@ -421,10 +428,11 @@ class OutOfOrderBackward:
                 if torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2:
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return base.forward(mod, x)
+                wi = -1 if wi is None else wi
+                bi = -1 if bi is None else bi
                 me._note_deferred_use(wi, bi)
                 return deferred_conv(rt, x, mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
-                                     mod.groups, -1 if wi is None else wi, -1 if bi is None else bi,
-                                     me.graph_token())
+                                     mod.groups, wi, bi, me.graph_token())
         m.forward = PatchedForward(forward, m, had, old)  # See Note [Copies of a model under memsched]
         self._patched.append((m, had, old))
         self._eligible_layers = len(self._patched)
@@ -444,7 +452,6 @@ class OutOfOrderBackward:
             h.remove()
         self._handles = []
         grad_scaler_guard.unguard(self)
-        self._acc_nodes = []
         if self._rt is not None:
             self._rt.shutdown()  # nodes recorded before now return their gradients plainly
         if self._reducer is not None and self._ddp_saved_sync is not None:
@@ -476,12 +483,9 @@ class OutOfOrderBackward:
                         f"installed, so memsched neither defers nor (fuse_optimizer) updates it. Unfreeze "
                         f"parameters before install(), or remove() and install() again after unfreezing.")
             self._rt.begin_iteration(self._last_micro_step())
-            self._autograd_expected.clear()
-            self._hook_expected.clear()
-            self._autograd_defined.clear()
             if self._reducer is not None:
                 self._reducer.begin_iteration()
-            self._rt.start_tracking(sum(_nbytes(p.grad) for p in self._params))
+            self._rt.start_tracking()
             self._timeline = []
             self._phase = "forward"
             graph = _IterationGraph()
@@ -511,31 +515,31 @@ class OutOfOrderBackward:
         if self._phase == "forward":
             self._abandon()
 
-    def _note_deferred_use(self, w_idx: Optional[int], b_idx: Optional[int]) -> None:
+    def _note_deferred_use(self, w_idx: int, b_idx: int) -> None:
         # A use during backward is legal: activation checkpointing recomputes
         # forward there. A recomputed use whose backward never runs is
-        # finished at the flush (end_iteration(allow_missing)).
-        self._begin_if_idle()
-        for i in (w_idx, b_idx):
-            if i is not None:
-                self._check_late_use(i)
-                self._rt.expect_contribution(i)
-                self._expect_hook(i)
+        # finished at the flush (end_iteration(allow_missing)). -1: no parameter.
+        if self._phase_name != "forward":
+            self._begin_if_idle()
+        late = self._rt.note_deferred_use(w_idx, b_idx)
+        if late >= 0:
+            self._refuse_late_use(late)
 
-    def _check_late_use(self, i: int) -> None:
-        if self._phase == "backward" and self._rt.received(i) > 0:
-            raise MemschedError(
-                f"parameter {self._name(i)} is used by a forward that runs during backward (activation "
-                f"checkpointing recomputes it) after it already received gradient in this backward pass: its "
-                f"use inside the checkpointed region is counted too late. Use that layer either only inside or "
-                f"only outside checkpointed regions, or leave it out of ooo.")
+    def _refuse_late_use(self, i: int) -> None:
+        raise MemschedError(
+            f"parameter {self._name(i)} is used by a forward that runs during backward (activation "
+            f"checkpointing recomputes it) after it already received gradient in this backward pass: its "
+            f"use inside the checkpointed region is counted too late. Use that layer either only inside or "
+            f"only outside checkpointed regions, or leave it out of ooo.")
 
-    def _expect_hook(self, i: int) -> None:
-        # See Note [AccumulateGrad gate]: one contribution per parameter for
-        # its AccumulateGrad node, a gradient (autograd uses) or only a signal.
-        if i not in self._hook_expected:
-            self._hook_expected.add(i)
-            self._rt.expect_contribution(i)
+    def _refuse_uncounted(self, i: int) -> None:
+        """Called by the runtime's post-accumulate-grad hook (See Note [AccumulateGrad gate])."""
+        raise MemschedError(
+            f"parameter {self._name(i)} received a gradient through autograd that memsched did not "
+            f"count during forward (it is used outside the layer that owns it, e.g. in a "
+            f"functional call or a loss term). Its deferred gradient may already be final; "
+            f"memsched refuses to compute a wrong update. Use it only through its module, or "
+            f"leave that model out of ooo.")
 
     def _check_no_grad_use(self) -> None:
         # See _REENTRANT_MESSAGE; the stack walk runs only with a fused update.
@@ -546,12 +550,11 @@ class OutOfOrderBackward:
         if not torch.is_grad_enabled():
             self._check_no_grad_use()
             return
-        self._begin_if_idle()
-        for i in ids:
-            if i not in self._autograd_expected:
-                self._check_late_use(i)
-                self._autograd_expected.add(i)
-                self._expect_hook(i)
+        if self._phase_name != "forward":
+            self._begin_if_idle()
+        late = self._rt.note_autograd_use(ids)
+        if late >= 0:
+            self._refuse_late_use(late)
 
     # ------------------------------------------------------------------ backward
     def _backward_started(self) -> None:
@@ -570,68 +573,6 @@ class OutOfOrderBackward:
                 "its own forward, and with fuse_optimizer the parameters it read were already updated. Run "
                 "forward again, or use grad_accumulation_steps with one forward per backward.")
         self._backward_started()
-
-    def _on_autograd_grad(self, i: int, grad: Optional[torch.Tensor]) -> None:
-        # Tensor hook: runs before AccumulateGrad with the summed gradient of all
-        # autograd uses; None when every use was deferred (our Functions return None).
-        # Mixed parameters (a deferred use and autograd uses, e.g. a tied
-        # embedding): park an accumulated .grad so AccumulateGrad stores this
-        # gradient alone; _on_autograd_accumulated moves it into the pending sum
-        # and restores .grad. The sum is then G + (h + e), autograd's order
-        # (See Note [One iteration of out-of-order backward]).
-        if engine_runs(self._acc_nodes[i]) is None:
-            return  # torch.autograd.grad() asking for this parameter: plain, .grad untouched
-        # A forward that called no module owning a parameter (nn.ParameterList / ParameterDict
-        # entries read directly, nothing else trainable) counted no use and so never began the
-        # iteration: begin it now, before this gradient is recorded.
-        self._begin_if_idle()
-        p = self._params[i]
-        mixed = grad is not None and i in self._autograd_expected and self._rt.expected(i) > 1
-        self._autograd_defined[i] = (grad is not None, p.grad is None, mixed)
-        if mixed:
-            self._stash[i] = p.grad
-            p.grad = None
-        if grad is not None:
-            self._backward_started()
-        elif i in self._hook_expected:
-            # No gradient through autograd: every use of this graph task was
-            # deferred (or reached no loss). Its AccumulateGrad ran, so no
-            # uncounted use can still add to it: the gate opens.
-            with self._lock:
-                self._hook_expected.discard(i)
-                self._rt.contribute(i)  # finalises; hands a ready group to _on_ready
-            if self._executor == "inline":
-                self._rt.run(True)
-                self._poll_reducer()
-
-    def _on_autograd_accumulated(self, i: int) -> None:
-        defined, had_none, mixed = self._autograd_defined.pop(i, (False, False, False))
-        if not defined:
-            return
-        p = self._params[i]
-        with self._lock:
-            if i not in self._autograd_expected:
-                # No use of it was counted this iteration (e.g. MultiheadAttention reads
-                # out_proj.weight functionally, never calling out_proj): no deferred
-                # contribution exists, so this gradient is all of it -- count it now.
-                # A deferred use counted later (checkpoint recompute) is refused by
-                # _check_late_use.
-                if self._phase == "idle" or self._rt.expected(i) > 0:
-                    raise MemschedError(
-                        f"parameter {self._name(i)} received a gradient through autograd that memsched did not "
-                        f"count during forward (it is used outside the layer that owns it, e.g. in a "
-                        f"functional call or a loss term). Its deferred gradient may already be final; "
-                        f"memsched refuses to compute a wrong update. Use it only through its module, or "
-                        f"leave that model out of ooo.")
-                self._autograd_expected.add(i)
-                self._expect_hook(i)
-            self._hook_expected.discard(i)
-            if mixed:
-                e, p.grad = p.grad, self._stash.pop(i)
-                self._rt.add_autograd_grad(i, e)  # pending += e (on the side stream under "stream")
-            elif had_none:
-                self._rt.track(_nbytes(p.grad))
-            self._rt.contribute(i)
 
     def _last_micro_step(self) -> bool:
         return self._micro_step % self.grad_accumulation_steps == self.grad_accumulation_steps - 1
@@ -689,9 +630,6 @@ class OutOfOrderBackward:
         sums, the scheduler's counts (a fresh scheduler, same parameters)."""
         self._rt.abandon()  # queued items, pending sums, a fresh scheduler
         self._ready.clear()  # final but not stepped: they keep their .grad and old values
-        for i, g in self._stash.items():
-            self._params[i].grad = g
-        self._stash.clear()
         self._callback_queued = False
         self._phase = "idle"
         self._graph = None
