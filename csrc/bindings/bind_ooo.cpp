@@ -69,6 +69,8 @@ void bind_ooo(py::module_& m) {
       .def("grad_hook", &DwRuntime::grad_hook, py::arg("param"))
       .def("accumulated_hook", &DwRuntime::accumulated_hook, py::arg("param"))
       .def_readwrite("phase", &DwRuntime::phase)
+      .def("set_units", &DwRuntime::set_units, py::arg("unit_of"))
+      .def("take_partial_units", &DwRuntime::take_partial_units)
       .def_readonly("installed", &DwRuntime::installed)
       .def_readwrite("notify", &DwRuntime::notify)
       .def_readwrite("poll_after_defer", &DwRuntime::poll_after_defer)

@@ -331,14 +331,46 @@ void DwRuntime::finalize(int32_t param) {
 
 void DwRuntime::collect(const DwCompletion& done, Completion* out) {
   for (int32_t i : done.final_params) finalize(i);
-  if (notify && last_micro_step_) {
-    out->final_params.insert(out->final_params.end(), done.final_params.begin(), done.final_params.end());
-    out->ready_buckets.insert(out->ready_buckets.end(), done.ready_buckets.begin(), done.ready_buckets.end());
+  if (!notify || !last_micro_step_) return;
+  out->ready_buckets.insert(out->ready_buckets.end(), done.ready_buckets.begin(), done.ready_buckets.end());
+  if (unit_of_.empty()) return;
+  for (int32_t i : done.final_params) {
+    const int32_t u = unit_of_[i];
+    std::vector<int32_t>& ready = unit_ready_[u];
+    ready.push_back(i);
+    if (static_cast<int32_t>(ready.size()) >= unit_size_[u]) {
+      out->groups.push_back(std::move(ready));
+      ready = std::vector<int32_t>();
+    }
   }
 }
 
+void DwRuntime::set_units(const std::vector<int32_t>& unit_of) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MEMSCHED_CHECK(unit_of.size() == params_.size(), "DwRuntime.set_units: ", unit_of.size(),
+                 " units given for ", params_.size(), " parameters");
+  unit_of_ = unit_of;
+  unit_size_.clear();
+  for (int32_t u : unit_of_) {
+    MEMSCHED_CHECK(u >= 0, "DwRuntime.set_units: every parameter needs a unit >= 0");
+    if (u >= static_cast<int32_t>(unit_size_.size())) unit_size_.resize(u + 1, 0);
+    unit_size_[u] += 1;
+  }
+  unit_ready_.assign(unit_size_.size(), {});
+}
+
+std::vector<std::vector<int32_t>> DwRuntime::take_partial_units() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::vector<int32_t>> out;
+  for (auto& ready : unit_ready_) {
+    if (!ready.empty()) out.push_back(std::move(ready));
+    ready = std::vector<int32_t>();
+  }
+  return out;
+}
+
 void DwRuntime::hand_over(const Completion& c, Side* side) {
-  if (c.final_params.empty() && c.ready_buckets.empty()) return;
+  if (c.groups.empty() && c.ready_buckets.empty()) return;
   py::gil_scoped_acquire gil;
   py::object owner = owner_ref_();
   if (owner.is_none()) return;
@@ -346,11 +378,14 @@ void DwRuntime::hand_over(const Completion& c, Side* side) {
   if (side != nullptr) {
     // The fused update runs on the side stream; a .grad made on the compute stream (autograd)
     // is freed there after the update.
-    for (int32_t i : c.final_params) record_on(params_[i].grad(), side->stream);
+    for (const auto& group : c.groups) {
+      for (int32_t i : group) record_on(params_[i].grad(), side->stream);
+    }
     guard.emplace(side->stream);
   }
-  PyObject* r = PyObject_CallMethod(owner.ptr(), "_on_ready", "(OO)", py::cast(c.final_params).ptr(),
-                                    py::cast(c.ready_buckets).ptr());
+  py::object groups = py::cast(c.groups);
+  py::object buckets = py::cast(c.ready_buckets);
+  PyObject* r = PyObject_CallMethod(owner.ptr(), "_on_ready", "(OO)", groups.ptr(), buckets.ptr());
   if (r == nullptr) throw_python_error();
   Py_DECREF(r);
 }
@@ -391,7 +426,7 @@ void DwRuntime::end_iteration(bool allow_missing) {
     const std::vector<int32_t> short_params = sched_.end_iteration(allow_missing);
     // uses whose output never reached the loss: finish with what arrived
     DwCompletion done;
-    done.final_params = short_params;
+    done.final_params = short_params;  // (no bucket becomes ready here: the owner waits for them all)
     if (executor_ == Executor::kStream && !sides_.empty()) side = &sides_.front().second;
     std::optional<c10::StreamGuard> guard;
     if (side != nullptr) {
@@ -436,6 +471,7 @@ void DwRuntime::abandon() {
       stash_[i] = at::Tensor();
       seen_[i] = AutogradSeen{};
     }
+    for (auto& ready : unit_ready_) ready.clear();  // final but not stepped: they keep .grad and old values
     new_scheduler();
     backward_started = false;
   }

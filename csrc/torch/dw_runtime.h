@@ -20,7 +20,9 @@
 //   parameters final moves their sums into .grad here. Python is called only when something
 //   needs it: the first deferred item of a backward pass (owner._backward_started, which queues
 //   the end-of-backward callback), and -- only with a fused update or DDP, on the last
-//   micro-step -- owner._on_ready(final_params, ready_buckets).
+//   micro-step -- owner._on_ready(groups, ready_buckets): with a fused update, a group is a step
+//   unit whose every parameter is final (Note [Step units] in backward.py; set_units()), so
+//   Python is called once per layer, not per parameter.
 //   Executors: "inline" runs an item on the autograd thread when the scheduler says it is
 //   urgent, "thread" on a C++ worker thread, "stream" at once on a side stream.
 //   The per-parameter AccumulateGrad hooks (Note [AccumulateGrad gate] in backward.py) are C
@@ -152,6 +154,12 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void on_autograd_grad(int32_t param, const at::Tensor& grad);
   void on_autograd_accumulated(int32_t param);
 
+  // -- step units (fused update without DDP; See Note [Step units] in backward.py) ------------
+  // unit_of[p]: the unit of parameter p; final parameters are handed over a whole unit at a time.
+  void set_units(const std::vector<int32_t>& unit_of);
+  // End of backward: the units some of whose parameters got no gradient, as they are.
+  std::vector<std::vector<int32_t>> take_partial_units();
+
   // -- gradient memory accounting (peak_grad_bytes in report()) ----------------------------
   void track_locked(int64_t delta_bytes, int64_t transient_bytes);  // the owner's updates
   void start_tracking();  // grad_bytes = the .grad bytes held now
@@ -173,8 +181,8 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
     c10::Event to_compute;        // recorded on the side stream at the end of backward
   };
   struct Completion {
-    std::vector<int32_t> final_params;
-    std::vector<int32_t> ready_buckets;
+    std::vector<std::vector<int32_t>> groups;  // complete step units (fused update)
+    std::vector<int32_t> ready_buckets;        // DDP
   };
   Side& side_for(const c10::Device& device);  // under the lock
   void wait_for_current(Side& side);          // side stream waits for the current stream
@@ -211,6 +219,9 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::unordered_map<int64_t, DwItem> items_;   // queued, by scheduler id
   std::vector<std::pair<c10::Device, Side>> sides_;
   bool last_micro_step_ = true;
+  std::vector<int32_t> unit_of_;                // per parameter, its step unit (empty: no grouping)
+  std::vector<int32_t> unit_size_;              // per unit, its parameters
+  std::vector<std::vector<int32_t>> unit_ready_;  // per unit, its final parameters not yet handed over
 
   std::thread worker_;                          // executor "thread"
   std::condition_variable wake_;                // worker: items queued or stop

@@ -54,7 +54,7 @@ Note [Step units]
   parameter; a layer's weight and bias become final one right after the other.
   Approach: every parameter belongs to one unit: the parameters its first
   owning module (in model.modules() order) holds directly. A final parameter
-  (last micro-step) waits in _ready until all of its unit is final, then the
+  (last micro-step) waits in the runtime (DwRuntime.set_units) until all of its unit is final, then the
   unit is stepped in one ParamStepper.step_params call. Without DDP that is
   the whole ready group; under DDP a reduced bucket is the group. At the end
   of backward every unit still waiting (a member got no gradient) is stepped
@@ -289,7 +289,6 @@ class OutOfOrderBackward:
         self._stepper: Optional[ParamStepper] = None
         self._unit_of: List[int] = []     # parameter index -> its step unit (See Note [Step units])
         self._unit_size: List[int] = []   # parameters per unit
-        self._ready: Dict[int, List[int]] = {}  # unit -> its final parameters, not yet stepped
         self._timeline: List[tuple] = []
         self._last_timeline: List[tuple] = []
         self._lock = threading.RLock()
@@ -375,6 +374,8 @@ class OutOfOrderBackward:
         for i, p in enumerate(self._params):
             rt.add_param(p, self._reducer.bucket_of[i] if self._reducer is not None else -1)
         rt.notify = self._stepper is not None or self._reducer is not None
+        if self._stepper is not None and self._reducer is None:
+            rt.set_units(self._unit_of)  # final parameters come back a whole unit at a time
         rt.poll_after_defer = self._reducer is not None
         self._rt = rt
 
@@ -577,22 +578,11 @@ class OutOfOrderBackward:
     def _last_micro_step(self) -> bool:
         return self._micro_step % self.grad_accumulation_steps == self.grad_accumulation_steps - 1
 
-    def _fused_update(self, i: int) -> None:
-        """Parameter i is final on the last micro-step: step its unit once all of the unit is final."""
-        u = self._unit_of[i]
-        ready = self._ready.get(u)
-        if ready is None:
-            ready = self._ready[u] = []
-        ready.append(i)
-        if len(ready) >= self._unit_size[u]:
-            del self._ready[u]
-            self._step_params(ready)
-
     def _flush_ready(self) -> None:
         """End of backward: units some of whose parameters got no gradient are stepped as they are."""
-        ready, self._ready = self._ready, {}
-        for idx in ready.values():
-            self._step_params(idx)
+        if self._stepper is not None and self._reducer is None:
+            for idx in self._rt.take_partial_units():
+                self._step_params(idx)
 
     def _step_params(self, idx: Sequence[int]) -> None:
         """One grouped optimizer update of the parameters idx (See Note [Grouped step through torch's
@@ -607,18 +597,18 @@ class OutOfOrderBackward:
         self._rt.track(-nbytes)
         self._fused_steps += len(params)
 
-    def _on_ready(self, final_params: List[int], ready_buckets: List[int]) -> None:
-        """Called by the runtime (C++) on the last micro-step, with a fused update or DDP, when
-        parameters became final (their .grad is complete): step them or reduce their buckets. Under
-        the stream executor this runs with the side stream current (Note [Streams of out-of-order
-        backward] in csrc/torch/dw_runtime.h)."""
+    def _on_ready(self, groups: List[List[int]], ready_buckets: List[int]) -> None:
+        """Called by the runtime (C++) on the last micro-step, with a fused update or DDP: step the
+        units whose every parameter is final (See Note [Step units]), or reduce the buckets that are
+        ready. Under the stream executor this runs with the side stream current (Note [Streams of
+        out-of-order backward] in csrc/torch/dw_runtime.h)."""
         with self._lock:
             if self._reducer is not None:
                 for b in ready_buckets:
                     self._reducer.ready(b)
-            elif self._stepper is not None:
-                for i in final_params:
-                    self._fused_update(i)
+            else:
+                for idx in groups:
+                    self._step_params(idx)
 
     def _poll_reducer(self) -> None:
         if self._reducer is None or not self._last_micro_step():
@@ -629,7 +619,6 @@ class OutOfOrderBackward:
         """Drops the running iteration after an error: queued work, pending
         sums, the scheduler's counts (a fresh scheduler, same parameters)."""
         self._rt.abandon()  # queued items, pending sums, a fresh scheduler
-        self._ready.clear()  # final but not stepped: they keep their .grad and old values
         self._callback_queued = False
         self._phase = "idle"
         self._graph = None
