@@ -252,13 +252,17 @@ void DwRuntime::defer(DwItem item) {
     run(executor_ == Executor::kInline);
   }
   if (poll_after_defer) {
-    py::gil_scoped_acquire gil;
-    py::object owner = owner_ref_();
-    if (!owner.is_none()) {
-      PyObject* r = PyObject_CallMethod(owner.ptr(), "_poll_reducer", nullptr);
-      if (r == nullptr) throw_python_error();
-      Py_DECREF(r);
+    // DDP: finished all-reduces are copied back (and their buckets stepped) on the side stream
+    // under "stream", so the compute stream does not wait for the collective.
+    std::optional<c10::StreamGuard> guard;
+    if (executor_ == Executor::kStream && on_accelerator(params_.empty() ? at::Tensor() : params_.front())) {
+      std::lock_guard<std::mutex> lock(mu_);
+      Side& side = side_for(params_.front().device());
+      wait_for_current(side);
+      guard.emplace(side.stream);
     }
+    py::gil_scoped_acquire gil;
+    call_owner("_poll_reducer");
   }
 }
 

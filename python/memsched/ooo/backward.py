@@ -127,7 +127,7 @@ from torch.nn.utils import parametrize
 
 from memsched._C import DwRuntime, MemschedError, deferred_conv, deferred_linear
 from memsched.copy_inert import PatchedForward, inert_on_copy
-from memsched.ooo import grad_scaler_guard
+from memsched.ooo import clip_guard, grad_scaler_guard
 from memsched.ooo.fused import ParamStepper
 from memsched.units import parse_bytes
 
@@ -366,6 +366,7 @@ class OutOfOrderBackward:
         if self.optimizer is not None and self.fuse_optimizer:
             self._stepper = ParamStepper(self.optimizer)
             grad_scaler_guard.guard(self)  # See Note [GradScaler and fused updates]
+            clip_guard.guard(self)  # See Note [Clipping and fused updates]
 
         if executor == "stream" and not any(p.is_cuda for p in self._params):
             raise MemschedError("executor='stream' needs the model on a CUDA device; use 'inline' or 'thread'")
@@ -453,6 +454,7 @@ class OutOfOrderBackward:
             h.remove()
         self._handles = []
         grad_scaler_guard.unguard(self)
+        clip_guard.unguard(self)
         if self._rt is not None:
             self._rt.shutdown()  # nodes recorded before now return their gradients plainly
         if self._reducer is not None and self._ddp_saved_sync is not None:
@@ -666,6 +668,10 @@ class OutOfOrderBackward:
             f"grad_accumulation_steps=K (memsched.optimize(..., grad_accumulation_steps=K) or "
             f"OutOfOrderBackward(..., grad_accumulation_steps=K)) and call step() after every backward pass "
             f"(run.step() once per K backward passes under memsched.optimize).")
+
+    def owns_parameter(self, p) -> bool:
+        """Whether p is one of the parameters this object defers (and, fused, updates)."""
+        return id(p) in self._index and self._params[self._index[id(p)]] is p
 
     @property
     def updating(self) -> bool:
