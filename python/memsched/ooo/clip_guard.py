@@ -9,7 +9,8 @@ Note [Clipping and fused updates]
   Approach: while an OutOfOrderBackward with fuse_optimizer=True is installed,
   torch.nn.utils.clip_grad_norm_ (also reached as torch.nn.utils.clip_grad.clip_grad_norm_)
   raises memsched.MemschedError, before anything is clipped, when any parameter it is given
-  belongs to such an object; other parameters are clipped as usual. OutOfOrderBackward's own
+  belongs to such an object and max_norm is finite (max_norm=inf only measures, as
+  transformers' Trainer does to log grad_norm); other parameters are clipped as usual. OutOfOrderBackward's own
   max_grad_norm is refused with fuse_optimizer=True at construction (clip-then-step works
   without fusion: step() clips before returning True), as are the integrations' clipping
   settings (Trainer's max_grad_norm, Lightning's gradient_clip_val).
@@ -17,6 +18,7 @@ Note [Clipping and fused updates]
   clip_grad_norm_``) and hand-written norms are invisible; the patch is process-wide while
   installed, restored after the last fused owner is removed.
 """
+import math
 import weakref
 
 import torch
@@ -31,6 +33,10 @@ _original = None
 
 def _guarded_clip_grad_norm_(parameters, max_norm, *args, **kwargs):
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+    if not math.isfinite(float(max_norm)):
+        # max_norm=inf only measures the norm (transformers' Trainer logs grad_norm that way): it
+        # changes nothing, so it is not refused; it sees only the gradients not yet freed.
+        return _original(params, max_norm, *args, **kwargs)
     for owner in list(_fused_owners):
         if any(owner.owns_parameter(p) for p in params):
             raise MemschedError(
