@@ -56,6 +56,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -217,7 +218,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<AutogradSeen> seen_;              // per parameter
   std::vector<at::Tensor> stash_;               // per parameter: the parked .grad of a mixed parameter
   std::unordered_map<int64_t, DwItem> items_;   // queued, by scheduler id
-  std::vector<std::pair<c10::Device, Side>> sides_;
+  std::deque<std::pair<c10::Device, Side>> sides_;  // a deque: a Side& stays valid as devices are added
   bool last_micro_step_ = true;
   std::vector<int32_t> unit_of_;                // per parameter, its step unit (empty: no grouping)
   std::vector<int32_t> unit_size_;              // per unit, its parameters
