@@ -11,6 +11,7 @@ PYBIND11_MODULE(_C, m) {
   memsched::bindings::bind_torch(m);
   memsched::bindings::bind_saved_tensors(m);
   memsched::bindings::bind_sched(m);
+  memsched::bindings::bind_ooo(m);
   memsched::bindings::bind_alloc(m);
   memsched::bindings::bind_pipeline(m);
   memsched::bindings::bind_partition(m);

@@ -189,3 +189,21 @@ def test_stream_executor_matches_plain_on_cuda(fuse):
     assert ooo.report()["executor"] == "stream"
     torch.cuda.synchronize()
     assert_same_state(a, oa, b, ob, exact=False)
+
+
+def test_clip_grad_norm_after_a_fused_backward_is_refused_not_silently_skipped():
+    # See Note [Clipping and fused updates]: the gradients are already used and freed.
+    a = models.build_model("mlp", seed=0)
+    other = torch.nn.Linear(3, 3)
+    other(torch.randn(2, 3)).sum().backward()
+    opt = torch.optim.AdamW(a.parameters(), lr=1e-3)
+    x, y = models.example_batch("mlp", 4, seed=0)
+    original = torch.nn.utils.clip_grad_norm_
+    with OutOfOrderBackward(a, optimizer=opt, fuse_optimizer=True) as ooo:
+        models.loss_fn("mlp", a(x), y).backward()
+        with pytest.raises(memsched.MemschedError, match="clip_grad_norm_.*fuse_optimizer=False"):
+            torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)  # not ooo's: clipped as usual
+        torch.nn.utils.clip_grad_norm_(a.parameters(), float("inf"))  # only measures (Trainer's grad_norm log)
+        ooo.step()
+    assert torch.nn.utils.clip_grad_norm_ is original and torch.nn.utils.clip_grad.clip_grad_norm_ is original

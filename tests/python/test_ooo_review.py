@@ -276,3 +276,17 @@ def test_multihead_attention_out_proj_used_functionally_trains_like_autograd():
     # is an eligible Linear. With no counted use there is no deferred part.
     _compare(Encoder, lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
              lambda m, x: m(x).square().sum())
+
+
+def test_parameter_added_after_install_is_refused():
+    # See Note [Parameters added or unfrozen after install]: the per-iteration walk runs only
+    # after a registration, so a module attached after install must still be found.
+    torch.manual_seed(0)
+    m = Two()
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    with OutOfOrderBackward(m, optimizer=opt, fuse_optimizer=True) as ooo:
+        m(torch.randn(3, 4)).sum().backward()
+        ooo.step()
+        m.extra = nn.Linear(2, 2)
+        with pytest.raises(memsched.MemschedError, match="extra.weight requires grad.*install"):
+            m(torch.randn(3, 4)).sum()

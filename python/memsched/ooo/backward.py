@@ -9,13 +9,15 @@ backward pass (micro-step); ``report()``.
 
 Note [One iteration of out-of-order backward]
   Forward: every call of an eligible layer (nn.Linear, nn.Conv1d/2d/3d with
-  zero padding) with grad enabled goes through DeferredLinear/DeferredConv and
+  zero padding) with grad enabled goes through the C++ Functions of
+  csrc/torch/deferred_layers.h (_C.deferred_linear / deferred_conv) and
   counts one expected contribution per parameter; every call of a module that
   owns parameters directly and is not patched counts one *autograd*
   contribution per parameter per iteration (autograd sums all such uses in one
-  AccumulateGrad call). Backward: the Function computes dX, wraps (x, dY) into
-  a DeferredWork and defers it; the executor asks the scheduler which items
-  must run now (byte limit, next DDP bucket) and runs them. Contributions of
+  AccumulateGrad call). Backward: the Function computes dX and hands (x, dY)
+  to the C++ DwRuntime as one item (See Note [dW runtime in C++] in
+  csrc/torch/dw_runtime.h), which asks the scheduler which items must run now
+  (byte limit, next DDP bucket) and runs them. Contributions of
   one parameter are summed into a pending buffer in arrival order and added to
   ``param.grad`` once, when the parameter is final -- the same additions
   autograd's InputBuffer + AccumulateGrad perform, hence bitwise equal
@@ -52,7 +54,7 @@ Note [Step units]
   parameter; a layer's weight and bias become final one right after the other.
   Approach: every parameter belongs to one unit: the parameters its first
   owning module (in model.modules() order) holds directly. A final parameter
-  (last micro-step) waits in _ready until all of its unit is final, then the
+  (last micro-step) waits in the runtime (DwRuntime.set_units) until all of its unit is final, then the
   unit is stepped in one ParamStepper.step_params call. Without DDP that is
   the whole ready group; under DDP a reduced bucket is the group. At the end
   of backward every unit still waiting (a member got no gradient) is stepped
@@ -88,6 +90,16 @@ Note [A failed backward]
   too, and so does remove(). memsched.optimize abandons an iteration whose
   root forward raised (abandon_forward()).
 
+Note [Parameters added or unfrozen after install]
+  Rationale: a parameter that requires grad but was not registered at install is neither
+  deferred nor (fused) updated; it must be refused at the next forward. Walking the model's
+  parameters at every iteration cost ~0.1-0.2 ms a step on a 76-parameter decoder.
+  Approach: the walk runs only when a parameter frozen at install now requires grad, or
+  when torch's global parameter/module registration hooks saw a registration anywhere since
+  install (the flag is set, never cleared, so later iterations walk too).
+  Limitations: a parameter put into ``module._parameters`` directly, bypassing
+  register_parameter and __setattr__, is not seen.
+
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
   that queued them, the rest at the end-of-backward flush, on the autograd
@@ -102,9 +114,10 @@ Note [Executors]
   DEFAULT_MAX_DEFERRED_BYTES.
   "stream" (CUDA): each item runs as soon as it is queued, on a side
   stream that first waits for the compute stream, so the dX chain never waits
-  for dW; held tensors are record_stream'ed on the side stream; the
-  end-of-backward callback makes the compute stream wait for the side stream.
-  "thread" (CPU): a worker thread runs items while autograd continues. It is
+  for dW; sums, .grad and the fused update stay on the side stream, and the
+  end-of-backward callback makes the compute stream wait for the side stream
+  once (See Note [Streams of out-of-order backward] in csrc/torch/dw_runtime.h).
+  "thread" (CPU): a C++ worker thread runs items while autograd continues. It is
   correct (tests compare it bitwise) but on CPU both sides compete for the
   same cores and intra-op thread pool: measure before using it (bench_ooo.py).
 """
@@ -122,11 +135,10 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from memsched._C import DwScheduler, MemschedError
+from memsched._C import DwRuntime, MemschedError, deferred_conv, deferred_linear
 from memsched.copy_inert import PatchedForward, inert_on_copy
-from memsched.ooo import grad_scaler_guard
+from memsched.ooo import clip_guard, grad_scaler_guard
 from memsched.ooo.fused import ParamStepper
-from memsched.ooo.functions import DeferredConv, DeferredLinear, DeferredWork, engine_runs
 from memsched.units import parse_bytes
 
 DEFAULT_MAX_DEFERRED_BYTES = 64 * 1024 * 1024
@@ -252,21 +264,30 @@ class OutOfOrderBackward:
         self._installed = False
         self._reset_state()
 
+    _PHASES = {"idle": 0, "forward": 1, "backward": 2}
+
+    @property
+    def _phase(self) -> str:
+        """idle / forward / backward; mirrored into the runtime (its hooks read it)."""
+        return self._phase_name
+
+    @_phase.setter
+    def _phase(self, value: str) -> None:
+        self._phase_name = value
+        rt = self.__dict__.get("_rt")
+        if rt is not None:
+            rt.phase = self._PHASES[value]
+
     # ------------------------------------------------------------------ install
     def _reset_state(self) -> None:
         self._patched: List[tuple] = []  # (module, had_instance_forward, old)
         self._eligible_layers = 0
         self._handles: List = []
-        self._acc_nodes: List = []
         self._params: List[nn.Parameter] = []
         self._index: Dict[int, int] = {}
+        self._frozen: List[nn.Parameter] = []  # See Note [Parameters added or unfrozen after install]
+        self._structure_changed = True
         self._deferred_only: Set[int] = set()
-        self._pending: Dict[int, torch.Tensor] = {}
-        self._items: Dict[int, DeferredWork] = {}
-        self._autograd_expected: Set[int] = set()
-        self._hook_expected: Set[int] = set()  # See Note [AccumulateGrad gate]
-        self._autograd_defined: Dict[int, tuple] = {}
-        self._stash: Dict[int, Optional[torch.Tensor]] = {}
         self._phase = "idle"
         self._callback_queued = False
         self._micro_step = 0
@@ -274,20 +295,16 @@ class OutOfOrderBackward:
         self._updated_since_step = False # a fused update ran since the last step()
         self._iterations = 0
         self._fused_steps = 0
-        self._grad_bytes = 0
-        self._peak_grad_bytes = 0
         self._last_peak_grad_bytes = 0
         self._reducer = None
         self._ddp_saved_sync = None
         self._stepper: Optional[ParamStepper] = None
         self._unit_of: List[int] = []     # parameter index -> its step unit (See Note [Step units])
         self._unit_size: List[int] = []   # parameters per unit
-        self._ready: Dict[int, List[int]] = {}  # unit -> its final parameters, not yet stepped
         self._timeline: List[tuple] = []
         self._last_timeline: List[tuple] = []
-        self._side_streams: Dict = {}
         self._lock = threading.RLock()
-        self._worker = None
+        self._rt: Optional[DwRuntime] = None  # See Note [dW runtime in C++] in csrc/torch/dw_runtime.h
         self._graph: Optional[weakref.ref] = None  # to this iteration's _IterationGraph (Note [A failed backward])
 
     def install(self) -> "OutOfOrderBackward":
@@ -318,6 +335,18 @@ class OutOfOrderBackward:
         # Which modules own each parameter directly (tied weights have several).
         owners: Dict[int, List[nn.Module]] = {}
         modules = list(dict.fromkeys(root.modules()))
+        # See Note [Parameters added or unfrozen after install]
+        self._frozen = [p for p in root.parameters() if id(p) not in self._index]
+        self._structure_changed = False
+        ref = weakref.ref(self)
+
+        def _changed(*args):
+            me_ = ref()
+            if me_ is not None:
+                me_._structure_changed = True
+
+        self._handles.append(torch.nn.modules.module.register_module_parameter_registration_hook(_changed))
+        self._handles.append(torch.nn.modules.module.register_module_module_registration_hook(_changed))
         # One OutOfOrderBackward per model: a second one would patch the first's forward, and removing
         # them out of order would leave a dead patch behind (every later forward: ReferenceError).
         for name, m in root.named_modules():
@@ -358,19 +387,22 @@ class OutOfOrderBackward:
             executor = "stream" if any(p.is_cuda for p in self._params) else "inline"
         if not self._limit_given and executor == "inline" and ddp is None:
             self.max_deferred_bytes = 0
-        self._sched = DwScheduler(self.max_deferred_bytes)
-        for i, p in enumerate(self._params):
-            bucket = self._reducer.bucket_of[i] if self._reducer is not None else -1
-            self._sched.add_param(_nbytes(p), bucket)
         if self.optimizer is not None and self.fuse_optimizer:
             self._stepper = ParamStepper(self.optimizer)
             grad_scaler_guard.guard(self)  # See Note [GradScaler and fused updates]
+            clip_guard.guard(self)  # See Note [Clipping and fused updates]
 
         if executor == "stream" and not any(p.is_cuda for p in self._params):
             raise MemschedError("executor='stream' needs the model on a CUDA device; use 'inline' or 'thread'")
         self._executor = executor
-        if executor == "thread":
-            self._start_worker()
+        rt = DwRuntime(self.max_deferred_bytes, executor, self)
+        for i, p in enumerate(self._params):
+            rt.add_param(p, self._reducer.bucket_of[i] if self._reducer is not None else -1)
+        rt.notify = self._stepper is not None or self._reducer is not None
+        if self._stepper is not None and self._reducer is None:
+            rt.set_units(self._unit_of)  # final parameters come back a whole unit at a time
+        rt.poll_after_defer = self._reducer is not None
+        self._rt = rt
 
         me = weakref.proxy(self)
         for m in modules:
@@ -380,17 +412,16 @@ class OutOfOrderBackward:
                 ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
                 self._handles.append(m.register_forward_pre_hook(
                     inert_on_copy(lambda mod, args, ids=ids: me._note_autograd_use(ids))))
-        with torch.enable_grad():  # each parameter's AccumulateGrad node (one per leaf, reused)
-            self._acc_nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in self._params]
-        for i, p in enumerate(self._params):
-            self._handles.append(p.register_hook(lambda g, i=i: me._on_autograd_grad(i, g)))
-            self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: me._on_autograd_accumulated(i)))
+        for i, p in enumerate(self._params):  # C functions (See Note [dW runtime in C++])
+            self._handles.append(p.register_hook(self._rt.grad_hook(i)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._rt.accumulated_hook(i)))
 
     def _patch(self, m: nn.Module, me) -> None:
         had = "forward" in m.__dict__
         old = m.__dict__.get("forward")
         w_idx = self._index.get(id(m.weight)) if m.weight is not None else None
         b_idx = self._index.get(id(m.bias)) if m.bias is not None else None
+        rt = self._rt
         if isinstance(m, nn.Linear):
             def forward(mod, x):
                 if not torch.is_grad_enabled():
@@ -404,8 +435,10 @@ class OutOfOrderBackward:
                 if torch.is_autocast_enabled(x.device.type):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return nn.Linear.forward(mod, x)
+                wi = -1 if wi is None else wi
+                bi = -1 if bi is None else bi
                 me._note_deferred_use(wi, bi)
-                return DeferredLinear.apply(x, mod.weight, mod.bias, me, wi, bi)
+                return deferred_linear(rt, x, mod.weight, mod.bias, wi, bi, me.graph_token())
         else:
             base = next(b for b in _CONV_TYPES if isinstance(m, b))
             nd = _CONV_TYPES[base]
@@ -421,9 +454,11 @@ class OutOfOrderBackward:
                 if torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2:
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return base.forward(mod, x)
+                wi = -1 if wi is None else wi
+                bi = -1 if bi is None else bi
                 me._note_deferred_use(wi, bi)
-                return DeferredConv.apply(x, mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
-                                          mod.groups, me, wi, bi)
+                return deferred_conv(rt, x, mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
+                                     mod.groups, wi, bi, me.graph_token())
         m.forward = PatchedForward(forward, m, had, old)  # See Note [Copies of a model under memsched]
         self._patched.append((m, had, old))
         self._eligible_layers = len(self._patched)
@@ -443,8 +478,9 @@ class OutOfOrderBackward:
             h.remove()
         self._handles = []
         grad_scaler_guard.unguard(self)
-        self._acc_nodes = []
-        self._stop_worker()
+        clip_guard.unguard(self)
+        if self._rt is not None:
+            self._rt.shutdown()  # nodes recorded before now return their gradients plainly
         if self._reducer is not None and self._ddp_saved_sync is not None:
             self.model.require_backward_grad_sync = self._ddp_saved_sync
             self._ddp_saved_sync = None
@@ -466,23 +502,18 @@ class OutOfOrderBackward:
             if self._updated_since_step:
                 self._refuse_extra_backward()
             self._failed_backward = False
-            if self._pending or self._items:
-                raise MemschedError("internal: deferred work left over from the previous backward pass")
             index = self._index
-            if not all(id(p) in index for p in self._root.parameters() if p.requires_grad):
+            if (self._structure_changed or any(p.requires_grad for p in self._frozen)) and \
+                    not all(id(p) in index for p in self._root.parameters() if p.requires_grad):
                 n = next(n for n, p in self._root.named_parameters() if p.requires_grad and id(p) not in index)
                 raise MemschedError(
                         f"parameter {n} requires grad but had requires_grad=False when OutOfOrderBackward was "
                         f"installed, so memsched neither defers nor (fuse_optimizer) updates it. Unfreeze "
                         f"parameters before install(), or remove() and install() again after unfreezing.")
-            self._sched.begin_iteration()
-            self._autograd_expected.clear()
-            self._hook_expected.clear()
-            self._autograd_defined.clear()
+            self._rt.begin_iteration(self._last_micro_step())
             if self._reducer is not None:
                 self._reducer.begin_iteration()
-            self._grad_bytes = sum(_nbytes(p.grad) for p in self._params)
-            self._peak_grad_bytes = self._grad_bytes
+            self._rt.start_tracking()
             self._timeline = []
             self._phase = "forward"
             graph = _IterationGraph()
@@ -512,31 +543,31 @@ class OutOfOrderBackward:
         if self._phase == "forward":
             self._abandon()
 
-    def _note_deferred_use(self, w_idx: Optional[int], b_idx: Optional[int]) -> None:
+    def _note_deferred_use(self, w_idx: int, b_idx: int) -> None:
         # A use during backward is legal: activation checkpointing recomputes
         # forward there. A recomputed use whose backward never runs is
-        # finished at the flush (end_iteration(allow_missing)).
-        self._begin_if_idle()
-        for i in (w_idx, b_idx):
-            if i is not None:
-                self._check_late_use(i)
-                self._sched.expect_contribution(i)
-                self._expect_hook(i)
+        # finished at the flush (end_iteration(allow_missing)). -1: no parameter.
+        if self._phase_name != "forward":
+            self._begin_if_idle()
+        late = self._rt.note_deferred_use(w_idx, b_idx)
+        if late >= 0:
+            self._refuse_late_use(late)
 
-    def _check_late_use(self, i: int) -> None:
-        if self._phase == "backward" and self._sched.received(i) > 0:
-            raise MemschedError(
-                f"parameter {self._name(i)} is used by a forward that runs during backward (activation "
-                f"checkpointing recomputes it) after it already received gradient in this backward pass: its "
-                f"use inside the checkpointed region is counted too late. Use that layer either only inside or "
-                f"only outside checkpointed regions, or leave it out of ooo.")
+    def _refuse_late_use(self, i: int) -> None:
+        raise MemschedError(
+            f"parameter {self._name(i)} is used by a forward that runs during backward (activation "
+            f"checkpointing recomputes it) after it already received gradient in this backward pass: its "
+            f"use inside the checkpointed region is counted too late. Use that layer either only inside or "
+            f"only outside checkpointed regions, or leave it out of ooo.")
 
-    def _expect_hook(self, i: int) -> None:
-        # See Note [AccumulateGrad gate]: one contribution per parameter for
-        # its AccumulateGrad node, a gradient (autograd uses) or only a signal.
-        if i not in self._hook_expected:
-            self._hook_expected.add(i)
-            self._sched.expect_contribution(i)
+    def _refuse_uncounted(self, i: int) -> None:
+        """Called by the runtime's post-accumulate-grad hook (See Note [AccumulateGrad gate])."""
+        raise MemschedError(
+            f"parameter {self._name(i)} received a gradient through autograd that memsched did not "
+            f"count during forward (it is used outside the layer that owns it, e.g. in a "
+            f"functional call or a loss term). Its deferred gradient may already be final; "
+            f"memsched refuses to compute a wrong update. Use it only through its module, or "
+            f"leave that model out of ooo.")
 
     def _check_no_grad_use(self) -> None:
         # See _REENTRANT_MESSAGE; the stack walk runs only with a fused update.
@@ -547,12 +578,11 @@ class OutOfOrderBackward:
         if not torch.is_grad_enabled():
             self._check_no_grad_use()
             return
-        self._begin_if_idle()
-        for i in ids:
-            if i not in self._autograd_expected:
-                self._check_late_use(i)
-                self._autograd_expected.add(i)
-                self._expect_hook(i)
+        if self._phase_name != "forward":
+            self._begin_if_idle()
+        late = self._rt.note_autograd_use(ids)
+        if late >= 0:
+            self._refuse_late_use(late)
 
     # ------------------------------------------------------------------ backward
     def _backward_started(self) -> None:
@@ -562,12 +592,8 @@ class OutOfOrderBackward:
             self._timeline.append(("backward_start", time.perf_counter()))
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
-    def _track(self, delta: int, transient: int = 0) -> None:
-        self._grad_bytes += delta
-        self._peak_grad_bytes = max(self._peak_grad_bytes, self._grad_bytes + transient)
-
-    def defer(self, work: DeferredWork) -> None:
-        """Called by DeferredLinear/DeferredConv backward with one dW item."""
+    def _first_deferred(self) -> None:
+        """Called by the runtime (C++, the engine's thread) at the first deferred item of a backward pass."""
         if self._phase == "idle":
             raise MemschedError(
                 "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
@@ -575,164 +601,15 @@ class OutOfOrderBackward:
                 "its own forward, and with fuse_optimizer the parameters it read were already updated. Run "
                 "forward again, or use grad_accumulation_steps with one forward per backward.")
         self._backward_started()
-        with self._lock:
-            wid = self._sched.enqueue(work.param_indices, work.held_bytes)
-            self._items[wid] = work
-        if self._executor == "thread":
-            self._wake.set()
-            return
-        if self._executor == "stream":
-            self._run_all(self._sched.pop)
-        else:
-            self._run_all(self._sched.next_urgent)
-        self._poll_reducer()
-
-    def _run_all(self, source) -> None:
-        while True:
-            with self._lock:
-                wid = source()
-                if wid < 0:
-                    return
-                work = self._items.pop(wid)
-            self._execute(wid, work)
-
-    def _execute(self, wid: int, work: DeferredWork) -> None:
-        if work.device.type == "cuda":
-            side = self._side_stream(work.device)
-            side.wait_stream(torch.cuda.current_stream(work.device))
-            for t in work.tensors():
-                t.record_stream(side)
-            with torch.cuda.stream(side):
-                self._compute_and_complete(wid, work)
-        else:
-            self._compute_and_complete(wid, work)
-
-    def _compute_and_complete(self, wid: int, work: DeferredWork) -> None:
-        grads = work.compute()
-        with self._lock:
-            for i, g in zip(work.param_indices, grads):
-                pend = self._pending.get(i)
-                if pend is None:
-                    self._pending[i] = g
-                    self._track(_nbytes(g))
-                else:
-                    self._track(0, transient=_nbytes(g))
-                    pend.add_(g)
-            done = self._sched.complete(wid)
-            self._on_completion(done)
-
-    def _on_autograd_grad(self, i: int, grad: Optional[torch.Tensor]) -> None:
-        # Tensor hook: runs before AccumulateGrad with the summed gradient of all
-        # autograd uses; None when every use was deferred (our Functions return None).
-        # Mixed parameters (a deferred use and autograd uses, e.g. a tied
-        # embedding): park an accumulated .grad so AccumulateGrad stores this
-        # gradient alone; _on_autograd_accumulated moves it into the pending sum
-        # and restores .grad. The sum is then G + (h + e), autograd's order
-        # (See Note [One iteration of out-of-order backward]).
-        if engine_runs(self._acc_nodes[i]) is None:
-            return  # torch.autograd.grad() asking for this parameter: plain, .grad untouched
-        # A forward that called no module owning a parameter (nn.ParameterList / ParameterDict
-        # entries read directly, nothing else trainable) counted no use and so never began the
-        # iteration: begin it now, before this gradient is recorded.
-        self._begin_if_idle()
-        p = self._params[i]
-        mixed = grad is not None and i in self._autograd_expected and self._sched.expected(i) > 1
-        self._autograd_defined[i] = (grad is not None, p.grad is None, mixed)
-        if mixed:
-            self._stash[i] = p.grad
-            p.grad = None
-        if grad is not None:
-            self._backward_started()
-        elif i in self._hook_expected:
-            # No gradient through autograd: every use of this graph task was
-            # deferred (or reached no loss). Its AccumulateGrad ran, so no
-            # uncounted use can still add to it: the gate opens.
-            with self._lock:
-                self._hook_expected.discard(i)
-                if p.is_cuda and self._executor == "stream" and p.device in self._side_streams:
-                    # the pending sum was made on the side stream; finalization and
-                    # the fused update run here, on the current stream
-                    torch.cuda.current_stream(p.device).wait_stream(self._side_streams[p.device])
-                done = self._sched.contribute(i)
-                self._on_completion(done)
-            if self._executor == "inline":
-                self._run_all(self._sched.next_urgent)
-                self._poll_reducer()
-
-    def _on_autograd_accumulated(self, i: int) -> None:
-        defined, had_none, mixed = self._autograd_defined.pop(i, (False, False, False))
-        if not defined:
-            return
-        p = self._params[i]
-        with self._lock:
-            if i not in self._autograd_expected:
-                # No use of it was counted this iteration (e.g. MultiheadAttention reads
-                # out_proj.weight functionally, never calling out_proj): no deferred
-                # contribution exists, so this gradient is all of it -- count it now.
-                # A deferred use counted later (checkpoint recompute) is refused by
-                # _check_late_use.
-                if self._phase == "idle" or self._sched.expected(i) > 0:
-                    raise MemschedError(
-                        f"parameter {self._name(i)} received a gradient through autograd that memsched did not "
-                        f"count during forward (it is used outside the layer that owns it, e.g. in a "
-                        f"functional call or a loss term). Its deferred gradient may already be final; "
-                        f"memsched refuses to compute a wrong update. Use it only through its module, or "
-                        f"leave that model out of ooo.")
-                self._autograd_expected.add(i)
-                self._expect_hook(i)
-            self._hook_expected.discard(i)
-            if mixed:
-                e, p.grad = p.grad, self._stash.pop(i)
-                pend = self._pending.get(i)
-                if pend is None:
-                    self._pending[i] = e
-                    self._track(_nbytes(e))
-                else:
-                    self._track(0, transient=_nbytes(e))
-                    pend.add_(e)
-            elif had_none:
-                self._track(_nbytes(p.grad))
-            if p.is_cuda and self._executor == "stream" and p.device in self._side_streams:
-                torch.cuda.current_stream(p.device).wait_stream(self._side_streams[p.device])
-            done = self._sched.contribute(i)
-            self._on_completion(done)
-
-    def _finalize(self, i: int) -> None:
-        """All contributions of parameter i are in: pending -> param.grad."""
-        p = self._params[i]
-        pend = self._pending.pop(i, None)
-        if pend is None:
-            return
-        if pend.is_cuda:
-            # WARNING: pend was allocated on the side stream and may be read on
-            # the current one (autograd-path finalization): keep its block from
-            # being reused before that read is done.
-            pend.record_stream(torch.cuda.current_stream(pend.device))
-        if p.grad is None:
-            p.grad = pend
-        else:
-            p.grad.add_(pend)
-            self._track(-_nbytes(pend))
 
     def _last_micro_step(self) -> bool:
         return self._micro_step % self.grad_accumulation_steps == self.grad_accumulation_steps - 1
 
-    def _fused_update(self, i: int) -> None:
-        """Parameter i is final on the last micro-step: step its unit once all of the unit is final."""
-        u = self._unit_of[i]
-        ready = self._ready.get(u)
-        if ready is None:
-            ready = self._ready[u] = []
-        ready.append(i)
-        if len(ready) >= self._unit_size[u]:
-            del self._ready[u]
-            self._step_params(ready)
-
     def _flush_ready(self) -> None:
         """End of backward: units some of whose parameters got no gradient are stepped as they are."""
-        ready, self._ready = self._ready, {}
-        for idx in ready.values():
-            self._step_params(idx)
+        if self._stepper is not None and self._reducer is None:
+            for idx in self._rt.take_partial_units():
+                self._step_params(idx)
 
     def _step_params(self, idx: Sequence[int]) -> None:
         """One grouped optimizer update of the parameters idx (See Note [Grouped step through torch's
@@ -744,20 +621,21 @@ class OutOfOrderBackward:
             return
         nbytes = sum(_nbytes(p.grad) for p in params)
         self._stepper.step_params(params)  # frees each p.grad
-        self._track(-nbytes)
+        self._rt.track(-nbytes)
         self._fused_steps += len(params)
 
-    def _on_completion(self, done) -> None:
-        for i in done.final_params:
-            self._finalize(i)
-        last = self._last_micro_step()
-        if self._reducer is not None:
-            if last:
-                for b in done.ready_buckets:
+    def _on_ready(self, groups: List[List[int]], ready_buckets: List[int]) -> None:
+        """Called by the runtime (C++) on the last micro-step, with a fused update or DDP: step the
+        units whose every parameter is final (See Note [Step units]), or reduce the buckets that are
+        ready. Under the stream executor this runs with the side stream current (Note [Streams of
+        out-of-order backward] in csrc/torch/dw_runtime.h)."""
+        with self._lock:
+            if self._reducer is not None:
+                for b in ready_buckets:
                     self._reducer.ready(b)
-        elif self._stepper is not None and last:
-            for i in done.final_params:
-                self._fused_update(i)
+            else:
+                for idx in groups:
+                    self._step_params(idx)
 
     def _poll_reducer(self) -> None:
         if self._reducer is None or not self._last_micro_step():
@@ -767,16 +645,7 @@ class OutOfOrderBackward:
     def _abandon(self) -> None:
         """Drops the running iteration after an error: queued work, pending
         sums, the scheduler's counts (a fresh scheduler, same parameters)."""
-        self._items.clear()
-        self._pending.clear()
-        self._ready.clear()  # final but not stepped: they keep their .grad and old values
-        for i, g in self._stash.items():
-            self._params[i].grad = g
-        self._stash.clear()
-        sched = DwScheduler(self.max_deferred_bytes)
-        for i, p in enumerate(self._params):
-            sched.add_param(_nbytes(p), self._reducer.bucket_of[i] if self._reducer is not None else -1)
-        self._sched = sched
+        self._rt.abandon()  # queued items, pending sums, a fresh scheduler
         self._callback_queued = False
         self._phase = "idle"
         self._graph = None
@@ -784,91 +653,33 @@ class OutOfOrderBackward:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
+        rt = self._rt
         try:
             if self._executor == "thread":
-                self._drain_worker()
-            self._run_all(self._sched.pop)
-            with self._lock:
-                for i in self._sched.end_iteration(True):
-                    # uses whose output never reached the loss: finish with what arrived
-                    self._finalize(i)
-                    if self._reducer is None and self._stepper is not None and self._last_micro_step():
-                        self._fused_update(i)
+                rt.drain()
+            rt.run(False)
+            # uses whose output never reached the loss: finish with what arrived
+            rt.end_iteration(True)
+            # the compute stream waits for the side stream here, where gradients are consumed
+            rt.sync_streams()
             if self._reducer is not None and self._last_micro_step():
                 self._step_params(self._reducer.poll())
                 self._step_params(self._reducer.wait_all())
             self._flush_ready()
-            for dev, side in self._side_streams.items():
-                main = torch.cuda.current_stream(dev)
-                main.wait_stream(side)
-                for p in self._params:
-                    if p.grad is not None and p.grad.device == dev:
-                        p.grad.record_stream(main)  # made on the side stream, used and freed on main
         except BaseException:
             self._abandon()
             raise
         finally:
             self._phase = "idle"
+            rt.backward_started = False
         self._timeline.append(("backward_end", time.perf_counter()))
         self._last_timeline = list(self._timeline) + (list(self._reducer.trace) if self._reducer else [])
-        self._last_peak_grad_bytes = self._peak_grad_bytes
+        self._last_peak_grad_bytes = rt.peak_grad_bytes
         if self._stepper is not None and self._last_micro_step():
             self._updated_since_step = True
         self._micro_step += 1
         self._backwards_since_step += 1
         self._iterations += 1
-
-    # ------------------------------------------------------------------ executors
-    def _side_stream(self, device):
-        s = self._side_streams.get(device)
-        if s is None:
-            s = torch.cuda.Stream(device=device)
-            self._side_streams[device] = s
-        return s
-
-    def _start_worker(self) -> None:
-        self._wake = threading.Event()
-        self._idle = threading.Event()
-        self._stop = False
-        self._worker_error: Optional[BaseException] = None
-        me = weakref.proxy(self)
-
-        def loop():
-            while True:
-                me._wake.wait()
-                if me._stop:
-                    return
-                me._idle.clear()
-                try:
-                    me._run_all(me._sched.pop)
-                except BaseException as e:  # surfaced at the flush
-                    me._worker_error = e
-                with me._lock:
-                    if me._sched.queued == 0:
-                        me._wake.clear()
-                        me._idle.set()
-
-        self._idle.set()
-        self._worker = threading.Thread(target=loop, name="memsched-ooo-dw", daemon=True)
-        self._worker.start()
-
-    def _drain_worker(self) -> None:
-        while True:
-            with self._lock:
-                empty = self._sched.queued == 0
-            if empty and self._idle.is_set():
-                break
-            self._idle.wait(0.05)
-        if self._worker_error is not None:
-            e, self._worker_error = self._worker_error, None
-            raise e
-
-    def _stop_worker(self) -> None:
-        if self._worker is not None:
-            self._stop = True
-            self._wake.set()
-            self._worker.join(timeout=5)
-            self._worker = None
 
     # ------------------------------------------------------------------ user API
     def _refuse_extra_backward(self) -> None:
@@ -882,6 +693,10 @@ class OutOfOrderBackward:
             f"grad_accumulation_steps=K (memsched.optimize(..., grad_accumulation_steps=K) or "
             f"OutOfOrderBackward(..., grad_accumulation_steps=K)) and call step() after every backward pass "
             f"(run.step() once per K backward passes under memsched.optimize).")
+
+    def owns_parameter(self, p) -> bool:
+        """Whether p is one of the parameters this object defers (and, fused, updates)."""
+        return id(p) in self._index and self._params[self._index[id(p)]] is p
 
     @property
     def updating(self) -> bool:
@@ -922,7 +737,7 @@ class OutOfOrderBackward:
 
     def report(self) -> dict:
         """Counters of the last iteration and in total. Units in the names."""
-        st = self._sched.stats() if hasattr(self, "_sched") else {}
+        st = self._rt.stats() if self._rt is not None else {}
         tl = self._last_timeline
         t0 = next((t for e, *rest in tl for t in [rest[-1]] if e == "backward_start"), None)
         t_end = next((rest[-1] for e, *rest in tl if e == "backward_end"), None)

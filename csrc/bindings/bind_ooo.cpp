@@ -1,0 +1,116 @@
+// bind_ooo.cpp -- memsched._C.DwRuntime and the deferred Linear/Conv Functions of out-of-order
+// backward (csrc/torch/dw_runtime.h, deferred_layers.h). Includes torch headers (See Note [One
+// module, several binding files]).
+#include <torch/python.h>
+
+#include <torch/csrc/Exceptions.h>
+
+#include "bindings/bindings.h"
+#include "torch/deferred_layers.h"
+#include "torch/dw_runtime.h"
+
+namespace memsched::bindings {
+
+namespace py = pybind11;
+
+namespace {
+
+// A Python error carried through C++ as torch's python_error is raised as the original
+// exception (a MemschedError stays one), not as a RuntimeError.
+template <typename F>
+auto reraising(F&& f) {
+  try {
+    return f();
+  } catch (python_error& e) {
+    e.restore();
+    throw py::error_already_set();
+  }
+}
+
+}  // namespace
+
+void bind_ooo(py::module_& m) {
+  py::class_<DwRuntime, std::shared_ptr<DwRuntime>>(
+      m, "DwRuntime", "Out-of-order backward's dW queue, pending sums and streams (Note [dW runtime in C++]).")
+      .def(py::init([](int64_t max_deferred_bytes, const std::string& executor, py::object owner) {
+             return std::make_shared<DwRuntime>(max_deferred_bytes, executor, std::move(owner));
+           }),
+           py::arg("max_deferred_bytes"), py::arg("executor"), py::arg("owner"))
+      .def("add_param", &DwRuntime::add_param, py::arg("param"), py::arg("bucket") = -1)
+      .def("begin_iteration", &DwRuntime::begin_iteration, py::arg("last_micro_step"))
+      .def("expect_contribution", &DwRuntime::expect_contribution, py::arg("param"))
+      .def("expected", &DwRuntime::expected, py::arg("param"))
+      .def("received", &DwRuntime::received, py::arg("param"))
+      .def_property_readonly("queued", &DwRuntime::queued)
+      .def("run", [](DwRuntime& rt, bool urgent_only) { reraising([&] { rt.run(urgent_only); }); },
+           py::arg("urgent_only"))
+      .def("drain",
+           [](DwRuntime& rt) {
+             reraising([&] {
+               py::gil_scoped_release release;
+               rt.drain();
+             });
+           })
+      .def("contribute", [](DwRuntime& rt, int32_t i) { reraising([&] { rt.contribute(i); }); }, py::arg("param"))
+      .def("add_autograd_grad", &DwRuntime::add_autograd_grad, py::arg("param"), py::arg("grad"))
+      .def("end_iteration", [](DwRuntime& rt, bool allow) { reraising([&] { rt.end_iteration(allow); }); },
+           py::arg("allow_missing") = false)
+      .def("sync_streams", &DwRuntime::sync_streams)
+      .def("abandon",
+           [](DwRuntime& rt) {
+             py::gil_scoped_release release;  // waits for the worker, which may need the GIL
+             rt.abandon();
+           })
+      .def("shutdown", [](DwRuntime& rt) { rt.shutdown(); })
+      .def("track", &DwRuntime::track_locked, py::arg("delta_bytes"), py::arg("transient_bytes") = 0)
+      .def("start_tracking", &DwRuntime::start_tracking)
+      .def("note_deferred_use", &DwRuntime::note_deferred_use, py::arg("weight_idx"), py::arg("bias_idx"))
+      .def("note_autograd_use", &DwRuntime::note_autograd_use, py::arg("params"))
+      .def("grad_hook", &DwRuntime::grad_hook, py::arg("param"))
+      .def("accumulated_hook", &DwRuntime::accumulated_hook, py::arg("param"))
+      .def_readwrite("phase", &DwRuntime::phase)
+      .def("set_units", &DwRuntime::set_units, py::arg("unit_of"))
+      .def("take_partial_units", &DwRuntime::take_partial_units)
+      .def_readonly("installed", &DwRuntime::installed)
+      .def_readwrite("notify", &DwRuntime::notify)
+      .def_readwrite("poll_after_defer", &DwRuntime::poll_after_defer)
+      .def_readwrite("backward_started", &DwRuntime::backward_started)
+      .def_readonly("grad_bytes", &DwRuntime::grad_bytes)
+      .def_readonly("peak_grad_bytes", &DwRuntime::peak_grad_bytes)
+      .def_property_readonly("max_deferred_bytes", &DwRuntime::max_deferred_bytes)
+      .def("stats", [](DwRuntime& rt) {
+        const DwStats st = rt.stats();
+        py::dict d;
+        d["enqueued"] = st.enqueued;
+        d["completed"] = st.completed;
+        d["urgent"] = st.urgent;
+        d["limit_flushes"] = st.limit_flushes;
+        d["held_bytes"] = st.held_bytes;
+        d["peak_held_bytes"] = st.peak_held_bytes;
+        d["queued"] = st.queued;
+        d["peak_queued"] = st.peak_queued;
+        return d;
+      });
+
+  m.def(
+      "deferred_linear",
+      [](const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias, int32_t weight_idx, int32_t bias_idx, py::handle token) {
+        return deferred_linear(rt, x, weight, bias, weight_idx, bias_idx, token);
+      },
+      py::arg("rt"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("weight_idx"), py::arg("bias_idx"),
+      py::arg("graph_token"), "F.linear whose backward returns dX and defers dW, db to rt.");
+  m.def(
+      "deferred_conv",
+      [](const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias, std::vector<int64_t> stride, std::vector<int64_t> padding,
+         std::vector<int64_t> dilation, int64_t groups, int32_t weight_idx, int32_t bias_idx, py::handle token) {
+        return deferred_conv(rt, x, weight, bias, std::move(stride), std::move(padding), std::move(dilation),
+                             groups, weight_idx, bias_idx, token);
+      },
+      py::arg("rt"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
+      py::arg("dilation"), py::arg("groups"), py::arg("weight_idx"), py::arg("bias_idx"), py::arg("graph_token"),
+      "F.conv1d/2d/3d (zero padding given as numbers) whose backward returns dX and defers dW, db to rt.");
+}
+
+}  // namespace memsched::bindings

@@ -1,0 +1,177 @@
+// deferred_layers.cpp -- see deferred_layers.h.
+#include "torch/deferred_layers.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace py = pybind11;
+
+namespace memsched {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// What one node needs in backward, in one capsule (one saved_data entry per node).
+struct LayerConf : torch::CustomClassHolder {
+  std::weak_ptr<DwRuntime> rt;      // expired or shut down: gradients go to autograd plainly
+  int32_t weight_idx = -1;
+  int32_t bias_idx = -1;
+  bool has_bias = false;
+  bool conv = false;
+  std::vector<int64_t> stride, padding, dilation;
+  int64_t groups = 1;
+  PyObject* token = nullptr;        // owned: the iteration's graph token (Note [A failed backward])
+
+  ~LayerConf() override {
+    if (token != nullptr && Py_IsInitialized()) {
+      // WARNING: a node may die on an autograd device thread; take the GIL to drop the token.
+      py::gil_scoped_acquire gil;
+      Py_DECREF(token);
+    }
+  }
+};
+
+const LayerConf& conf_of(AutogradContext* ctx) {
+  return *static_cast<const LayerConf*>(ctx->saved_data.at("c").toCapsule().get());
+}
+
+c10::intrusive_ptr<LayerConf> make_conf(const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx,
+                                        bool has_bias, py::handle token) {
+  auto conf = c10::make_intrusive<LayerConf>();
+  conf->rt = rt;
+  conf->weight_idx = weight_idx;
+  conf->bias_idx = bias_idx;
+  conf->has_bias = has_bias;
+  if (token.ptr() != nullptr && !token.is_none()) {
+    conf->token = token.ptr();
+    Py_INCREF(conf->token);
+  }
+  return conf;
+}
+
+// dW and db of one node: deferred to the runtime when this backward pass accumulates into
+// .grad and the runtime is live; returned now when torch.autograd.grad() asks for them or the
+// runtime is gone; nothing when the pass does not want them (Note [Same kernels, same order] in deferred_layers.h).
+void weight_grads(AutogradContext* ctx, const LayerConf& conf, DwItem item, at::Tensor* dw, at::Tensor* db) {
+  std::shared_ptr<DwRuntime> rt = conf.rt.lock();
+  const bool live = rt != nullptr && rt->installed;
+  bool now[2] = {false, false};
+  bool defer[2] = {false, false};
+  const int32_t idx[2] = {conf.weight_idx, conf.bias_idx};
+  for (int k = 0; k < 2; ++k) {
+    if (k == 1 && !conf.has_bias) break;
+    if (!ctx->needs_input_grad(1 + k)) continue;
+    if (live && idx[k] >= 0) {
+      bool captured = false;
+      const bool runs = engine_runs(rt->accumulator(idx[k]), &captured);
+      if (captured) {
+        now[k] = true;
+      } else if (runs) {
+        defer[k] = true;
+      }
+    } else {
+      now[k] = true;  // plain: autograd routes it (or drops it when this pass does not want it)
+    }
+  }
+  if (now[0] || now[1]) {
+    std::vector<at::Tensor> g = compute_dw(item, now[0], now[1]);
+    size_t k = 0;
+    if (now[0]) *dw = std::move(g[k++]);
+    if (now[1]) *db = std::move(g[k++]);
+  }
+  if (defer[0] || defer[1]) {
+    item.weight_idx = defer[0] ? idx[0] : -1;
+    item.bias_idx = defer[1] ? idx[1] : -1;
+    rt->defer(std::move(item));
+  }
+}
+
+struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const c10::intrusive_ptr<LayerConf>& conf) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["c"] = at::IValue::make_capsule(conf);
+    return at::linear(x, weight, bias);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const LayerConf& conf = conf_of(ctx);
+    variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& grad = grads[0];
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = grad.matmul(saved[1]);  // mm_mat1_backward
+    DwItem item;
+    item.x = std::move(saved[0]);
+    item.grad = grad;
+    weight_grads(ctx, conf, std::move(item), &dw, &db);
+    return {dx, dw, db, at::Tensor()};
+  }
+};
+
+struct ConvFunction : torch::autograd::Function<ConvFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const c10::intrusive_ptr<LayerConf>& conf) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["c"] = at::IValue::make_capsule(conf);
+    const int64_t nd = weight.dim() - 2;
+    if (nd == 1) return at::conv1d(x, weight, bias, conf->stride, conf->padding, conf->dilation, conf->groups);
+    if (nd == 2) return at::conv2d(x, weight, bias, conf->stride, conf->padding, conf->dilation, conf->groups);
+    return at::conv3d(x, weight, bias, conf->stride, conf->padding, conf->dilation, conf->groups);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const LayerConf& conf = conf_of(ctx);
+    variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& grad = grads[0];
+    const at::Tensor& weight = saved[1];
+    const int64_t nd = weight.dim() - 2;
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) {
+      const std::vector<int64_t> bias_shape{weight.size(0)};
+      const at::OptionalIntArrayRef bias_sizes =
+          conf.has_bias ? at::OptionalIntArrayRef(bias_shape) : at::OptionalIntArrayRef(std::nullopt);
+      dx = std::get<0>(at::convolution_backward(grad, saved[0], weight, bias_sizes, conf.stride, conf.padding,
+                                                conf.dilation, false, std::vector<int64_t>(nd, 0), conf.groups,
+                                                {true, false, false}));
+    }
+    DwItem item;
+    item.conv = true;
+    item.x = std::move(saved[0]);
+    item.grad = grad;
+    item.weight = weight;  // a parameter: alive anyway, and not final (so not updated) before the item ran
+    item.stride = conf.stride;
+    item.padding = conf.padding;
+    item.dilation = conf.dilation;
+    item.groups = conf.groups;
+    weight_grads(ctx, conf, std::move(item), &dw, &db);
+    return {dx, dw, db, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor deferred_linear(const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias, int32_t weight_idx, int32_t bias_idx,
+                           py::handle graph_token) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  return LinearFunction::apply(x, weight, bias, make_conf(rt, weight_idx, bias_idx, has_bias, graph_token));
+}
+
+at::Tensor deferred_conv(const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, std::vector<int64_t> stride,
+                         std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+                         int32_t weight_idx, int32_t bias_idx, py::handle graph_token) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  auto conf = make_conf(rt, weight_idx, bias_idx, has_bias, graph_token);
+  conf->conv = true;
+  conf->stride = std::move(stride);
+  conf->padding = std::move(padding);
+  conf->dilation = std::move(dilation);
+  conf->groups = groups;
+  return ConvFunction::apply(x, weight, bias, conf);
+}
+
+}  // namespace memsched

@@ -1,0 +1,56 @@
+// deferred_layers.h -- the autograd Functions of out-of-order backward, in C++: forward is
+// F.linear / F.convNd; backward returns dX at once and hands dW and db to a DwRuntime as one
+// DwItem (See Note [dW runtime in C++] in dw_runtime.h).
+//
+// Entry points: deferred_linear(), deferred_conv(), called by the forwards that
+// OutOfOrderBackward patches onto eligible layers.
+//
+// Note [Same kernels, same order]
+//   Rationale: a deferred gradient must equal plain autograd's bit for bit, or
+//   the fused update drifts from a plain training loop.
+//   Approach: forward calls the ops the functional PyTorch calls do (at::linear,
+//   at::conv{1,2,3}d). Backward reproduces the kernels autograd runs:
+//     Linear (addmm / mm after flattening leading dims):
+//       dX = grad.matmul(W)                 (mm_mat1_backward: grad.mm(mat2.t()))
+//       dW = grad2d.t().mm(x2d)             (mm_mat2_backward for a transposed mat2)
+//       db = grad2d.sum(0)                  (sum_to(grad, bias.shape))
+//     Conv: aten.convolution_backward, the op ConvolutionBackward0 calls, once with
+//       output_mask [dX] now and once with [dW, db] later.
+//   tests/python/test_ooo.py checks bitwise equality with plain autograd
+//   on CPU for 2-D/3-D/4-D Linear inputs (contiguous or not, with and without
+//   bias) and Conv1d/2d/3d (groups, stride, padding, dilation).
+//   Which backward passes defer: only one that runs the parameter's
+//   AccumulateGrad (loss.backward()) while the executor is installed. Inside
+//   torch.autograd.grad() asking for the parameter, or after remove(), the
+//   gradient is returned to autograd at once (plain); a pass that does not want
+//   the parameter (backward(inputs=...), autograd.grad for other tensors) gets
+//   None for it.
+//   Limitations: on CUDA, cuBLAS/cuDNN may choose another algorithm for a
+//   separate dW call than for the fused one (workspace, split-K): equal up to
+//   floating-point rounding, not bitwise.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <torch/python.h>
+
+#include "torch/dw_runtime.h"
+
+namespace memsched {
+
+// weight_idx / bias_idx: the runtime's parameter indices, -1 for a parameter it does not track
+// (its gradient then goes to autograd at once). graph_token: a Python object every node of the
+// iteration keeps alive (Note [A failed backward] in backward.py); may be None.
+at::Tensor deferred_linear(const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias, int32_t weight_idx, int32_t bias_idx,
+                           pybind11::handle graph_token);
+
+at::Tensor deferred_conv(const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, std::vector<int64_t> stride,
+                         std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+                         int32_t weight_idx, int32_t bias_idx, pybind11::handle graph_token);
+
+}  // namespace memsched

@@ -1,0 +1,723 @@
+// dw_runtime.cpp -- see dw_runtime.h, Note [dW runtime in C++] and Note [Streams of out-of-order
+// backward].
+#include "torch/dw_runtime.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "core/check.h"
+
+namespace py = pybind11;
+
+namespace memsched {
+
+namespace {
+
+int64_t nbytes(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0; }
+
+bool on_accelerator(const at::Tensor& t) { return t.defined() && t.device().type() != c10::DeviceType::CPU; }
+
+void record_on(const at::Tensor& t, const c10::Stream& stream) {
+  // WARNING: the tensor is read (or freed) on `stream`, not the one that allocated it.
+  if (!on_accelerator(t) || !t.has_storage()) return;
+  c10::impl::VirtualGuardImpl impl(t.device().type());
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), stream);
+}
+
+// A Python call failed: carry its exception through the autograd engine (torch's own way, as
+// PyNode does), so the caller of backward() gets the original exception.
+[[noreturn]] void throw_python_error() {
+  python_error err;
+  err.persist();
+  throw std::move(err);
+}
+
+}  // namespace
+
+int64_t DwItem::held_bytes() const { return nbytes(x) + nbytes(grad); }
+
+std::vector<at::Tensor> compute_dw(const DwItem& item, bool want_weight, bool want_bias) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> out;
+  if (!item.conv) {
+    // mm_mat2_backward for a transposed mat2 and sum_to(grad, bias.shape), as autograd does
+    // after flattening the leading dimensions (0 rows or features are allowed).
+    const int64_t features = item.grad.size(-1);
+    int64_t rows = 1;  // the product of the leading sizes, not -1: a layer may have 0 rows or features
+    for (int64_t d = 0; d + 1 < item.grad.dim(); ++d) rows *= item.grad.size(d);
+    const at::Tensor grad2d = item.grad.reshape({rows, features});
+    if (want_weight) out.push_back(grad2d.t().mm(item.x.reshape({rows, item.x.size(-1)})));
+    if (want_bias) out.push_back(grad2d.sum(0));
+    return out;
+  }
+  const int64_t nd = item.weight.dim() - 2;
+  const std::vector<int64_t> bias_shape{item.weight.size(0)};
+  const at::OptionalIntArrayRef bias_sizes =
+      want_bias ? at::OptionalIntArrayRef(bias_shape) : at::OptionalIntArrayRef(std::nullopt);
+  auto grads = at::convolution_backward(item.grad, item.x, item.weight, bias_sizes, item.stride, item.padding,
+                                        item.dilation, false, std::vector<int64_t>(nd, 0), item.groups,
+                                        {false, want_weight, want_bias});
+  if (want_weight) out.push_back(std::get<1>(grads));
+  if (want_bias) out.push_back(std::get<2>(grads));
+  return out;
+}
+
+bool engine_runs(torch::autograd::Node* node, bool* captured) {
+  // torch._C._will_engine_execute_node, in C++ (See Note [Same kernels, same order] in
+  // deferred_layers.h for how each answer is used).
+  *captured = false;
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (exec_info == nullptr || nodes == nullptr || node == nullptr) return false;
+  if (nodes->find(node) == nodes->end()) return false;
+  if (exec_info->empty()) return true;
+  auto it = exec_info->find(node);
+  if (it == exec_info->end() || !it->second.should_execute()) return false;
+  if (it->second.captures_) *captured = true;
+  return true;
+}
+
+DwRuntime::DwRuntime(int64_t max_deferred_bytes, const std::string& executor, py::object owner)
+    : max_deferred_bytes_(max_deferred_bytes),
+      owner_ref_(py::module_::import("weakref").attr("ref")(owner)),
+      sched_(max_deferred_bytes) {
+  if (executor == "inline") {
+    executor_ = Executor::kInline;
+  } else if (executor == "thread") {
+    executor_ = Executor::kThread;
+  } else if (executor == "stream") {
+    executor_ = Executor::kStream;
+  } else {
+    MEMSCHED_CHECK(false, "DwRuntime: executor must be 'inline', 'thread' or 'stream', got '", executor, "'");
+  }
+  if (executor_ == Executor::kThread) worker_ = std::thread([this] { worker_loop(); });
+}
+
+DwRuntime::~DwRuntime() {
+  shutdown();
+  if (Py_IsInitialized()) {
+    py::gil_scoped_acquire gil;
+    owner_ref_ = py::object();
+  } else {
+    owner_ref_.release();  // interpreter gone: leak the reference rather than touch Python
+  }
+}
+
+void DwRuntime::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    installed = false;
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (worker_.joinable()) {
+    // WARNING: the worker may wait for the GIL in hand_over(); the binding releases it around
+    // shutdown(), and the destructor runs it before a worker can still hold a Python call.
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      worker_.join();
+    } else {
+      worker_.join();
+    }
+  }
+}
+
+int32_t DwRuntime::add_param(const at::Tensor& param, int32_t bucket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MEMSCHED_CHECK(param.defined() && param.requires_grad() && param.is_leaf(),
+                 "DwRuntime.add_param: expected a leaf tensor that requires grad");
+  const int32_t index = sched_.add_param(nbytes(param), bucket);
+  params_.push_back(param);
+  buckets_.push_back(bucket);
+  accumulators_.push_back(torch::autograd::impl::grad_accumulator(param));
+  pending_.emplace_back();
+  autograd_expected_.push_back(0);
+  hook_expected_.push_back(0);
+  seen_.emplace_back();
+  stash_.emplace_back();
+  return index;
+}
+
+torch::autograd::Node* DwRuntime::accumulator(int32_t param) const {
+  return param >= 0 && param < static_cast<int32_t>(accumulators_.size()) ? accumulators_[param].get() : nullptr;
+}
+
+void DwRuntime::begin_iteration(bool last_micro_step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sched_.begin_iteration();
+  last_micro_step_ = last_micro_step;
+  backward_started = false;
+  std::fill(autograd_expected_.begin(), autograd_expected_.end(), 0);
+  std::fill(hook_expected_.begin(), hook_expected_.end(), 0);
+  std::fill(seen_.begin(), seen_.end(), AutogradSeen{});
+}
+
+void DwRuntime::expect_contribution(int32_t param) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sched_.expect_contribution(param);
+}
+
+int32_t DwRuntime::expected(int32_t param) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sched_.expected(param);
+}
+
+int32_t DwRuntime::received(int32_t param) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sched_.received(param);
+}
+
+size_t DwRuntime::queued() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sched_.queued() + sched_.in_flight();
+}
+
+DwStats DwRuntime::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sched_.stats();
+}
+
+void DwRuntime::track(int64_t delta_bytes, int64_t transient_bytes) {
+  grad_bytes += delta_bytes;
+  peak_grad_bytes = std::max(peak_grad_bytes, grad_bytes + transient_bytes);
+}
+
+void DwRuntime::track_locked(int64_t delta_bytes, int64_t transient_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  track(delta_bytes, transient_bytes);
+}
+
+void DwRuntime::start_tracking() {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t bytes = 0;
+  for (const at::Tensor& p : params_) bytes += nbytes(p.grad());
+  grad_bytes = bytes;
+  peak_grad_bytes = bytes;
+}
+
+DwRuntime::Side& DwRuntime::side_for(const c10::Device& device) {
+  for (auto& entry : sides_) {
+    if (entry.first == device) return entry.second;
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  sides_.emplace_back(device, Side{impl.getStreamFromGlobalPool(device, false), c10::Event(device.type()),
+                                   c10::Event(device.type())});
+  return sides_.back().second;
+}
+
+void DwRuntime::wait_for_current(Side& side) {
+  c10::impl::VirtualGuardImpl impl(side.stream.device_type());
+  side.to_side.record(impl.getStream(side.stream.device()));
+  side.to_side.block(side.stream);
+}
+
+void DwRuntime::defer(DwItem item) {
+  if (!backward_started) {
+    // The first deferred item of this backward pass: the owner checks the phase and queues the
+    // end-of-backward callback (engine thread; it is the thread running this graph task).
+    py::gil_scoped_acquire gil;
+    py::object owner = owner_ref_();
+    if (!owner.is_none()) {
+      PyObject* r = PyObject_CallMethod(owner.ptr(), "_first_deferred", nullptr);
+      if (r == nullptr) throw_python_error();
+      Py_DECREF(r);
+    }
+    backward_started = true;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int32_t> ps;
+    if (item.weight_idx >= 0) ps.push_back(item.weight_idx);
+    if (item.bias_idx >= 0) ps.push_back(item.bias_idx);
+    const int64_t id = sched_.enqueue(ps, item.held_bytes());
+    if (executor_ == Executor::kStream && on_accelerator(item.grad)) {
+      // Note [Streams of out-of-order backward]: the side stream waits for what the compute
+      // stream queued so far (this layer's dX included), not the other way round.
+      Side& side = side_for(item.grad.device());
+      wait_for_current(side);
+      record_on(item.x, side.stream);
+      record_on(item.grad, side.stream);
+    }
+    items_.emplace(id, std::move(item));
+  }
+  if (executor_ == Executor::kThread) {
+    wake_.notify_one();
+  } else {
+    run(executor_ == Executor::kInline);
+  }
+  if (poll_after_defer) {
+    // DDP: finished all-reduces are copied back (and their buckets stepped) on the side stream
+    // under "stream", so the compute stream does not wait for the collective.
+    std::optional<c10::StreamGuard> guard;
+    if (executor_ == Executor::kStream && on_accelerator(params_.empty() ? at::Tensor() : params_.front())) {
+      std::lock_guard<std::mutex> lock(mu_);
+      Side& side = side_for(params_.front().device());
+      wait_for_current(side);
+      guard.emplace(side.stream);
+    }
+    py::gil_scoped_acquire gil;
+    call_owner("_poll_reducer");
+  }
+}
+
+void DwRuntime::run(bool urgent_only) {
+  for (;;) {
+    int64_t id;
+    DwItem item;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      id = urgent_only ? sched_.next_urgent() : sched_.pop();
+      if (id < 0) return;
+      auto it = items_.find(id);
+      MEMSCHED_CHECK(it != items_.end(), "DwRuntime: internal: scheduler item ", id, " has no tensors");
+      item = std::move(it->second);
+      items_.erase(it);
+    }
+    Completion done;
+    execute(id, item, &done);
+  }
+}
+
+void DwRuntime::execute(int64_t id, DwItem& item, Completion* out) {
+  Side* side = nullptr;
+  if (executor_ == Executor::kStream && on_accelerator(item.grad)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    side = &side_for(item.grad.device());
+  }
+  std::optional<c10::StreamGuard> guard;
+  if (side != nullptr) guard.emplace(side->stream);  // the wait was queued at defer()
+  std::vector<at::Tensor> grads = compute_dw(item, item.weight_idx >= 0, item.bias_idx >= 0);
+  item.x.reset();  // the item's tensors are released here (record_stream'ed on the side stream)
+  item.grad.reset();
+  item.weight.reset();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t k = 0;
+    if (item.weight_idx >= 0) add_pending(item.weight_idx, std::move(grads[k++]));
+    if (item.bias_idx >= 0) add_pending(item.bias_idx, std::move(grads[k++]));
+    collect(sched_.complete(id), out);
+  }
+  hand_over(*out, side);
+}
+
+void DwRuntime::add_pending(int32_t param, at::Tensor g) {
+  // Contributions are summed in arrival order, as autograd's InputBuffer does.
+  at::Tensor& pend = pending_[param];
+  if (!pend.defined()) {
+    track(nbytes(g), 0);
+    pend = std::move(g);
+  } else {
+    track(0, nbytes(g));
+    at::NoGradGuard no_grad;
+    pend.add_(g);
+  }
+}
+
+void DwRuntime::finalize(int32_t param) {
+  at::Tensor pend = std::move(pending_[param]);
+  pending_[param] = at::Tensor();
+  if (!pend.defined()) return;
+  at::Tensor& grad = params_[param].mutable_grad();
+  if (!grad.defined()) {
+    grad = std::move(pend);
+  } else {
+    at::NoGradGuard no_grad;
+    grad.add_(pend);
+    track(-nbytes(pend), 0);
+  }
+}
+
+void DwRuntime::collect(const DwCompletion& done, Completion* out) {
+  for (int32_t i : done.final_params) finalize(i);
+  if (!notify || !last_micro_step_) return;
+  out->ready_buckets.insert(out->ready_buckets.end(), done.ready_buckets.begin(), done.ready_buckets.end());
+  if (unit_of_.empty()) return;
+  for (int32_t i : done.final_params) {
+    const int32_t u = unit_of_[i];
+    std::vector<int32_t>& ready = unit_ready_[u];
+    ready.push_back(i);
+    if (static_cast<int32_t>(ready.size()) >= unit_size_[u]) {
+      out->groups.push_back(std::move(ready));
+      ready = std::vector<int32_t>();
+    }
+  }
+}
+
+void DwRuntime::set_units(const std::vector<int32_t>& unit_of) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MEMSCHED_CHECK(unit_of.size() == params_.size(), "DwRuntime.set_units: ", unit_of.size(),
+                 " units given for ", params_.size(), " parameters");
+  unit_of_ = unit_of;
+  unit_size_.clear();
+  for (int32_t u : unit_of_) {
+    MEMSCHED_CHECK(u >= 0, "DwRuntime.set_units: every parameter needs a unit >= 0");
+    if (u >= static_cast<int32_t>(unit_size_.size())) unit_size_.resize(u + 1, 0);
+    unit_size_[u] += 1;
+  }
+  unit_ready_.assign(unit_size_.size(), {});
+}
+
+std::vector<std::vector<int32_t>> DwRuntime::take_partial_units() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::vector<int32_t>> out;
+  for (auto& ready : unit_ready_) {
+    if (!ready.empty()) out.push_back(std::move(ready));
+    ready = std::vector<int32_t>();
+  }
+  return out;
+}
+
+void DwRuntime::hand_over(const Completion& c, Side* side) {
+  if (c.groups.empty() && c.ready_buckets.empty()) return;
+  py::gil_scoped_acquire gil;
+  py::object owner = owner_ref_();
+  if (owner.is_none()) return;
+  std::optional<c10::StreamGuard> guard;
+  if (side != nullptr) {
+    // The fused update runs on the side stream; a .grad made on the compute stream (autograd)
+    // is freed there after the update.
+    for (const auto& group : c.groups) {
+      for (int32_t i : group) record_on(params_[i].grad(), side->stream);
+    }
+    guard.emplace(side->stream);
+  }
+  py::object groups = py::cast(c.groups);
+  py::object buckets = py::cast(c.ready_buckets);
+  PyObject* r = PyObject_CallMethod(owner.ptr(), "_on_ready", "(OO)", groups.ptr(), buckets.ptr());
+  if (r == nullptr) throw_python_error();
+  Py_DECREF(r);
+}
+
+void DwRuntime::contribute(int32_t param) {
+  Completion out;
+  Side* side = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (executor_ == Executor::kStream && on_accelerator(params_[param])) {
+      side = &side_for(params_[param].device());
+      wait_for_current(*side);  // the hook runs after the compute stream's last use of it
+    }
+    std::optional<c10::StreamGuard> guard;
+    if (side != nullptr) guard.emplace(side->stream);
+    collect(sched_.contribute(param), &out);
+  }
+  hand_over(out, side);
+}
+
+void DwRuntime::add_autograd_grad(int32_t param, const at::Tensor& e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::optional<c10::StreamGuard> guard;
+  if (executor_ == Executor::kStream && on_accelerator(e)) {
+    Side& side = side_for(e.device());
+    wait_for_current(side);
+    record_on(e, side.stream);
+    guard.emplace(side.stream);
+  }
+  add_pending(param, e);
+}
+
+void DwRuntime::end_iteration(bool allow_missing) {
+  Completion out;
+  Side* side = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::vector<int32_t> short_params = sched_.end_iteration(allow_missing);
+    // uses whose output never reached the loss: finish with what arrived
+    DwCompletion done;
+    done.final_params = short_params;  // (no bucket becomes ready here: the owner waits for them all)
+    if (executor_ == Executor::kStream && !sides_.empty()) side = &sides_.front().second;
+    std::optional<c10::StreamGuard> guard;
+    if (side != nullptr) {
+      wait_for_current(*side);
+      guard.emplace(side->stream);
+    }
+    collect(done, &out);
+  }
+  hand_over(out, side);
+}
+
+void DwRuntime::sync_streams() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [device, side] : sides_) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    const c10::Stream compute = impl.getStream(device);
+    side.to_compute.record(side.stream);
+    side.to_compute.block(compute);
+    for (const at::Tensor& p : params_) {
+      if (p.device() == device) record_on(p.grad(), compute);  // made on the side stream, used here
+    }
+  }
+}
+
+void DwRuntime::new_scheduler() {
+  DwScheduler fresh(max_deferred_bytes_);
+  for (size_t i = 0; i < params_.size(); ++i) fresh.add_param(nbytes(params_[i]), buckets_[i]);
+  sched_ = std::move(fresh);
+}
+
+void DwRuntime::abandon() {
+  std::unordered_map<int64_t, DwItem> items;
+  std::vector<at::Tensor> pending;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (executor_ == Executor::kThread) idle_.wait(lock, [this] { return !worker_busy_; });
+    items.swap(items_);
+    pending.swap(pending_);
+    pending_.resize(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (seen_[i].mixed) params_[i].mutable_grad() = std::move(stash_[i]);  // the parked .grad comes back
+      stash_[i] = at::Tensor();
+      seen_[i] = AutogradSeen{};
+    }
+    for (auto& ready : unit_ready_) ready.clear();  // final but not stepped: they keep .grad and old values
+    new_scheduler();
+    backward_started = false;
+  }
+  // tensors are released here, outside the lock
+}
+
+void DwRuntime::drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_.wait(lock, [this] { return (items_.empty() && !worker_busy_) || worker_error_ != nullptr || stop_; });
+  if (worker_error_ != nullptr) {
+    std::exception_ptr e = worker_error_;
+    worker_error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void DwRuntime::call_owner(const char* method) {
+  py::object owner = owner_ref_();
+  if (owner.is_none()) return;
+  PyObject* r = PyObject_CallMethod(owner.ptr(), method, nullptr);
+  if (r == nullptr) throw_python_error();
+  Py_DECREF(r);
+}
+
+void DwRuntime::expect_hook(int32_t param) {
+  // See Note [AccumulateGrad gate]: one contribution per parameter for its AccumulateGrad node.
+  if (!hook_expected_[param]) {
+    hook_expected_[param] = 1;
+    sched_.expect_contribution(param);
+  }
+}
+
+int32_t DwRuntime::note_deferred_use(int32_t weight_idx, int32_t bias_idx) {
+  // A use during backward is legal: activation checkpointing recomputes forward there. A
+  // recomputed use whose backward never runs is finished at the flush (end_iteration).
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int32_t i : {weight_idx, bias_idx}) {
+    if (i < 0) continue;
+    if (phase == 2 && sched_.received(i) > 0) return i;
+    sched_.expect_contribution(i);
+    expect_hook(i);
+  }
+  return -1;
+}
+
+int32_t DwRuntime::note_autograd_use(const std::vector<int32_t>& params) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int32_t i : params) {
+    if (autograd_expected_[i]) continue;
+    if (phase == 2 && sched_.received(i) > 0) return i;
+    autograd_expected_[i] = 1;
+    expect_hook(i);
+  }
+  return -1;
+}
+
+void DwRuntime::on_autograd_grad(int32_t i, const at::Tensor& grad) {
+  // Tensor hook: runs before AccumulateGrad with the summed gradient of all autograd uses;
+  // undefined when every use was deferred (the Functions return none). A mixed parameter (a
+  // deferred use and autograd uses, e.g. a tied embedding) has its accumulated .grad parked so
+  // AccumulateGrad stores this gradient alone; on_autograd_accumulated moves it into the
+  // pending sum and restores .grad: the sum is then G + (h + e), autograd's order.
+  bool captured = false;
+  engine_runs(accumulator(i), &captured);
+  if (captured) return;  // torch.autograd.grad() asking for this parameter: plain, .grad untouched
+  if (phase == 0) {
+    // A forward that called no module owning a parameter (ParameterList entries read directly)
+    // counted no use and so never began the iteration: begin it now.
+    call_owner("_begin_if_idle");
+  }
+  at::Tensor& g = params_[i].mutable_grad();
+  bool hook_gate = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool mixed = grad.defined() && autograd_expected_[i] && sched_.expected(i) > 1;
+    seen_[i] = AutogradSeen{true, grad.defined(), !g.defined(), mixed};
+    if (mixed) {
+      stash_[i] = std::move(g);
+      g = at::Tensor();
+    }
+    if (!grad.defined() && hook_expected_[i]) {
+      // No gradient through autograd: every use of this graph task was deferred (or reached no
+      // loss). Its AccumulateGrad ran, so no uncounted use can still add to it: the gate opens.
+      hook_expected_[i] = 0;
+      hook_gate = true;
+    }
+  }
+  if (grad.defined()) {
+    if (!backward_started) {
+      call_owner("_backward_started");
+      backward_started = true;
+    }
+    return;
+  }
+  if (hook_gate) {
+    contribute(i);
+    if (executor_ == Executor::kInline) {
+      run(true);
+      if (poll_after_defer) call_owner("_poll_reducer");
+    }
+  }
+}
+
+void DwRuntime::on_autograd_accumulated(int32_t i) {
+  AutogradSeen seen;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seen = seen_[i];
+    seen_[i] = AutogradSeen{};
+  }
+  if (!seen.valid || !seen.defined) return;
+  bool refuse = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!autograd_expected_[i]) {
+      // No use of it was counted this iteration (MultiheadAttention reads out_proj.weight
+      // functionally, never calling out_proj): no deferred contribution exists, so this gradient
+      // is all of it -- count it now. A deferred use counted later is refused as a late use.
+      if (phase == 0 || sched_.expected(i) > 0) {
+        refuse = true;
+      } else {
+        autograd_expected_[i] = 1;
+        expect_hook(i);
+      }
+    }
+    if (!refuse) hook_expected_[i] = 0;
+  }
+  if (refuse) {
+    py::object owner = owner_ref_();
+    if (owner.is_none()) return;
+    PyObject* r = PyObject_CallMethod(owner.ptr(), "_refuse_uncounted", "(i)", static_cast<int>(i));
+    if (r == nullptr) throw_python_error();
+    Py_DECREF(r);
+    return;
+  }
+  at::Tensor& g = params_[i].mutable_grad();
+  if (seen.mixed) {
+    at::Tensor e = std::move(g);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      g = std::move(stash_[i]);
+      stash_[i] = at::Tensor();
+    }
+    add_autograd_grad(i, e);  // pending += e (on the side stream under "stream")
+  } else if (seen.had_none) {
+    track_locked(nbytes(g), 0);
+  }
+  contribute(i);
+}
+
+namespace {
+
+constexpr const char* kHookCapsule = "memsched.DwRuntimeHook";
+
+struct HookTarget {
+  std::weak_ptr<DwRuntime> rt;
+  int32_t param;
+};
+
+PyObject* hook_call(PyObject* capsule, PyObject* arg, bool accumulated) {
+  auto* target = static_cast<HookTarget*>(PyCapsule_GetPointer(capsule, kHookCapsule));
+  if (target == nullptr) return nullptr;
+  std::shared_ptr<DwRuntime> rt = target->rt.lock();
+  if (rt == nullptr || !rt->installed) Py_RETURN_NONE;
+  try {
+    if (accumulated) {
+      rt->on_autograd_accumulated(target->param);
+    } else if (arg == Py_None) {
+      rt->on_autograd_grad(target->param, at::Tensor());
+    } else {
+      rt->on_autograd_grad(target->param, THPVariable_Unpack(arg));
+    }
+  } catch (python_error& e) {
+    e.restore();
+    return nullptr;
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* grad_hook_entry(PyObject* capsule, PyObject* grad) { return hook_call(capsule, grad, false); }
+PyObject* accumulated_hook_entry(PyObject* capsule, PyObject* param) { return hook_call(capsule, param, true); }
+
+PyMethodDef grad_hook_def{"memsched_ooo_grad_hook", grad_hook_entry, METH_O,
+                          "memsched's AccumulateGrad gate (See Note [dW runtime in C++])."};
+PyMethodDef accumulated_hook_def{"memsched_ooo_accumulated_hook", accumulated_hook_entry, METH_O,
+                                 "memsched's post-accumulate-grad hook (See Note [dW runtime in C++])."};
+
+py::object make_hook(PyMethodDef* def, const std::shared_ptr<DwRuntime>& rt, int32_t param) {
+  auto* target = new HookTarget{rt, param};
+  PyObject* capsule = PyCapsule_New(target, kHookCapsule, [](PyObject* c) {
+    delete static_cast<HookTarget*>(PyCapsule_GetPointer(c, kHookCapsule));
+  });
+  if (capsule == nullptr) {
+    delete target;
+    throw py::error_already_set();
+  }
+  PyObject* fn = PyCFunction_New(def, capsule);
+  Py_DECREF(capsule);
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
+}  // namespace
+
+py::object DwRuntime::grad_hook(int32_t param) { return make_hook(&grad_hook_def, shared_from_this(), param); }
+
+py::object DwRuntime::accumulated_hook(int32_t param) {
+  return make_hook(&accumulated_hook_def, shared_from_this(), param);
+}
+
+void DwRuntime::worker_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    wake_.wait(lock, [this] { return stop_ || !items_.empty(); });
+    if (stop_) return;
+    const int64_t id = sched_.pop();
+    if (id < 0) continue;
+    auto it = items_.find(id);
+    DwItem item = std::move(it->second);
+    items_.erase(it);
+    worker_busy_ = true;
+    lock.unlock();
+    try {
+      Completion done;
+      execute(id, item, &done);
+    } catch (...) {
+      lock.lock();
+      worker_error_ = std::current_exception();
+      worker_busy_ = false;
+      idle_.notify_all();
+      continue;
+    }
+    lock.lock();
+    worker_busy_ = false;
+    if (items_.empty()) idle_.notify_all();
+  }
+}
+
+}  // namespace memsched

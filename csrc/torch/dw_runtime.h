@@ -1,0 +1,235 @@
+// dw_runtime.h -- out-of-order backward's per-layer and per-parameter hot path, in C++: the
+// queue of deferred weight-gradient (dW) items, running them, summing each parameter's
+// contributions, handing final gradients to .grad, and the side-stream/event handling on an
+// accelerator. The policy (which item runs when, which parameter is final, which bucket is
+// ready) stays in core/dw_scheduler.h; the Python OutOfOrderBackward (python/memsched/ooo)
+// installs the layers, owns the per-iteration phase and runs the fused update and the DDP
+// buckets when told a group is ready.
+//
+// Entry points: DwRuntime (one per OutOfOrderBackward); deferred_layers.h's Functions call
+// defer(); Python calls the rest through memsched._C.DwRuntime.
+//
+// Note [dW runtime in C++]
+//   Rationale: in Python each dW item cost an autograd Function, a DeferredWork object, dict
+//   and set bookkeeping, and on CUDA a wait_stream, two record_stream calls and a stream
+//   context; the layer's host overhead was 1.4x a plain step of a small decoder on CPU, and on
+//   an H100 ooo ran at 0.44-0.61x plain.
+//   Approach: the Functions (deferred_layers.h) compute dX and hand an item -- the layer input
+//   and output gradient, which parameters it feeds -- to defer(). Items, pending sums (one
+//   tensor per parameter) and the scheduler live here behind one mutex; a completion that makes
+//   parameters final moves their sums into .grad here. Python is called only when something
+//   needs it: the first deferred item of a backward pass (owner._backward_started, which queues
+//   the end-of-backward callback), and -- only with a fused update or DDP, on the last
+//   micro-step -- owner._on_ready(groups, ready_buckets): with a fused update, a group is a step
+//   unit whose every parameter is final (Note [Step units] in backward.py; set_units()), so
+//   Python is called once per layer, not per parameter.
+//   Executors: "inline" runs an item on the autograd thread when the scheduler says it is
+//   urgent, "thread" on a C++ worker thread, "stream" at once on a side stream.
+//   The per-parameter AccumulateGrad hooks (Note [AccumulateGrad gate] in backward.py) are C
+//   functions registered through the parameter's own Python hook lists (grad_hook() and
+//   accumulated_hook(): METH_O PyCFunctions over a capsule, as Note [The saved-tensor fast path]
+//   does), so they sit where a Python hook would, in the user's hook order, and no Python runs
+//   per parameter; forward's use counting (note_deferred_use, note_autograd_use) is here too.
+//   Limitations: the per-iteration phase (idle/forward/backward) is the owner's; it mirrors it
+//   into `phase` whenever it changes.
+//
+// Note [Streams of out-of-order backward]
+//   Rationale: a dW item must read its input and output gradient after the compute stream
+//   wrote them, and the dX chain must never wait for dW work (that serialises the two streams
+//   and loses the overlap that makes out-of-order backward faster).
+//   Approach: the side stream waits for the compute stream only where it consumes a value the
+//   compute stream made: before an item runs (one reusable event per device, recorded on the
+//   current stream and blocked on by the side stream: cudaStreamWaitEvent waits for the latest
+//   record as of the call), and before an autograd gradient is added on the side stream or a
+//   parameter becomes final from a hook. The held tensors are record_stream'ed on the side
+//   stream, so the caching allocator does not hand their blocks to the compute stream while
+//   the item may still read them. Sums, .grad finalisation and the fused update (the owner's
+//   _on_ready runs with the side stream current) all run on the side stream. The compute
+//   stream waits for the side stream once, at the end of backward (sync_streams), where the
+//   caller consumes gradients and updated parameters; every .grad is then record_stream'ed on
+//   the compute stream. No host synchronisation anywhere. On CPU all of this is skipped.
+//   Streams and events go through c10's device-generic interface (c10::Stream, c10::Event,
+//   c10::StreamGuard, VirtualGuardImpl::recordDataPtrOnStream): on CUDA these are c10::cuda
+//   streams and events and the CUDA caching allocator's recordStream.
+//   Limitations: written to be correct by construction; not yet run on a GPU (issue 13).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/python.h>
+
+#include "core/dw_scheduler.h"
+
+namespace memsched {
+
+// One deferred weight-gradient computation (See Note [Same kernels, same order] in
+// deferred_layers.h for the kernels).
+struct DwItem {
+  bool conv = false;                 // false: Linear (mm / sum), true: aten::convolution_backward
+  at::Tensor x;                      // the layer input
+  at::Tensor grad;                   // the output gradient
+  at::Tensor weight;                 // conv only: the weight (alive anyway; not final before this runs)
+  int32_t weight_idx = -1;           // registered parameter index of the weight, -1: not computed
+  int32_t bias_idx = -1;             // ... of the bias
+  std::vector<int64_t> stride, padding, dilation;  // conv only
+  int64_t groups = 1;                // conv only
+  int64_t held_bytes() const;        // bytes: x + grad
+};
+
+// Computes the gradients `item` asks for: [dW if want_weight][db if want_bias] (same kernels as
+// plain autograd; also the "now" path of the Functions).
+std::vector<at::Tensor> compute_dw(const DwItem& item, bool want_weight, bool want_bias);
+
+// True when a backward pass is running on this thread and the engine will execute `node`;
+// *captured is set when the pass is torch.autograd.grad() asking for that leaf's gradient.
+bool engine_runs(torch::autograd::Node* node, bool* captured);
+
+class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
+ public:
+  enum class Executor { kInline, kThread, kStream };
+
+  // owner: the Python OutOfOrderBackward (held weakly).
+  DwRuntime(int64_t max_deferred_bytes, const std::string& executor, pybind11::object owner);
+  ~DwRuntime();
+  DwRuntime(const DwRuntime&) = delete;
+  DwRuntime& operator=(const DwRuntime&) = delete;
+
+  // Registers a parameter (a leaf) with its DDP bucket (-1: none); returns its index.
+  int32_t add_param(const at::Tensor& param, int32_t bucket);
+  // The parameter's AccumulateGrad node (held from add_param until the runtime dies).
+  torch::autograd::Node* accumulator(int32_t param) const;
+
+  // -- scheduler, under the lock ------------------------------------------------------------
+  void begin_iteration(bool last_micro_step);
+  void expect_contribution(int32_t param);
+  int32_t expected(int32_t param);
+  int32_t received(int32_t param);
+  size_t queued();
+  DwStats stats();
+
+  // -- backward --------------------------------------------------------------------------
+  // A Function's backward (any thread, no GIL): queue `item`, then run what the executor runs.
+  void defer(DwItem item);
+  // Runs queued items: all of them (urgent_only false) or those the scheduler calls urgent.
+  void run(bool urgent_only);
+  // Waits (GIL released by the binding) until the worker finished every queued item; rethrows
+  // the worker's error.
+  void drain();
+  // An autograd contribution (the AccumulateGrad gate, or autograd's gradient already in .grad).
+  void contribute(int32_t param);
+  // A mixed parameter's autograd gradient `e` (made on the current stream): pending += e.
+  void add_autograd_grad(int32_t param, const at::Tensor& e);
+  // End of backward: the scheduler's end_iteration; short parameters are finalised (and handed
+  // to the owner like any final parameter).
+  void end_iteration(bool allow_missing);
+  // Compute streams wait for the side streams; .grad tensors are record_stream'ed there.
+  void sync_streams();
+  // Drops queued items and pending sums; a fresh scheduler (same parameters).
+  void abandon();
+  // Stops the worker; the Functions' items then run plainly (the owner was removed).
+  void shutdown();
+
+  // -- forward: use counting (See Note [AccumulateGrad gate] in backward.py) --------------------
+  // Each returns -1, or the index of a parameter used by a forward that runs during backward
+  // after it already received gradient (the owner raises, naming it).
+  int32_t note_deferred_use(int32_t weight_idx, int32_t bias_idx);
+  int32_t note_autograd_use(const std::vector<int32_t>& params);
+
+  // -- the parameter's hooks ----------------------------------------------------------------
+  // New callables for param.register_hook / register_post_accumulate_grad_hook.
+  pybind11::object grad_hook(int32_t param);
+  pybind11::object accumulated_hook(int32_t param);
+  // The hooks' bodies (GIL held; a Python error is raised as python_error).
+  void on_autograd_grad(int32_t param, const at::Tensor& grad);
+  void on_autograd_accumulated(int32_t param);
+
+  // -- step units (fused update without DDP; See Note [Step units] in backward.py) ------------
+  // unit_of[p]: the unit of parameter p; final parameters are handed over a whole unit at a time.
+  void set_units(const std::vector<int32_t>& unit_of);
+  // End of backward: the units some of whose parameters got no gradient, as they are.
+  std::vector<std::vector<int32_t>> take_partial_units();
+
+  // -- gradient memory accounting (peak_grad_bytes in report()) ----------------------------
+  void track_locked(int64_t delta_bytes, int64_t transient_bytes);  // the owner's updates
+  void start_tracking();  // grad_bytes = the .grad bytes held now
+
+  bool installed = true;          // false after shutdown(): Functions return gradients plainly
+  bool notify = false;            // call owner._on_ready (fused update or DDP) on the last micro-step
+  bool poll_after_defer = false;  // call owner._poll_reducer() after each deferred item (DDP)
+  bool backward_started = false;  // owner._backward_started ran for this iteration
+  int phase = 0;                  // the owner's phase: 0 idle, 1 forward, 2 backward
+  int64_t grad_bytes = 0;         // SUM: gradient bytes held (.grad + pending sums)
+  int64_t peak_grad_bytes = 0;    // SUM: max of grad_bytes (+ a transient addend) this iteration
+  Executor executor() const { return executor_; }
+  int64_t max_deferred_bytes() const { return max_deferred_bytes_; }
+
+ private:
+  struct Side {                   // per accelerator device (Note [Streams of out-of-order backward])
+    c10::Stream stream;
+    c10::Event to_side;           // recorded on the compute stream, blocked on by the side stream
+    c10::Event to_compute;        // recorded on the side stream at the end of backward
+  };
+  struct Completion {
+    std::vector<std::vector<int32_t>> groups;  // complete step units (fused update)
+    std::vector<int32_t> ready_buckets;        // DDP
+  };
+  Side& side_for(const c10::Device& device);  // under the lock
+  void wait_for_current(Side& side);          // side stream waits for the current stream
+  void execute(int64_t id, DwItem& item, Completion* out);
+  void add_pending(int32_t param, at::Tensor g);   // under the lock
+  void finalize(int32_t param);                    // under the lock
+  void collect(const DwCompletion& done, Completion* out);  // under the lock
+  void hand_over(const Completion& c, Side* side);  // no lock; GIL taken when the owner is called
+  void worker_loop();
+  void track(int64_t delta_bytes, int64_t transient_bytes);  // under the lock
+  void expect_hook(int32_t param);                            // under the lock
+  void call_owner(const char* method);                        // GIL held; raises python_error
+  struct AutogradSeen {           // what the grad hook saw, for the accumulated hook
+    bool valid = false;           // the grad hook ran in this iteration and the pass accumulates
+    bool defined = false;         // autograd's gradient was defined
+    bool had_none = false;        // .grad was None before AccumulateGrad
+    bool mixed = false;           // deferred and autograd uses: .grad parked in stash_
+  };
+  void new_scheduler();
+
+  int64_t max_deferred_bytes_;
+  Executor executor_;
+  pybind11::object owner_ref_;                  // weakref.ref(owner)
+  std::mutex mu_;                               // guards everything below and the public counters
+  DwScheduler sched_;
+  std::vector<at::Tensor> params_;              // registered leaves
+  std::vector<int32_t> buckets_;                // per parameter, its bucket (-1: none)
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // per parameter
+  std::vector<at::Tensor> pending_;             // per parameter, the sum of its contributions so far
+  std::vector<char> autograd_expected_;         // per parameter: an autograd use was counted this iteration
+  std::vector<char> hook_expected_;             // per parameter: its AccumulateGrad contribution is awaited
+  std::vector<AutogradSeen> seen_;              // per parameter
+  std::vector<at::Tensor> stash_;               // per parameter: the parked .grad of a mixed parameter
+  std::unordered_map<int64_t, DwItem> items_;   // queued, by scheduler id
+  std::deque<std::pair<c10::Device, Side>> sides_;  // a deque: a Side& stays valid as devices are added
+  bool last_micro_step_ = true;
+  std::vector<int32_t> unit_of_;                // per parameter, its step unit (empty: no grouping)
+  std::vector<int32_t> unit_size_;              // per unit, its parameters
+  std::vector<std::vector<int32_t>> unit_ready_;  // per unit, its final parameters not yet handed over
+
+  std::thread worker_;                          // executor "thread"
+  std::condition_variable wake_;                // worker: items queued or stop
+  std::condition_variable idle_;                // drain(): worker idle and queue empty
+  bool stop_ = false;
+  bool worker_busy_ = false;
+  std::exception_ptr worker_error_;
+};
+
+}  // namespace memsched
