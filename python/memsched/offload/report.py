@@ -16,6 +16,8 @@ def planned_activation_curve(trace, plan):
     Kept activation: resident from its producer op to its free op. Offloaded:
     from its producer to max(offload_after_op, last forward use), then again from
     prefetch_at_op to its free op (Note [Tensor lifetime convention] in trace.h).
+    Recomputed: from its producer to its last forward use, then again from
+    recompute_at_op to its free op.
     A planned offload of a tensor held past the step counts as kept: the executor keeps it
     (Note [Activations held past the step] in offload/schedule.py).
     This is the quantity the CPU executor measures (storages alive).
@@ -26,7 +28,7 @@ def planned_activation_curve(trace, plan):
     offload = {}
     if plan is not None:
         for d in plan_decisions(plan):
-            if d.offload:
+            if d.offload or getattr(d, "recompute", False):
                 offload[d.tensor_id] = d
     held = {rec.id for rec in trace.tensors if held_past_step(rec)}
     for rec in trace.tensors:
@@ -40,7 +42,8 @@ def planned_activation_curve(trace, plan):
         else:
             fwd = [u for u in rec.uses if ops[u].phase == "forward"]
             release = max([d.offload_after_op] + fwd)
-            spans = [(start, min(release, end)), (max(d.prefetch_at_op, release + 1), end)]
+            back = d.recompute_at_op if getattr(d, "recompute", False) else d.prefetch_at_op
+            spans = [(start, min(release, end)), (max(back, release + 1), end)]
         for a, b in spans:
             for i in range(a, b + 1):
                 curve[i] += rec.bytes
