@@ -34,6 +34,9 @@ from memsched.partition import compare
 OUT_DIR = os.environ.get("MEMSCHED_BENCH_OUT", "bench_out")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
 
+# MEMSCHED_PARTITION_GPT="1024,50257": GPT-2-medium's own width and vocabulary (about 6 GB and a
+# few minutes to profile on this machine); the default is the reduced decoder described above.
+GPT_WIDTH, GPT_VOCAB = (int(v) for v in os.environ.get("MEMSCHED_PARTITION_GPT", "256,8192").split(","))
 DEVICE_COUNTS = (2, 4, 8)
 CAPS = ("50%", "30%")
 METHODS = ["s3", "even", "flops", "metis"]
@@ -89,10 +92,11 @@ def _profile(name):
     g = torch.Generator().manual_seed(0)
     if name == "gpt":
         from bench_offload import Decoder
-        model = Decoder(layers=24, d=256, heads=16, seq=128, vocab=8192)
-        tokens = torch.randint(0, 8192, (2, 129), generator=g)
+        d, vocab = GPT_WIDTH, GPT_VOCAB
+        model = Decoder(layers=24, d=d, heads=16, seq=128, vocab=vocab)
+        tokens = torch.randint(0, vocab, (2, 129), generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
-        loss_of = lambda: F.cross_entropy(model(x).reshape(-1, 8192), y.reshape(-1))  # noqa: E731
+        loss_of = lambda: F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))  # noqa: E731
     else:
         model = ResNet50()
         x, y = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, 1000, (4,), generator=g)

@@ -782,7 +782,7 @@ def optimize(model, optimizer=None, budget=None, planner="dp", device=None, ooo=
     """Train `model` under a memory budget: see the module docstring and Note [Budgets].
 
     Options: min_offload_bytes (size floor; default 1 MiB on CUDA, 0 on CPU),
-    max_reprofiles (default 2), device_model (passed to plan/simulate), grad_accumulation_steps
+    max_reprofiles (default 2), device_model (the memsched.DeviceModel the plan and its simulation use; memsched.plan and memsched.simulate take it as device=), grad_accumulation_steps
     (with ooo/fuse_optimizer: backward passes per optimizer step, default 1; run.step() may follow
     each of them or only the last -- See Note [Fused update and gradient accumulation] in
     ooo/backward.py), timeline (record per-step memory samples and copies for run.save_timeline(),
