@@ -24,7 +24,10 @@ Note [Weight versions in asynchronous 1F1B]
                Adam's bias-corrected m_hat / (sqrt(v_hat) + eps) (AdamW adds
                weight_decay * W, as its update does). Forward and backward
                agree and are computed near the version the gradient is
-               applied to.
+               applied to. That version (v + s: every earlier micro-batch
+               applied) is the one synchronous training computes this
+               micro-batch's gradient at, on every stage; prediction error
+               (the next s directions are not all d) is the only difference.
   A stage with s = 0 (the last) aliases under every policy: nothing to predict.
   Limitations: the prediction reads lr and the optimizer state when the
   forward runs; an LR schedule that changes lr within the next s updates is
