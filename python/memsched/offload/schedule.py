@@ -126,19 +126,17 @@ class OffloadSchedule:
         for op, node in sorted((node_of_op or {}).items()):
             node_first_op.setdefault(node, op)
         for d in plan_decisions(plan):
-            if getattr(d, "recompute", False):
-                s._add_recompute(d, ordinal_of_id, held, min_bytes)
+            recompute = getattr(d, "recompute", False)
+            if not (d.offload or recompute):
                 continue
-            if not d.offload:
+            k = s._executable(d, ordinal_of_id, held, min_bytes)
+            if k is None:
                 continue
-            k = ordinal_of_id.get(d.tensor_id)
-            if k is None or k not in s.first_bwd_op:
-                continue  # not a matchable activation, or never read in backward: nothing to do
-            if k in held:
-                s.skipped_held += 1  # See Note [Activations held past the step]
-                continue
-            if s.bytes[k] < min_bytes:
-                s.skipped_small += 1
+            if recompute:
+                s.recompute.add(k)
+                s.recompute_ops.update(d.recompute_ops)
+                if not d.recompute_ops:
+                    s.shared.add(k)
                 continue
             s.offload.add(k)
             first_use = s.first_bwd_op[k]
@@ -162,20 +160,18 @@ class OffloadSchedule:
         s.check_invariants()
         return s
 
-    def _add_recompute(self, d, ordinal_of_id, held, min_bytes):
+    def _executable(self, d, ordinal_of_id, held, min_bytes):
+        """The ordinal a planned offload or recompute acts on, or None where the executor keeps it."""
         k = ordinal_of_id.get(d.tensor_id)
         if k is None or k not in self.first_bwd_op:
-            return
+            return None  # not a matchable activation, or never read in backward: nothing to do
         if k in held:
             self.skipped_held += 1  # See Note [Activations held past the step]
-            return
+            return None
         if self.bytes[k] < min_bytes:
             self.skipped_small += 1
-            return
-        self.recompute.add(k)
-        self.recompute_ops.update(d.recompute_ops)
-        if not d.recompute_ops:
-            self.shared.add(k)
+            return None
+        return k
 
     def triggers_through(self, op, fired_upto):
         """Trigger ops in (fired_upto, op], in order; -1 (backward start) first when fired_upto < -1."""
