@@ -648,6 +648,11 @@ class Run:
         if self.mismatches:
             notes.append(f"{self.mismatches} step(s) did not match the profiled trace and ran without "
                          f"offloading from the mismatch on; {self.reprofiles} re-profile(s)")
+            if self.mismatches > self.reprofiles:
+                notes.append(f"max_reprofiles ({self.max_reprofiles}) is reached: a step that does not match "
+                             f"the plan is no longer re-profiled and runs plainly from its mismatch on. A forward "
+                             f"whose saved tensors change from step to step (shapes, branches) cannot keep a "
+                             f"plan; pass optimize(..., max_reprofiles=...) to re-profile more often")
         if self.steps_not_profiled:
             notes.append(f"{self.steps_not_profiled} step(s) ran plainly without being profiled: "
                          f"{self.warned_not_profiled_why_}")

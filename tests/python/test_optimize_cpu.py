@@ -7,6 +7,7 @@ stand-ins of offload_standins.py take their place (offload everything, prefetch
 one backward op ahead), which is also the plan that exercises the executor most.
 """
 import copy
+import io
 
 import pytest
 import torch
@@ -311,6 +312,19 @@ def test_changed_shape_warns_once_runs_plainly_and_reprofiles(standins):
     # steps: profile(8), planned(8), diverged(6) -> re-profile(6), planned(6)
     assert [s.mode for s in run.step_stats] == ["planned", "diverged", "planned"]
     assert run.steps_profiled == 2 and run.reprofiles == 1
+
+
+def test_report_says_when_reprofiles_are_used_up(standins):
+    model, opt, _, _ = _pair("mlp")
+    g = torch.Generator().manual_seed(5)
+    with pytest.warns(RuntimeWarning, match="does not match the profiled trace"):
+        with optimize(model, opt, budget=1, max_reprofiles=0) as run:
+            for n in (8, 8, 6, 6):
+                F.cross_entropy(model(torch.randn(n, 32, generator=g)), torch.randint(0, 10, (n,), generator=g)).backward()
+                run.step()
+    table = run.report(file=io.StringIO()).table
+    assert run.mismatches == 2 and run.reprofiles == 0
+    assert "max_reprofiles (0) is reached" in table and "max_reprofiles=" in table
 
 
 def test_report_and_timeline(standins, tmp_path, capsys):
