@@ -78,19 +78,7 @@ void bind_ooo(py::module_& m) {
       .def_readonly("grad_bytes", &DwRuntime::grad_bytes)
       .def_readonly("peak_grad_bytes", &DwRuntime::peak_grad_bytes)
       .def_property_readonly("max_deferred_bytes", &DwRuntime::max_deferred_bytes)
-      .def("stats", [](DwRuntime& rt) {
-        const DwStats st = rt.stats();
-        py::dict d;
-        d["enqueued"] = st.enqueued;
-        d["completed"] = st.completed;
-        d["urgent"] = st.urgent;
-        d["limit_flushes"] = st.limit_flushes;
-        d["held_bytes"] = st.held_bytes;
-        d["peak_held_bytes"] = st.peak_held_bytes;
-        d["queued"] = st.queued;
-        d["peak_queued"] = st.peak_queued;
-        return d;
-      });
+      .def("stats", [](DwRuntime& rt) { return dw_stats_dict(rt.stats()); });
 
   m.def(
       "deferred_linear",

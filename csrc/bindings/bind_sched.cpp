@@ -9,6 +9,19 @@ namespace py = pybind11;
 
 namespace memsched::bindings {
 
+py::dict dw_stats_dict(const DwStats& st) {
+  py::dict d;
+  d["enqueued"] = st.enqueued;
+  d["completed"] = st.completed;
+  d["urgent"] = st.urgent;
+  d["limit_flushes"] = st.limit_flushes;
+  d["held_bytes"] = st.held_bytes;
+  d["peak_held_bytes"] = st.peak_held_bytes;
+  d["queued"] = st.queued;
+  d["peak_queued"] = st.peak_queued;
+  return d;
+}
+
 void bind_sched(py::module_& m) {
   py::class_<DwCompletion>(m, "DwCompletion")
       .def_readonly("final_params", &DwCompletion::final_params)
@@ -35,20 +48,7 @@ void bind_sched(py::module_& m) {
       .def_property_readonly("max_deferred_bytes", &DwScheduler::max_deferred_bytes)
       .def_property_readonly("queued", &DwScheduler::queued)
       .def_property_readonly("in_flight", &DwScheduler::in_flight)
-      .def("stats",
-           [](const DwScheduler& s) {
-             const DwStats& st = s.stats();
-             py::dict d;
-             d["enqueued"] = st.enqueued;
-             d["completed"] = st.completed;
-             d["urgent"] = st.urgent;
-             d["limit_flushes"] = st.limit_flushes;
-             d["held_bytes"] = st.held_bytes;
-             d["peak_held_bytes"] = st.peak_held_bytes;
-             d["queued"] = st.queued;
-             d["peak_queued"] = st.peak_queued;
-             return d;
-           })
+      .def("stats", [](const DwScheduler& s) { return dw_stats_dict(s.stats()); })
       .def("check_invariants", &DwScheduler::check_invariants);
 }
 

@@ -11,7 +11,14 @@
 
 #include <pybind11/pybind11.h>
 
+namespace memsched {
+struct DwStats;
+}
+
 namespace memsched::bindings {
+
+// DwStats as the dict both the scheduler and the ooo runtime return from .stats() (bind_sched.cpp).
+pybind11::dict dw_stats_dict(const DwStats& st);
 
 void bind_errors(pybind11::module_& m);
 void bind_trace(pybind11::module_& m);
