@@ -79,6 +79,8 @@ void bind_saved_tensors(py::module_& m) {
            }),
            py::arg("device"), py::arg("owner"))
       .def("pack_function", &SavedTensorPath::pack_function)
+      .def("set_copy_engine", &SavedTensorPath::set_copy_engine, py::arg("engine"),
+           "Poll this engine's completions from the hooks, in C++.")
       .def("unpack_function", &SavedTensorPath::unpack_function)
       .def("set_parameters",
            [](SavedTensorPath& p, std::vector<at::Tensor> params) { p.numbering().set_parameters(std::move(params)); },

@@ -5,7 +5,7 @@
 //   that includes torch headers costs ~30 s and ~1 GB to compile here.
 //   Approach: module.cpp is the one registry (it calls every bind_* below, in
 //   order); each bind_*.cpp binds one component with pybind11 alone, so only
-//   bind_torch.cpp, bind_saved_tensors.cpp and bind_ooo.cpp pay for torch headers. pybind11 is
+//   bind_torch.cpp, bind_saved_tensors.cpp, bind_copy_engine.cpp and bind_ooo.cpp pay for torch headers. pybind11 is
 //   torch's bundled copy.
 #pragma once
 
@@ -26,6 +26,7 @@ void bind_plan(pybind11::module_& m);
 void bind_trace_builder(pybind11::module_& m);
 void bind_torch(pybind11::module_& m);
 void bind_saved_tensors(pybind11::module_& m);
+void bind_copy_engine(pybind11::module_& m);
 void bind_sched(pybind11::module_& m);
 void bind_ooo(pybind11::module_& m);
 void bind_alloc(pybind11::module_& m);

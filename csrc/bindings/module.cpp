@@ -10,6 +10,7 @@ PYBIND11_MODULE(_C, m) {
   memsched::bindings::bind_trace_builder(m);
   memsched::bindings::bind_torch(m);
   memsched::bindings::bind_saved_tensors(m);
+  memsched::bindings::bind_copy_engine(m);
   memsched::bindings::bind_sched(m);
   memsched::bindings::bind_ooo(m);
   memsched::bindings::bind_alloc(m);

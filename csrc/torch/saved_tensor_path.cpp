@@ -178,7 +178,7 @@ PyObject* SavedTensorPath::pack(PyObject* obj) {
   }
   // See Note [Copy after the op] (executor.py): queued copies go out at a later op's first save.
   if (has_queued && at::sequence_number::peek() != queued_op) call_owner("_issue_copies");
-  if (need_poll) need_poll = call_owner("_poll").cast<bool>();
+  if (need_poll) poll_copies();
   if (check_fetched) {
     py::object packed = call_owner("_pack_fetched", py::handle(obj));
     if (!packed.is_none()) return packed.release().ptr();
@@ -213,6 +213,16 @@ PyObject* SavedTensorPath::pack(PyObject* obj) {
   END_HANDLE_TH_ERRORS
 }
 
+void SavedTensorPath::poll_copies() {
+  // Completions drain in order per stream in C++ (Note [Draining completions in order]).
+  if (engine_ == nullptr) {  // no engine: nothing is ever in flight
+    need_poll = false;
+    return;
+  }
+  engine_->poll();
+  need_poll = engine_->pending_count() > 0;
+}
+
 void SavedTensorPath::check_label(int64_t k, bool has_storage) {
   const bool known = k < static_cast<int64_t>(has_expected_.size()) && has_expected_[static_cast<size_t>(k)];
   const std::string& label = numbering_.label(k);
@@ -226,7 +236,7 @@ PyObject* SavedTensorPath::unpack(PyObject* packed) {
   HANDLE_TH_ERRORS
   if (THPVariable_Check(packed)) return Py_NewRef(packed);
   if (has_queued) call_owner("_issue_copies");
-  if (need_poll) need_poll = call_owner("_poll").cast<bool>();
+  if (need_poll) poll_copies();
   int64_t k = -1;
   uint64_t expected = 0;
   const at::Tensor* t = nullptr;

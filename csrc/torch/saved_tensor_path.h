@@ -13,13 +13,15 @@
 //   kept tuple `(ordinal, detached tensor, version)` and, at unpack, the version check and the
 //   prefetch trigger test. Python (OffloadExecutor) keeps the policy and the slow path, called
 //   through a weak reference to it only when there is something to do: a tensor the plan
-//   offloads (`_pack_slow`), queued copies to issue (`_issue_copies`), copies to poll (`_poll`),
-//   a mismatch (`_diverge_label`), a prefetch trigger that fires (`_fire`), a save of a fetched
+//   offloads (`_pack_slow`), queued copies to issue (`_issue_copies`), a mismatch (`_diverge_label`), a prefetch trigger that fires (`_fire`), a save of a fetched
 //   copy (`_pack_fetched`), an offloaded tensor's unpack (its `_View.unpack()`).
 //   Executed steps label activations without the module path, so no Python hook runs per module
 //   call (docs/CONVENTIONS-activation-identity.md).
-//   Limitations: copies and their events are still issued from Python (`_pack_slow`), so an
-//   offloaded tensor costs a Python call at pack and at unpack.
+//   While copies are in flight every hook call polls the copy engine (csrc/torch/copy_engine.h)
+//   directly, in C++ (Note [Draining completions in order]).
+//   Limitations: the decision to offload, the host-copy handle and the fetch at unpack are still
+//   Python (`_pack_slow`, `_View.unpack()`), so an offloaded tensor costs a Python call at pack
+//   and at unpack; the copies and their events are C++.
 #pragma once
 
 #include <chrono>
@@ -33,6 +35,7 @@
 #include <torch/python.h>
 
 #include "torch/activation_numbering.h"
+#include "torch/copy_engine.h"
 
 namespace memsched {
 
@@ -79,6 +82,9 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   void sample();                                  // a memory sample (peak; timeline when enabled)
   int64_t alive_bytes();                          // CPU: tracked storages alive now
   void forget(PyObject* weak_ref);                // a tracked storage died
+  // The executor's copy engine: the hooks poll its completions themselves, with no Python call
+  // per saved tensor while copies are in flight.
+  void set_copy_engine(std::shared_ptr<CopyEngine> engine) { engine_ = std::move(engine); }
   ~SavedTensorPath();
   SavedTensorPath(const SavedTensorPath&) = delete;
   SavedTensorPath& operator=(const SavedTensorPath&) = delete;
@@ -102,6 +108,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   template <typename... Args>
   pybind11::object call_owner(const char* method, Args&&... args);
   void check_label(int64_t ordinal, bool has_storage);
+  void poll_copies();                        // need_poll: release what completed copies held
   bool planned(int64_t ordinal) const {
     return has_schedule_ && ordinal >= 0 && ordinal < static_cast<int64_t>(planned_.size()) &&
            planned_[static_cast<size_t>(ordinal)];
@@ -111,6 +118,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   bool is_cpu_;
   pybind11::object owner_ref_;     // weakref.ref(executor)
   ActivationNumbering numbering_;
+  std::shared_ptr<CopyEngine> engine_;      // set_copy_engine(); null: no copies to poll
 
   bool has_schedule_ = false;
   std::vector<std::string> expected_;       // ordinal -> the trace's label without its module path

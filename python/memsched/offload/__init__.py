@@ -1,7 +1,8 @@
 """memsched.offload: execute an offload plan in eager PyTorch.
 
   OffloadSchedule  (schedule.py)     Trace + Plan -> per-activation actions and prefetch triggers
-  CopyEngine       (copy_engine.py)  D2H / H2D copies on side streams (in order on CPU) + deferred release
+  CopyEngine       (memsched._C, csrc/torch/copy_engine.h) D2H / H2D copies on side streams (in order on
+                   CPU), pooled events, and the memory they hold until they complete
   HostBuffers      (host_buffers.py) pinned (CUDA) or pageable (CPU) host blocks
   OffloadExecutor  (executor.py)     the saved-tensor hooks; one StepStats per step
   report.py        planned-vs-measured table (RunReport) and the timeline PNG
@@ -9,7 +10,7 @@
   compare.py       the side-by-side demo (plain vs memsched.optimize), used by `python -m memsched demo`
 The user API on top is memsched.optimize() (optimize.py).
 """
-from memsched.offload.copy_engine import CopyEngine, CopyTicket
+from memsched._C import CopyEngine, CopyTicket
 from memsched.offload.executor import OffloadExecutor, StepStats
 from memsched.offload.host_buffers import HostBuffers
 from memsched.offload.schedule import OffloadSchedule, ordinal_of_label

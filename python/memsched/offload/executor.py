@@ -104,9 +104,9 @@ Note [No host synchronisation in a step]
   clock, or to release the copies' holds) cannot queue the next step's kernels while the GPU
   runs this one; on a host-bound model that idles the GPU between steps.
   Approach: nothing in a step or in run.step() waits for the GPU. end_step() issues what is
-  queued and leaves the copies in flight holding what they read (CopyEngine.end_step(); the
+  queued and leaves the copies in flight holding what they read (_C.CopyEngine.end_step(); the
   holds are polled at later hook calls and steps). The step's duration, stall and copy times
-  are CUDA events, read when first asked for (StepStats.resolve(); Run resolves the previous
+  are CUDA events (the engine's StepCopyLog), read when first asked for (StepStats.resolve(); Run resolves the previous
   step's stats once its events have completed, without waiting). The peak is the allocator's
   host-side counter, final when the step's work is enqueued.
   Limitations: reading a step's duration_s right after run.step() waits for that step.
@@ -129,7 +129,6 @@ from torch.utils._pytree import tree_leaves
 
 from memsched import _C
 from memsched.copy_inert import inert_on_copy
-from memsched.offload.copy_engine import CopyEngine
 from memsched.offload.recompute import ForwardOpLog, RecomputedView, RecomputeStats
 from memsched.saved_tensors import storage_key
 
@@ -166,7 +165,7 @@ class StepStats:
     samples: list = field(default_factory=list)  # [(t_s, bytes)] memory over the step (timeline=True only)
     copies_: list = field(default_factory=list)  # see copies
     pending_: object = field(default=None, repr=False, compare=False)  # (ready, resolve) of CUDA events
-    clock_: object = field(default=None, repr=False, compare=False)    # (t0_s, t0 event, stall events, log)
+    clock_: object = field(default=None, repr=False, compare=False)    # (t0_s, _C.StepCopyLog)
 
     def resolve(self):
         """Read the step's CUDA timing events (waits for them if the GPU has not reached them)."""
@@ -296,12 +295,17 @@ class OffloadExecutor:
         self.device = torch.device(device)
         self.timeline = bool(timeline)           # keep per-tensor memory samples and the copy log per step
         self.min_bytes = int(min_bytes)          # size floor for offload, bytes
-        self.engine = CopyEngine(self.device, host_buffers)
+        self.is_cuda = self.device.type == "cuda"
+        self.host = host_buffers
+        # See Note [Offload copy ordering] (csrc/torch/copy_engine.h): copies, their events and holds.
+        self.engine = _C.CopyEngine(self.device, host_buffers.pool, timeline=self.timeline)
+        host_buffers.attach(self.engine)
         self.on_mismatch = on_mismatch           # callback(str) on the first mismatch of a step
         # See Note [The saved-tensor fast path] (csrc/torch/saved_tensor_path.h): the hooks are C++;
         # they call back into this object (held weakly) only for the slow path.
         self.path = _C.SavedTensorPath(str(self.device), self)
         self.path.timeline = self.timeline
+        self.path.set_copy_engine(self.engine)  # the hooks poll copies in C++
         self.pack_fn_ = self.path.pack_function()
         self.unpack_fn_ = self.path.unpack_function()
         self.schedule = None                     # OffloadSchedule for the next step; None: plain
@@ -366,7 +370,7 @@ class OffloadExecutor:
         for h in self.handles_:
             h.remove()
         self.handles_ = []
-        self.engine.finish()
+        self.engine.release()
         self._reset_step()
         self.in_step_ = False
         self.in_forward_ = False
@@ -397,9 +401,7 @@ class OffloadExecutor:
         self.dropped_ = set()       # ordinals offloaded in this step (their handles may have died)
         self.queued_ = []           # (_Offloaded, flat device bytes) whose D2H copy is not issued yet
         self.fetched_ = {}          # storage key of a fetched copy -> (StorageWeakRef, ordinal)
-        self.stall_events_ = []     # CUDA: (before, after) events around each compute-stream wait
         self.t0_ = time.perf_counter()
-        self.t0_event_ = None
         self._stop_recording()
         self.oplogs_ = []           # this step's ForwardOpLogs (Note [Unpack-time recompute]), one per forward
         self.recipes_ = weakref.WeakValueDictionary()  # recomputed ordinal -> its Recipe
@@ -412,10 +414,10 @@ class OffloadExecutor:
         self.in_step_ = True
         self.forward_failed_ = False
         self.stats.mode = "planned" if self.schedule is not None else "plain"
-        if self.engine.is_cuda:
+        if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.t0_event_ = torch.cuda.Event(enable_timing=True)
-            self.t0_event_.record(torch.cuda.current_stream(self.device))
+        self.engine.begin_step()  # CUDA: the step's first timing mark on the compute stream
+        if self.is_cuda:
             self.stats.memory_source = "torch.cuda.memory_allocated"
         else:
             self.stats.memory_source = "saved-activation storages alive (executor count)"
@@ -430,9 +432,9 @@ class OffloadExecutor:
         if not self.in_step_:
             return None
         self._issue_copies()
-        log, (d2h, h2d) = self.engine.end_step()
+        log = self.engine.end_step()
         self.path.need_poll = self.engine.pending_count() > 0
-        stats.d2h_bytes, stats.h2d_bytes = d2h, h2d
+        stats.d2h_bytes, stats.h2d_bytes = log.d2h_bytes, log.h2d_bytes
         self._sample()
         stats.activations = self.path.activations
         stats.activation_bytes = self.path.activation_bytes
@@ -443,13 +445,12 @@ class OffloadExecutor:
         stats.peak_bytes = self.path.peak_bytes
         if self.timeline:
             stats.samples = list(self.path.samples)
-        if self.engine.is_cuda:
+        if self.is_cuda:
             # the allocator's counters are the host's: final once the step's work is enqueued
             stats.peak_bytes = max(stats.peak_bytes, torch.cuda.max_memory_allocated(self.device))
         elif self.timeline:
-            stats.copies_ = [(kind, issued - self.t0_, finished - self.t0_, nbytes)
-                             for kind, nbytes, issued, finished, _, _ in log]
-        stats.clock_ = (self.t0_, self.t0_event_, self.stall_events_, log if self.timeline else ())
+            stats.copies_ = log.host_copies()
+        stats.clock_ = (self.t0_, log)
         self.stamp(stats)
         self._reset_step()
         self.in_step_ = False
@@ -457,23 +458,18 @@ class OffloadExecutor:
 
     def stamp(self, stats):
         """End `stats`' step now: run.step() stamps again after the optimizer's update."""
-        t0, t0_event, stall_events, log = stats.clock_
-        if not self.engine.is_cuda:
+        t0, log = stats.clock_
+        if not self.engine.is_accelerator:
             stats.duration_s_ = time.perf_counter() - t0
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self.device))
+        self.engine.mark_end(log)  # (again) on the compute stream
+        timeline = self.timeline
 
         def resolve(s):
-            end.synchronize()
-            s.duration_s_ = t0_event.elapsed_time(end) / 1e3
-            s.stall_s_ = sum(a.elapsed_time(b) for a, b in stall_events) / 1e3
-            s.copies_ = []
-            for kind, nbytes, _, _, start_event, done in log:
-                start = t0_event.elapsed_time(start_event) / 1e3
-                s.copies_.append((kind, start, start + start_event.elapsed_time(done) / 1e3, nbytes))
+            s.duration_s_, s.stall_s_, copies = log.resolve()
+            s.copies_ = copies if timeline else []
 
-        stats.pending_ = (end.query, resolve)
+        stats.pending_ = (log.ready, resolve)
 
     @property
     def diverged(self):
@@ -525,7 +521,7 @@ class OffloadExecutor:
         What its graph holds (host copies, fetched copies) dies with the graph."""
         self._stop_recording()
         self._pop_hooks()
-        self.engine.finish()
+        self.engine.release()
         self._reset_step()
         self.in_step_ = False
 
@@ -629,18 +625,6 @@ class OffloadExecutor:
     def _diverge_label(self, k, expected, label):
         self._diverge(f"activation {k}: trace has {expected!r}, this step has {label!r}")
 
-    def _poll(self):
-        """Release what completed copies held; True while copies are still in flight."""
-        log = self.oplog_
-        if log is not None:
-            log.paused += 1  # ops issued here are not the model's (Note [Unpack-time recompute])
-        try:
-            self.engine.poll()
-        finally:
-            if log is not None:
-                log.paused -= 1
-        return self.engine.pending_count() > 0
-
     def _memory_allocated(self):
         return torch.cuda.memory_allocated(self.device)
 
@@ -672,7 +656,7 @@ class OffloadExecutor:
                 and t.layout == torch.strided and type(t) is torch.Tensor
                 and not t.is_conj() and not t.is_neg() and not t.is_quantized):
             return False
-        if not self.engine.host.has_room(nbytes):
+        if not self.engine.has_room(nbytes):
             self.stats.host_limited += 1  # See Note [Host memory limit] (host_buffers.py)
             return False
         return True
@@ -707,8 +691,9 @@ class OffloadExecutor:
         if log is not None:
             log.paused += 1  # ops issued here are not the model's (Note [Unpack-time recompute])
         try:
-            for h, flat in queued:
-                h.d2h = self.engine.offload(flat)
+            tickets = self.engine.offload_many([flat for _, flat in queued])
+            for (h, _), ticket in zip(queued, tickets):
+                h.d2h = ticket
         finally:
             if log is not None:
                 log.paused -= 1
@@ -787,11 +772,9 @@ class OffloadExecutor:
             self.path.track(ticket.dst)
             self.stats.on_demand += 1
             self.path.need_poll = self.engine.pending_count() > 0
-            if not self.engine.is_cuda:
+            if not self.engine.is_accelerator:
                 self.stats.stall_s_ += time.perf_counter() - start
-        waited = self.engine.wait(ticket)
-        if waited is not None:
-            self.stall_events_.append(waited)
+        self.engine.wait(ticket)  # the compute stream waits (timed: the step's stall); no-op on CPU
         h.device_bytes = ticket.dst
 
     def _diverge(self, why):

@@ -11,15 +11,14 @@ Note [Host memory limit]
   the device and is counted (StepStats.host_limited), never a failed allocation.
   The pool caches its segments: pinned memory is allocated once and reused across steps.
 
-Entry point: HostBuffers(pinned).empty(nbytes) -> a flat uint8 CPU tensor. The
-allocator issue's memsched._C.HostTensorPool is used when the extension has it
-(its blocks go back to the pool when the tensor dies); until then torch's own
-host allocator stands in (torch.empty(pin_memory=...), which caches pinned
-blocks as well).
+Entry point: HostBuffers(pinned, limit_bytes): the executor's host pool (memsched._C.HostTensorPool:
+cudaHostAlloc segments on CUDA, which torch sees as pinned; aligned malloc on CPU) and its limit.
+The copy engine (_C.CopyEngine, Note [Offload copy ordering] in csrc/torch/copy_engine.h) takes
+its blocks from `pool` and checks the limit per offload; this object keeps the policy: the limit,
+how to say it, and where the blocks come from for reports.
 """
 import os
 
-import torch
 
 from memsched import _C
 from memsched.units import format_bytes, parse_bytes
@@ -52,37 +51,36 @@ def parse_host_limit(value):
 
 
 class HostBuffers:
-    """Source of host staging buffers for one executor."""
+    """The host pool of one executor, and its limit."""
 
     def __init__(self, pinned, limit_bytes=None, limit_text="host_memory_limit"):
         self.pinned = bool(pinned)  # page-locked (needed for asynchronous D2H/H2D copies)
+        self.engines_ = []          # copy engines that check the limit per offload (attach())
         self.limit = limit_bytes    # most bytes of host copies alive at once (None: no limit)
         self.limit_text = limit_text
-        pool_type = getattr(_C, "HostTensorPool", None)
-        self.pool = pool_type(self.pinned) if pool_type is not None else None  # None: torch's allocator
-        self.bytes_handed_out = 0  # SUM: bytes of every buffer returned by empty()
+        # The pool caches its segments: pinned memory is allocated once and reused across steps.
+        self.pool = _C.HostTensorPool(self.pinned)
+
+    @property
+    def limit(self):
+        return self.limit_
+
+    @limit.setter
+    def limit(self, value):
+        self.limit_ = value
+        for engine in self.engines_:
+            engine.limit_bytes = -1 if value is None else int(value)
+
+    def attach(self, engine):
+        """A copy engine taking blocks from `pool` checks this limit (kept in step when it changes)."""
+        self.engines_.append(engine)
+        engine.limit_bytes = -1 if self.limit_ is None else int(self.limit_)
 
     @property
     def source(self):
         """Where the buffers come from, for reports."""
-        kind = "pinned" if self.pinned else "pageable"
-        return f"memsched HostTensorPool ({kind})" if self.pool is not None else f"torch host allocator ({kind})"
+        return f"memsched HostTensorPool ({'pinned' if self.pinned else 'pageable'})"
 
     def live_bytes(self):
         """Bytes of host buffers alive now (the pool's rounded blocks)."""
-        if self.pool is not None:
-            return self.pool.stats().get("allocated_bytes.all.current", 0)
-        return 0  # torch's allocator keeps no count we can read cheaply: unlimited
-
-    def has_room(self, nbytes):
-        """Whether a buffer of nbytes stays within the limit (Note [Host memory limit])."""
-        return self.limit is None or self.live_bytes() + nbytes <= self.limit
-
-    def empty(self, nbytes):
-        """An uninitialised flat uint8 host tensor of `nbytes` bytes."""
-        self.bytes_handed_out += nbytes
-        if self.pool is not None:
-            # WARNING: the block returns to the pool when the tensor dies; CopyEngine keeps every host
-            # buffer referenced until the copy touching it has finished (Note [Offload copy ordering]).
-            return self.pool.empty(nbytes)
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        return self.pool.stats().get("allocated_bytes.all.current", 0)

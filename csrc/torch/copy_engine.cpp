@@ -1,0 +1,291 @@
+// copy_engine.cpp -- see copy_engine.h, Notes [Offload copy ordering], [Draining completions in
+// order] and [Copy events come from a pool].
+#include "torch/copy_engine.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include "core/check.h"
+
+namespace memsched {
+
+// See Note [Copy events come from a pool].
+class CopyEventPool : public std::enable_shared_from_this<CopyEventPool> {
+ public:
+  explicit CopyEventPool(c10::DeviceType type) : type_(type) {}
+
+  PooledEvent get(bool timing) {
+    c10::Event* raw = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& free = timing ? timing_ : sync_;
+      if (!free.empty()) {
+        raw = free.back().release();
+        free.pop_back();
+      }
+    }
+    if (raw == nullptr) {
+      raw = new c10::Event(type_, timing ? c10::EventFlag::BACKEND_DEFAULT : c10::EventFlag::PYTORCH_DEFAULT);
+    }
+    std::weak_ptr<CopyEventPool> pool = weak_from_this();
+    return PooledEvent(raw, [pool, timing](c10::Event* e) {
+      // Destroyed on whichever thread drops the last reference (Python's, autograd's).
+      if (auto p = pool.lock()) {
+        std::lock_guard<std::mutex> lock(p->mu_);
+        (timing ? p->timing_ : p->sync_).emplace_back(e);
+      } else {
+        delete e;
+      }
+    });
+  }
+
+  size_t idle() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return timing_.size() + sync_.size();
+  }
+
+ private:
+  c10::DeviceType type_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<c10::Event>> timing_, sync_;
+};
+
+namespace {
+
+using CopyRow = std::tuple<const char*, double, double, int64_t>;
+
+const char* kind_name(bool d2h) { return d2h ? "d2h" : "h2d"; }
+
+at::Tensor empty_device_bytes(int64_t nbytes, const at::Device& device) {
+  return at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+}  // namespace
+
+// -- StepCopyLog ------------------------------------------------------------------------------------
+
+void StepCopyLog::mark_end(const std::shared_ptr<CopyEventPool>& pool) {
+  if (!compute) return;
+  if (end == nullptr) end = pool->get(/*timing=*/true);
+  end->record(*compute);
+}
+
+bool StepCopyLog::ready() const {
+  if (!compute) return true;
+  return end != nullptr && end->query();
+}
+
+std::tuple<double, double, std::vector<CopyRow>> StepCopyLog::resolve() const {
+  MEMSCHED_CHECK(compute && begin != nullptr && end != nullptr,
+                 "StepCopyLog.resolve: an accelerator step's log needs mark_end() first");
+  end->synchronize();  // everything recorded before the end mark has completed too
+  const double duration_s = begin->elapsedTime(*end) / 1e3;
+  double stall_s = 0.0;
+  for (const auto& [before, after] : stalls) stall_s += before->elapsedTime(*after) / 1e3;
+  std::vector<CopyRow> rows;
+  rows.reserve(copies.size());
+  for (const Copy& c : copies) {
+    if (c.start == nullptr || c.done == nullptr) continue;
+    const double start_s = begin->elapsedTime(*c.start) / 1e3;
+    rows.emplace_back(kind_name(c.d2h), start_s, start_s + c.start->elapsedTime(*c.done) / 1e3, c.nbytes);
+  }
+  return {duration_s, stall_s, std::move(rows)};
+}
+
+std::vector<CopyRow> StepCopyLog::host_copies() const {
+  std::vector<CopyRow> rows;
+  rows.reserve(copies.size());
+  for (const Copy& c : copies) rows.emplace_back(kind_name(c.d2h), c.issued_s, c.finished_s, c.nbytes);
+  return rows;
+}
+
+// -- CopyEngine -------------------------------------------------------------------------------------
+
+CopyEngine::CopyEngine(at::Device device, std::shared_ptr<HostTensorPool> host, int64_t limit_bytes,
+                       bool timeline)
+    : device_(device),
+      accel_(device.type() != c10::DeviceType::CPU),
+      limit_bytes(limit_bytes),
+      host_(std::move(host)),
+      timeline_(timeline),
+      events_(std::make_shared<CopyEventPool>(device.type())),
+      log_(std::make_shared<StepCopyLog>()),
+      t0_(std::chrono::steady_clock::now()) {
+  MEMSCHED_CHECK(host_ != nullptr, "CopyEngine: a HostTensorPool is required");
+  if (accel_) {
+    if (!device_.has_index()) {
+      c10::impl::VirtualGuardImpl impl(device_.type());
+      device_ = c10::Device(device_.type(), impl.getDevice().index());
+    }
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    d2h_stream_ = impl.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+    h2d_stream_ = impl.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+  }
+}
+
+CopyEngine::~CopyEngine() {
+  // Copies still in flight read what the queues hold: wait for them before dropping it.
+  try {
+    release();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
+  }
+}
+
+c10::Stream CopyEngine::compute_stream() const {
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  return impl.getStream(device_);
+}
+
+double CopyEngine::now_s() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+}
+
+int64_t CopyEngine::host_live_bytes() const {
+  return static_cast<int64_t>(host_->pool().stats().allocated_bytes[kAggregatePool].current);
+}
+
+bool CopyEngine::has_room(int64_t nbytes) const { return limit_bytes < 0 || host_live_bytes() + nbytes <= limit_bytes; }
+
+void CopyEngine::begin_step() {
+  log_ = std::make_shared<StepCopyLog>();
+  t0_ = std::chrono::steady_clock::now();
+  if (accel_) {
+    log_->compute = compute_stream();
+    log_->begin = events_->get(/*timing=*/true);
+    log_->begin->record(*log_->compute);
+  }
+}
+
+std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vector<at::Tensor>& sources) {
+  std::vector<std::shared_ptr<CopyTicket>> tickets;
+  tickets.reserve(sources.size());
+  if (sources.empty()) return tickets;
+  if (!accel_) {
+    for (const at::Tensor& src : sources) {
+      auto t = std::make_shared<CopyTicket>();
+      t->nbytes = src.numel();
+      const double issued = timeline_ ? now_s() : 0.0;
+      t->dst = host_->empty_bytes(t->nbytes);
+      t->dst.copy_(src);
+      log_->d2h_bytes += t->nbytes;
+      if (timeline_) log_->copies.push_back({true, t->nbytes, issued, now_s(), nullptr, nullptr});
+      tickets.push_back(std::move(t));
+    }
+    return tickets;
+  }
+  const c10::Stream compute = compute_stream();
+  const c10::Stream stream = on_compute_stream ? compute : *d2h_stream_;
+  PooledEvent produced;
+  if (stream != compute) {
+    produced = events_->get(/*timing=*/false);
+    produced->record(compute);  // one event for every save issued together
+  }
+  c10::StreamGuard guard(stream);
+  if (produced != nullptr) produced->block(stream);
+  for (const at::Tensor& src : sources) {
+    auto t = std::make_shared<CopyTicket>();
+    t->nbytes = src.numel();
+    t->dst = host_->empty_bytes(t->nbytes);
+    PooledEvent start;
+    if (timeline_) {
+      start = events_->get(/*timing=*/true);
+      start->record(stream);
+    }
+    t->dst.copy_(src, /*non_blocking=*/true);
+    // Timing needs a timing event at both ends; a sync event is enough otherwise.
+    t->done = events_->get(/*timing=*/timeline_);
+    t->done->record(stream);
+    log_->d2h_bytes += t->nbytes;
+    if (timeline_) log_->copies.push_back({true, t->nbytes, 0.0, 0.0, start, t->done});
+    // WARNING: src is read on the D2H stream: keep it until `done` (Note [Offload copy ordering]).
+    d2h_pending_.push_back({t, src});
+    tickets.push_back(std::move(t));
+  }
+  return tickets;
+}
+
+std::shared_ptr<CopyTicket> CopyEngine::fetch(const at::Tensor& host, const std::shared_ptr<CopyTicket>& after) {
+  auto t = std::make_shared<CopyTicket>();
+  t->d2h = false;
+  t->nbytes = host.numel();
+  if (!accel_) {
+    const double issued = timeline_ ? now_s() : 0.0;
+    t->dst = empty_device_bytes(t->nbytes, device_);
+    t->dst.copy_(host);
+    log_->h2d_bytes += t->nbytes;
+    if (timeline_) log_->copies.push_back({false, t->nbytes, issued, now_s(), nullptr, nullptr});
+    return t;
+  }
+  const c10::Stream compute = compute_stream();
+  const c10::Stream stream = on_compute_stream ? compute : *h2d_stream_;
+  t->dst = empty_device_bytes(t->nbytes, device_);  // a compute-stream block
+  PooledEvent allocated;
+  if (stream != compute) {
+    allocated = events_->get(/*timing=*/false);
+    allocated->record(compute);
+  }
+  c10::StreamGuard guard(stream);
+  if (allocated != nullptr) allocated->block(stream);
+  if (after != nullptr && after->done != nullptr) after->done->block(stream);
+  PooledEvent start;
+  if (timeline_) {
+    start = events_->get(/*timing=*/true);
+    start->record(stream);
+  }
+  t->dst.copy_(host, /*non_blocking=*/true);
+  t->done = events_->get(/*timing=*/timeline_);
+  t->done->record(stream);
+  log_->h2d_bytes += t->nbytes;
+  if (timeline_) log_->copies.push_back({false, t->nbytes, 0.0, 0.0, start, t->done});
+  // WARNING: host is read on the H2D stream: keep it until `done`.
+  h2d_pending_.push_back({t, host});
+  return t;
+}
+
+bool CopyEngine::wait(const CopyTicket& ticket) {
+  if (ticket.done == nullptr) return false;
+  const c10::Stream compute = compute_stream();
+  PooledEvent before = events_->get(/*timing=*/true);
+  PooledEvent after = events_->get(/*timing=*/true);
+  before->record(compute);
+  ticket.done->block(compute);
+  after->record(compute);
+  log_->stalls.emplace_back(std::move(before), std::move(after));
+  return true;
+}
+
+void CopyEngine::poll() {
+  // See Note [Draining completions in order].
+  while (!d2h_pending_.empty() && d2h_pending_.front().ticket->is_complete()) d2h_pending_.pop_front();
+  while (!h2d_pending_.empty() && h2d_pending_.front().ticket->is_complete()) h2d_pending_.pop_front();
+}
+
+std::shared_ptr<StepCopyLog> CopyEngine::end_step() {
+  poll();
+  auto log = std::move(log_);
+  log_ = std::make_shared<StepCopyLog>();
+  return log;
+}
+
+void CopyEngine::release() {
+  if (accel_) {
+    d2h_stream_->synchronize();
+    h2d_stream_->synchronize();
+    if (on_compute_stream && (!d2h_pending_.empty() || !h2d_pending_.empty())) compute_stream().synchronize();
+  }
+  d2h_pending_.clear();
+  h2d_pending_.clear();
+}
+
+void CopyEngine::check_invariants() const {
+  for (const auto* queue : {&d2h_pending_, &h2d_pending_}) {
+    for (const Pending& p : *queue) {
+      MEMSCHED_CHECK(accel_, "CopyEngine: CPU copies are complete at birth and never pending");
+      MEMSCHED_CHECK(p.ticket != nullptr && p.ticket->done != nullptr, "CopyEngine: a pending copy has no done-event");
+      MEMSCHED_CHECK(p.hold.defined(), "CopyEngine: a pending copy must hold what it reads");
+    }
+  }
+}
+
+}  // namespace memsched

@@ -1,0 +1,158 @@
+// copy_engine.h -- the offload executor's device<->host copies, their events and the memory they
+// hold, in C++ (memsched._C.CopyEngine; used by python/memsched/offload/executor.py).
+//
+// Note [Offload copy ordering]
+//   Rationale: a saved activation may leave device memory only once the copy that reads it has
+//   finished, and a prefetched tensor may be read only once the copy that writes it has finished.
+//   Approach (accelerator, e.g. CUDA; device-generic c10::Stream / c10::Event, as dw_runtime):
+//   - D2H: an event recorded on the compute stream when the queued saves are issued (one event
+//     for every copy issued together: offload_many); the D2H stream waits for it, then copies into
+//     a host block of the HostTensorPool (pinned on CUDA). The engine keeps a reference to the
+//     source storage with the copy's done-event in the D2H stream's pending queue, and poll()
+//     drops it when the event has completed. So the caching allocator gets the device block back
+//     only after the copy finished -- no record_stream, whose deferral would hide the real release
+//     time from our measurements.
+//   - H2D: the destination is allocated on the compute stream; the H2D stream waits for an event
+//     recorded there at that moment (the block may still be in use by earlier compute-stream
+//     kernels) and for the D2H copy that wrote the host block, then copies. The consumer makes the
+//     compute stream wait for the copy's done-event before use (wait()). The host block stays
+//     referenced in the H2D queue until that copy finished.
+//   - on_compute_stream (plans with copies_on_compute_stream: offload_all_sync, torch's
+//     save_on_cpu): the same copies, events and holds, on the compute stream.
+//   - end_step() leaves copies in flight with their holds (no host wait: Note [No host
+//     synchronisation in a step] in executor.py); finish() and release() -- at the end of a Run or
+//     of a step that raised -- synchronise both copy streams and drop every hold.
+//   On CPU (the "device" is the CPU) copies run at once, in order, and tickets are complete at
+//   birth; nothing is ever pending.
+//
+// Note [Draining completions in order]
+//   Rationale: the hooks poll at every pack and unpack while copies are in flight. Querying every
+//   pending copy's event there made a step with n copies in flight cost O(n^2) event queries (the
+//   Python engine did that: hundreds of copies in flight in an offload-everything forward).
+//   Approach: copies on one stream complete in the order they were issued, so each stream has a
+//   FIFO of pending copies and poll() pops from its front while the front's event has completed,
+//   stopping at the first that has not: O(1) amortised per poll.
+//
+// Note [Copy events come from a pool]
+//   Events are recycled: a ticket's events return to the engine's pool when the last reference to
+//   the ticket (the executor's handle, a step's log) is gone, and a recycled event is simply
+//   recorded again. Timing events (start of each copy, the compute stream's stall around a wait,
+//   the step's first and last marks) are a separate kind from the synchronisation events, which
+//   are created without timing as torch's own default events are. Copies are timed only when the
+//   timeline is on (optimize(timeline=True)); stalls and the step's duration are always timed.
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "torch/host_tensor.h"
+
+namespace memsched {
+
+class CopyEventPool;
+
+// A pooled event (See Note [Copy events come from a pool]); goes back to its pool when released.
+using PooledEvent = std::shared_ptr<c10::Event>;
+
+// One copy: what it writes, and how to tell it has finished.
+struct CopyTicket {
+  at::Tensor dst;                 // flat uint8: the host block (D2H) or the device tensor (H2D)
+  int64_t nbytes = 0;
+  bool d2h = true;
+  PooledEvent done;               // recorded after the copy on its stream; null on CPU
+  bool is_complete() const { return done == nullptr || done->query(); }
+};
+
+// A step's copies and stalls, to be read once its events have completed (one step later).
+class StepCopyLog {
+ public:
+  struct Copy {
+    bool d2h;
+    int64_t nbytes;
+    double issued_s;              // host seconds since the step began (CPU timing)
+    double finished_s;
+    PooledEvent start;            // accelerator timing; null on CPU
+    PooledEvent done;
+  };
+  int64_t d2h_bytes = 0;
+  int64_t h2d_bytes = 0;
+  std::vector<Copy> copies;       // timeline only
+  std::vector<std::pair<PooledEvent, PooledEvent>> stalls;  // compute stream before/after a wait
+  PooledEvent begin;              // the step's first mark on the compute stream (accelerator)
+  PooledEvent end;                // set by mark_end()
+  std::optional<c10::Stream> compute;
+
+  // Record the step's end on the compute stream (run.step() marks again after the update).
+  void mark_end(const std::shared_ptr<CopyEventPool>& pool);
+  // Whether every event needed by resolve() has completed (never waits).
+  bool ready() const;
+  // (duration_s, stall_s, [(kind, start_s, end_s, nbytes)]); waits for the end mark.
+  // Accelerator only: on CPU the executor times the step with the host clock.
+  std::tuple<double, double, std::vector<std::tuple<const char*, double, double, int64_t>>> resolve() const;
+  // CPU copies [(kind, issued_s, finished_s, nbytes)] relative to the step's start.
+  std::vector<std::tuple<const char*, double, double, int64_t>> host_copies() const;
+};
+
+class CopyEngine {
+ public:
+  // host: where host blocks come from (pinned on CUDA); limit_bytes: most host bytes alive at
+  // once (Note [Host memory limit] in host_buffers.py), < 0 for none; timeline: time every copy.
+  CopyEngine(at::Device device, std::shared_ptr<HostTensorPool> host, int64_t limit_bytes, bool timeline);
+  ~CopyEngine();
+
+  bool is_accelerator() const { return accel_; }
+  bool on_compute_stream = false;
+  int64_t limit_bytes;            // most host bytes alive at once; < 0: no limit
+
+  // Whether a host block of nbytes keeps the host copies within the limit.
+  bool has_room(int64_t nbytes) const;
+  int64_t host_live_bytes() const;
+
+  void begin_step();
+  // Copy each flat uint8 device tensor to a fresh host block, after what the compute stream has
+  // queued so far. The engine holds each source until its copy completes.
+  std::vector<std::shared_ptr<CopyTicket>> offload_many(const std::vector<at::Tensor>& sources);
+  // Copy the flat uint8 host tensor to a fresh device tensor, after `after` (the D2H that wrote it).
+  std::shared_ptr<CopyTicket> fetch(const at::Tensor& host, const std::shared_ptr<CopyTicket>& after);
+  // Make the compute stream wait for the ticket (no host blocking); the stall is timed. Returns
+  // whether a wait was queued (false on CPU and for complete tickets).
+  bool wait(const CopyTicket& ticket);
+  void poll();                    // See Note [Draining completions in order]
+  int64_t pending_count() const { return static_cast<int64_t>(d2h_pending_.size() + h2d_pending_.size()); }
+  // The step's log, without waiting: copies in flight keep what they read.
+  std::shared_ptr<StepCopyLog> end_step();
+  // Wait for every copy and drop what the copies held (a Run's end, a step that raised).
+  void release();
+  void check_invariants() const;
+  const std::shared_ptr<CopyEventPool>& events() const { return events_; }
+
+ private:
+  struct Pending {
+    std::shared_ptr<CopyTicket> ticket;
+    at::Tensor hold;              // read by the copy: kept until ticket->done
+  };
+  c10::Stream compute_stream() const;
+  double now_s() const;
+
+  at::Device device_;
+  bool accel_;
+  std::shared_ptr<HostTensorPool> host_;
+  bool timeline_;
+  std::optional<c10::Stream> d2h_stream_, h2d_stream_;
+  std::shared_ptr<CopyEventPool> events_;
+  std::deque<Pending> d2h_pending_, h2d_pending_;
+  std::shared_ptr<StepCopyLog> log_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+}  // namespace memsched
