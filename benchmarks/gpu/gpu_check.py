@@ -18,6 +18,8 @@ Parts, in order (a part that fails or runs out of time is recorded with its log 
   offload_resnet  bench_offload.py --models resnet
   ooo             bench_ooo_gpu.py
   allocator       bench_allocator_gpu.py
+  trainer         bench_trainer_gpu.py                (Hugging Face Trainer: plain, gradient_checkpointing,
+                                                       MemschedCallback dp/hybrid 50%)
 Time: --budget (default 500 s, so under 9 minutes in all) is shared by the parts, in proportion to fixed
 weights; time a part leaves unused goes to the parts after it. Each benchmark gets --time-budget a little
 under its timeout so it ends on its own with what it measured; at the timeout its process group is killed
@@ -48,7 +50,7 @@ GIB = 2 ** 30
 # Share of the budget per part (seconds out of ~500 on an H100: build 31 s measured, the rest estimated
 # from the first GPU run's figures; see ../shared/evidence in the project's history).
 WEIGHTS = collections.OrderedDict([("build", 110), ("cuda_tests", 70), ("offload_gpt", 170),
-                                   ("offload_resnet", 60), ("ooo", 45), ("allocator", 65)])
+                                   ("offload_resnet", 60), ("ooo", 45), ("allocator", 65), ("trainer", 55)])
 # bench_offload rows in order of what the issue asks first, so a short budget drops the least wanted.
 OFFLOAD_ORDER = ["plain", "torch.compile budget 0.5", "trl OffloadActivations", "offload_all_prefetch",
                  "memsched dp 70%", "memsched dp 50%", "checkpoint", "save_on_cpu", "memsched hybrid 50%",
@@ -292,6 +294,24 @@ def allocator_md(res):
                                                  "reserved"], steps))
 
 
+def trainer_md(res):
+    if not res:
+        return "(no results)"
+    out = []
+    for r in res.get("rows", []):
+        if "median_ms" not in r:
+            out.append([r["row"], r.get("error") or r.get("skipped", ""), "", "", "", "", ""])
+            continue
+        ms = (f"{r.get('offloaded_bytes_per_step', 0) / GIB:.2f} / {r.get('recomputed_bytes_per_step', 0) / GIB:.2f} GiB"
+              if "steps_planned" in r else "")
+        out.append([r["row"], f"{r['median_ms']:.1f}", f"{r['min_ms']:.1f}-{r['max_ms']:.1f}",
+                    f"{r['vs_plain']:.2f}x" if "vs_plain" in r else "-", fmt_bytes(r.get("peak_allocated_bytes")),
+                    f"{r['loss']:.4f}" if r.get("loss") is not None else "-", ms])
+    return (f"{res.get('model')}, batch {res.get('batch')}, seq {res.get('seq')}\n\n" +
+            md_table(["row", "median ms", "min-max ms", "vs plain", "peak alloc", "loss",
+                      "offloaded / recomputed per step"], out))
+
+
 def tests_md(t):
     if not t:
         return "(no JUnit results)"
@@ -329,7 +349,8 @@ def render_md(report):
           "## bench_offload.py: GPT", "", offload_md(r.get("offload", {}).get("gpt"), gpu), "",
           "## bench_offload.py: ResNet-50", "", offload_md(r.get("offload", {}).get("resnet"), gpu), "",
           "## bench_ooo_gpu.py", "", ooo_md(r.get("ooo")), "",
-          "## bench_allocator_gpu.py", "", allocator_md(r.get("allocator")), ""]
+          "## bench_allocator_gpu.py", "", allocator_md(r.get("allocator")), "",
+          "## bench_trainer_gpu.py", "", trainer_md(r.get("trainer")), ""]
     failed = [(n, p) for n, p in report["parts"].items() if p["status"] not in ("ok", "skipped")]
     if failed:
         md += ["## Log tails of parts that did not end ok", ""]
@@ -446,6 +467,10 @@ def main(argv=None):
         elif name == "allocator":
             cmds = [([py, os.path.join(GPU_DIR, "bench_allocator_gpu.py"), "--out", result_file, "--steps", "10",
                       "--warmup", "3", "--rounds", "2"], {})]
+        elif name == "trainer":
+            cmds = [([py, os.path.join(GPU_DIR, "bench_trainer_gpu.py"), "--out", result_file,
+                      "--time-budget", f"{bench_budget(timeout):.0f}"] +
+                     (small + ["--steps", "2", "--warmup", "2"] if smoke else ["--steps", "8", "--warmup", "3"]), {})]
         tails, wall, status = [], 0.0, "ok"
         for cmd, extra in cmds:
             r = run(name, cmd, max(1.0, timeout - wall), extra)
@@ -483,13 +508,15 @@ def main(argv=None):
                     part["note"] = res["models"][model]["skipped"]
         elif name == "ooo":
             report["results"]["ooo"] = read_json(result_file)
+        elif name == "trainer":
+            report["results"]["trainer"] = read_json(result_file)
         elif name == "allocator":
             res = read_json(result_file)
             report["results"]["allocator"] = res
             if res is None and status == "ok":
                 part["status"] = "skipped"
                 part["note"] = tails[-1] if tails else "no output"
-        if name in ("ooo",) and status == "ok" and report["results"].get("ooo") is None:
+        if name in ("ooo", "trainer") and status == "ok" and report["results"].get(name) is None:
             part["status"] = "failed (no JSON)"
         report["parts"][name] = part
         say(f"{name}: {part['status']}" + (f" -- {part['note']}" if part.get("note") else "")

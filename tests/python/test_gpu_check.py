@@ -24,7 +24,7 @@ def _load():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke mode")
 def test_cpu_smoke_writes_one_markdown_and_one_json(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, SCRIPT, "--cpu-smoke", "--parts", "ooo,allocator", "--budget", "200",
+    proc = subprocess.run([sys.executable, SCRIPT, "--cpu-smoke", "--parts", "ooo,allocator,trainer", "--budget", "240",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
@@ -34,8 +34,13 @@ def test_cpu_smoke_writes_one_markdown_and_one_json(tmp_path):
     assert report["parts"]["ooo"]["status"] == "ok"
     assert report["results"]["ooo"]["models"]
     assert report["parts"]["allocator"]["status"] == "skipped"  # needs CUDA; says so
+    if report["parts"]["trainer"]["status"] == "ok" and report["results"]["trainer"]["rows"]:
+        rows = {r["row"]: r for r in report["results"]["trainer"]["rows"]}
+        assert set(rows) == {"plain", "checkpointing", "memsched-dp-50%", "memsched-hybrid-50%"}
+        assert all("median_ms" in r for r in rows.values()), rows
+        assert rows["memsched-dp-50%"]["steps_planned"] >= 1 and rows["memsched-dp-50%"]["mismatches"] == 0
     md = (tmp_path / "gpu_check.md").read_text()
-    assert "## bench_ooo_gpu.py" in md and report["tree"]["digest"] in md
+    assert "## bench_ooo_gpu.py" in md and "## bench_trainer_gpu.py" in md and report["tree"]["digest"] in md
 
 
 def test_failed_part_shows_its_log_tail():
