@@ -137,3 +137,24 @@ def test_merged_into_a_torch_profiler_trace(tmp_path):
     start = max(e["ts"] for e in steps)
     assert merged["memsched"]["merged_offset_us"] == start
     assert min(e["ts"] for e in ours if e["ph"] != "M") == pytest.approx(start)
+
+
+def test_a_plan_that_recomputes_has_its_recompute_spans_on_the_compute_track(tmp_path):
+    from device_helpers import slow_copies  # copies cost seconds: the hybrid planner recomputes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=slow_copies()) as run:
+        for s in range(3):
+            g = torch.Generator().manual_seed(s)
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            run.step()
+    assert run.step_stats[-1].recomputed > 0
+    run.save_timeline(str(tmp_path / "step.json"))
+    obj = _load(tmp_path / "step.json")
+    recomputes = [e for e in obj["traceEvents"] if e.get("cat") == "recompute"]
+    planned = sum(bool(getattr(d, "recompute", False)) for d in run.plan.decisions)
+    assert len(recomputes) == planned > 0
+    assert all(e["ph"] == "X" and e["pid"] == 1 and e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in recomputes)

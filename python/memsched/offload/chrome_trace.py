@@ -12,7 +12,8 @@ Note [Timeline as a Chrome trace]
   (floats) from the start of the step (its first forward op); durations are never negative.
   Two processes:
     pid 1 "memsched planned (simulated)": the simulator's compute stream (one "X" event per op,
-      named by the op, args: op id, module, phase), its D2H and H2D copy streams (one "X" per
+      named by the op, args: op id, module, phase; a hybrid plan's recompute of a tensor is one "X"
+      named "recompute tensor N", cat "recompute", args: tensor id, label, bytes), its D2H and H2D copy streams (one "X" per
       copy, args: tensor id, label, bytes; copies the plan runs on the compute stream --
       offload_all_sync, save_on_cpu -- are on the copy tracks with on_compute_stream: true), the
       compute stream's stalls ("X" on their own track, ending where the waiting op starts) and
@@ -99,6 +100,9 @@ def planned_events(trace, simulation, memory, memory_name):
                 op = ops[e["id"]]
                 ev.append(_span(op.name, "compute", PID_PLANNED, TID_COMPUTE, e["start_us"], e["end_us"],
                                 _op_args(op)))
+            elif e["kind"] == "recompute":  # the ops that recreate tensor e["id"], on the compute stream
+                ev.append(_span(f"recompute tensor {e['id']}", "recompute", PID_PLANNED, TID_COMPUTE,
+                                e["start_us"], e["end_us"], _tensor_args(trace, e["id"], e["bytes"])))
             else:  # a copy the plan runs on the compute stream (Note [Plan semantics])
                 ev.append(_span(f"{e['kind'].upper()} tensor {e['id']}", "copy", PID_PLANNED, _COPY_TID[e["kind"]],
                                 e["start_us"], e["end_us"], _tensor_args(trace, e["id"], e["bytes"], True)))
