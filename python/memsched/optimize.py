@@ -121,6 +121,31 @@ Note [Budgets]
   plan can reach raises the planner's MemschedError (naming the least budget)
   from the first run.step().
 
+Note [Optimizer state the profiled step did not see]
+  Rationale: Adam(W) and SGD with momentum create their state in the first optimizer.step(), after
+  the profiled first step's trace was closed, so that trace has none of it while every later step
+  holds it all: a byte budget planned on the trace alone was exceeded by the state (70% over for a
+  tiny GPT-2 under AdamW), and the re-profile after a mismatch, which does see the state, then
+  refused a budget the first plan had accepted.
+  Approach: the optimizer state's bytes on the Run's device are read when a profile starts and
+  after the profiled step's update; what the update created (extra) is constant over every later
+  step, so it shifts the whole memory curve by extra. Byte budgets (bytes, "6GiB", and "P%" of the
+  step's peak with the state) are planned as budget - extra on the trace, budget=None compares
+  peak + extra with the device, and the planned peak in run.report() includes extra. A fraction f
+  needs nothing: its byte budget is taken from the same trace and compares like with like. The
+  re-plan runs right after the first update; a byte budget that cannot hold the state raises
+  there, naming the least budget with the state (the first step itself was a complete plain step).
+  Limitations: with fuse_optimizer the state is made during backward and is in the trace already;
+  state made later than the first update (an optimizer that allocates at step 2) is not seen.
+
+Note [A step with no end]
+  A Run whose loop never reaches its step boundary -- no run.step(), and no optimizer passed to
+  optimize() whose step() would end the step -- kept its first profile open for good: every
+  forward and backward was recorded into one trace (RSS grew by 44 MiB over 2000 steps) and
+  nothing was ever planned, without a word. After _MAX_PROFILED_FORWARDS forwards in one profiled
+  step (far more micro-batches than gradient accumulation uses) the profile is dropped, the model
+  runs plainly, and one warning says how to end a step.
+
 Note [Recompute decisions run]
   planner="hybrid" may recompute activations (Note [Hybrid planner] in
   csrc/core/hybrid_planner.h). The executor runs those decisions as planned:
@@ -151,6 +176,7 @@ __all__ = ["optimize", "Run"]
 
 _DEFAULT_MIN_BYTES_CUDA = 1 << 20   # offloading less than 1 MiB costs more in latency than it saves
 _DEVICE_MEMORY_FRACTION = 0.9       # budget=None on a device that the step does not fit
+_MAX_PROFILED_FORWARDS = 256        # forwards one profiled step may hold (Note [A step with no end])
 
 
 # -- the pieces of other issues, behind one seam each (tests may substitute stand-ins) -----------------
@@ -267,6 +293,11 @@ class Run:
         self.profile_ = None         # profiler session while profiling
         self.profile_armed_ = False  # the next forward starts a profiler session
         self.profile_failed_ = False # the profiled forward raised: restart at the next forward
+        self.profile_forwards_ = 0   # COUNT forwards recorded by the open profile (Note [A step with no end])
+        self.state_at_profile_ = None  # optimizer state bytes when the open profile started
+        self.state_check_ = None     # ... of the profile just planned: compared after its update
+        self.optimizer_state_extra_ = 0  # bytes of optimizer state the trace lacks (Note [Optimizer state
+                                         #   the profiled step did not see])
         self.in_forward_ = False     # between the root's forward pre-hook and forward hook
         self.handles_ = []           # Run's own hooks on the root module
         self.entered_ = False
@@ -318,6 +349,7 @@ class Run:
             raise RuntimeError("run.step(): call it inside `with memsched.optimize(...) as run:`")
         stats = self._finish_step()
         self._optimizer_step()
+        self._account_optimizer_state()
         if stats is not None:
             self._record_step(stats)
 
@@ -339,6 +371,7 @@ class Run:
             out = step(*args, **kwargs)
             loss = out if closure is None else loss
         # else: the fused update ran during backward (as run.step() skips optimizer.step() then)
+        self._account_optimizer_state()
         if stats is not None:
             self._record_step(stats)
         return loss
@@ -366,6 +399,7 @@ class Run:
             trace = session.stop()
             self.node_of_op_ = session.node_of_op
             self.steps_profiled += 1
+            self.optimizer_state_extra_ = 0  # this trace holds the state that existed at its start
             try:
                 self._adopt_trace(trace)
             except BaseException:
@@ -374,6 +408,7 @@ class Run:
                 # refused again -- rather than run plainly without a word.
                 self._start_profiling()
                 raise
+            self.state_check_ = self.state_at_profile_
             return None
         if self.profile_armed_:
             # no forward since the last step, or its forward could not be profiled (foreign hooks):
@@ -470,7 +505,11 @@ class Run:
                 self._warn_not_profiled(foreign)
                 return
             self.profile_armed_ = False
+            self.profile_forwards_ = 0
+            self.state_at_profile_ = self._optimizer_state_bytes()
             self.profile_ = start_profile(self.model, self.optimizer, self.device)
+        if self.profile_ is not None:
+            self._count_profiled_forward()
 
     def _warn_not_profiled(self, why):
         self.not_profiled_why_ = why
@@ -517,6 +556,15 @@ class Run:
             except _C.MemschedError as err:
                 if isinstance(self.budget_spec, float) and "least budget" in str(err):
                     raise fraction_refusal(trace, self.budget_spec, err) from None
+                extra = self.optimizer_state_extra_
+                if extra and "least budget" in str(err):
+                    # See Note [Optimizer state the profiled step did not see].
+                    least = _C.least_budget_bytes(trace) + extra
+                    raise _C.MemschedError(
+                        f"budget {self.budget_spec!r}: the steps after the first need at least {least} bytes "
+                        f"({format_bytes(least)}): {format_bytes(least - extra)} for the step as profiled plus "
+                        f"{format_bytes(extra)} of optimizer state that the first optimizer.step() created and "
+                        f"every later step holds; raise the budget to at least {least} bytes") from None
                 raise
         schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_)
         need = schedule.offloaded_bytes
@@ -536,18 +584,73 @@ class Run:
     def _resolve_budget(self, trace):
         """(budget_bytes or None, planner name or None for keep everything). See Note [Budgets]."""
         spec = self.budget_spec
+        extra = self.optimizer_state_extra_  # Note [Optimizer state the profiled step did not see]
         if spec is None:
             if self.device.type != "cuda":
                 return None, None
             total = torch.cuda.get_device_properties(self.device).total_memory
-            if trace.peak_bytes() <= _DEVICE_MEMORY_FRACTION * total:
+            if trace.peak_bytes() + extra <= _DEVICE_MEMORY_FRACTION * total:
                 return None, None
-            return int(_DEVICE_MEMORY_FRACTION * total), self.planner
+            return int(_DEVICE_MEMORY_FRACTION * total) - extra, self.planner
         if isinstance(spec, float):
             budget_bytes, op_id = fraction_budget(trace, spec)
             self.budget_note_ = self._fraction_note(trace, spec, budget_bytes, op_id)
             return budget_bytes, self.planner
-        return resolve_budget(spec, trace), self.planner
+        if isinstance(spec, str):  # "P%" of the step's peak, the state included
+            return max(int((trace.peak_bytes() + extra) * float(spec[:-1]) / 100.0) - extra, 0), self.planner
+        return max(resolve_budget(spec, trace) - extra, 0), self.planner
+
+    def _optimizer_state_bytes(self):
+        """Bytes of the optimizer's state tensors on the Run's device (each storage once)."""
+        opt = self.optimizer
+        if opt is None or not isinstance(getattr(opt, "state", None), dict):
+            return 0
+        seen, total = set(), 0
+        for state in opt.state.values():
+            if not isinstance(state, dict):
+                continue
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.device == self.device:
+                    st = v.untyped_storage()
+                    if st.data_ptr() not in seen:
+                        seen.add(st.data_ptr())
+                        total += st.nbytes()
+        return total
+
+    def _account_optimizer_state(self):
+        """After the update of the step just planned: plan again with the optimizer state that update
+        created. See Note [Optimizer state the profiled step did not see]."""
+        before, self.state_check_ = self.state_check_, None
+        if before is None or self.trace is None or self.fuse_optimizer:
+            return
+        extra = self._optimizer_state_bytes() - before
+        if extra <= 0:
+            return
+        self.optimizer_state_extra_ = extra
+        if isinstance(self.budget_spec, float):
+            return  # a fraction's byte budget comes from the same trace: unchanged
+        try:
+            self._adopt_trace(self.trace)
+        except BaseException:
+            # The steps must not run the plan made without the state: profile the next step (its trace
+            # has the state, so its run.step() refuses again, before its update) and say why now.
+            self.executor.set_schedule(None)
+            self._start_profiling()
+            raise
+
+    def _count_profiled_forward(self):
+        """Note [A step with no end]: a profile that never closes grows without bound."""
+        self.profile_forwards_ += 1
+        if self.profile_forwards_ <= _MAX_PROFILED_FORWARDS:
+            return
+        self._abort_profile()
+        self.not_profiled_why_ = ""
+        warnings.warn(
+            f"memsched.optimize: {_MAX_PROFILED_FORWARDS} forward passes ran without a step boundary, so "
+            "memsched stopped profiling and runs the model plainly from here on. memsched ends a step at "
+            "run.step(), or at optimizer.step() of the optimizer passed to optimize(optimizer=...): call "
+            "run.step() after each optimizer step (it steps the optimizer too), or pass the optimizer",
+            RuntimeWarning, stacklevel=_user_stacklevel())
 
     @staticmethod
     def _fraction_note(trace, fraction, budget_bytes, op_id):
@@ -570,7 +673,7 @@ class Run:
             warnings.warn(f"memsched.optimize: a step does not match the profiled trace ({why}); it runs "
                           f"without offloading and the next step is profiled again (at most "
                           f"{self.max_reprofiles} times; this warning is shown once)", RuntimeWarning,
-                          stacklevel=4)
+                          stacklevel=_user_stacklevel())
 
     def _make_ooo(self, fuse_optimizer):
         try:
@@ -609,6 +712,7 @@ class Run:
         out = {}
         if self.trace is None:
             return out
+        extra = self.optimizer_state_extra_  # Note [Optimizer state the profiled step did not see]
         curve = planned_activation_curve(self.trace, self.plan)
         out["activation_peak_bytes"] = max(curve) if curve else 0
         sched = self.schedule
@@ -621,13 +725,13 @@ class Run:
             out["recomputed_bytes"] = sum(sched.bytes[k] for k in sched.recompute)
         sim = self.simulation
         if sim is not None:
-            out["peak_bytes"] = sim.peak_bytes
+            out["peak_bytes"] = sim.peak_bytes + extra
             out["step_time_s"] = sim.step_time_us / 1e6
             out["stall_s"] = sim.stall_us / 1e6
             out["recompute_s"] = sim.recompute_us / 1e6
             out["bytes_moved"] = sim.bytes_to_host + sim.bytes_to_device
         elif self.plan is None:
-            out["peak_bytes"] = self.trace.peak_bytes()
+            out["peak_bytes"] = self.trace.peak_bytes() + extra
             out["bytes_moved"] = 0
         return out
 
@@ -751,6 +855,18 @@ _OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumul
 
 
 _HOOK_REFUSALS = ("don't yet support saved tensor hooks", "saved tensors default hooks are disabled")
+
+
+def _user_stacklevel():
+    """warnings.warn's stacklevel for the caller's first frame outside memsched and torch: our hooks
+    run inside torch's Module.__call__ or autograd, where a fixed level pointed into torch."""
+    import os
+    skip = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+            os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    level, frame = 2, sys._getframe(2)  # 1 is this function, 2 the caller of warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _explain_hook_refusal(exc):

@@ -1,0 +1,90 @@
+"""A byte budget holds the optimizer state that the first optimizer.step() creates (Note [Optimizer state
+the profiled step did not see]), and a loop with no step boundary stops being profiled with a warning
+(Note [A step with no end]), both in optimize.py."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memsched
+from memsched import _C
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8))
+
+
+def _batch(s):
+    g = torch.Generator().manual_seed(s)
+    return torch.randn(64, 32, generator=g)
+
+
+def _param_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _least(model):
+    x = _batch(0)
+    return _C.least_budget_bytes(memsched.profile(lambda: model(x).pow(2).mean().backward(), model=model))
+
+
+def test_byte_budget_plans_with_the_adam_state_made_by_the_first_step():
+    model = _model()
+    budget = _least(_model()) + 4 * _param_bytes(model)  # fits the state (2x params) with room to spare
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with memsched.optimize(model, opt, budget=budget, planner="dp") as run:
+        for s in range(3):
+            model(_batch(s)).pow(2).mean().backward()
+            run.step()
+            if s == 0:
+                extra = run.optimizer_state_extra_
+    assert extra >= 2 * _param_bytes(model), "exp_avg and exp_avg_sq of every parameter"
+    figures = run.planned_figures()
+    assert figures["peak_bytes"] == run.simulation.peak_bytes + extra <= budget
+    assert run.budget_bytes == budget - extra
+    assert run.steps_planned == 2 and run.mismatches == 0
+
+
+def test_byte_budget_without_room_for_the_state_is_refused_after_the_first_step():
+    model = _model()
+    budget = _least(_model()) + _param_bytes(model) // 2  # a plan fits the trace, not the AdamW state
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with memsched.optimize(model, opt, budget=budget, planner="dp") as run:
+        model(_batch(0)).pow(2).mean().backward()
+        with pytest.raises(_C.MemschedError, match=r"optimizer state that the first optimizer.step\(\) created.*"
+                                                    r"raise the budget to at least \d+ bytes"):
+            run.step()
+        # The next step is profiled again, with the state, and refused before its update.
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model(_batch(1)).pow(2).mean().backward()
+        with pytest.raises(_C.MemschedError, match="least budget"):
+            run.step()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_fraction_budgets_need_no_state_correction():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with memsched.optimize(model, opt, budget=0.5, planner="dp") as run:
+        model(_batch(0)).pow(2).mean().backward()
+        run.step()
+        planned = run.budget_bytes
+    assert run.optimizer_state_extra_ >= 2 * _param_bytes(model)
+    assert planned == memsched.planning.fraction_budget(run.trace, 0.5)[0]
+
+
+def test_a_loop_without_step_boundary_stops_profiling_and_says_how_to_end_a_step():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memsched.optimize(model, budget=0.5) as run:  # no optimizer passed, and no run.step() below
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for s in range(300):
+                model(_batch(s % 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    ours = [w for w in caught if "without a step boundary" in str(w.message)]
+    assert len(ours) == 1 and "run.step()" in str(ours[0].message)
+    assert run.profile_ is None and run.trace is None
