@@ -155,6 +155,8 @@ Note [Recompute decisions run]
   counts it with the reason; the budget may then be exceeded by its bytes.
 """
 import collections
+import math
+import re
 import sys
 import threading
 import warnings
@@ -557,9 +559,17 @@ class Run:
                 if isinstance(self.budget_spec, float) and "least budget" in str(err):
                     raise fraction_refusal(trace, self.budget_spec, err) from None
                 extra = self.optimizer_state_extra_
+                spec = self.budget_spec
+                if isinstance(spec, str) and "least budget" in str(err):  # "P%": answer in percent
+                    least, peak = _planner_least(err, trace) + extra, trace.peak_bytes() + extra
+                    pct = math.ceil(1000.0 * least / peak) / 10.0
+                    raise _C.MemschedError(
+                        f"budget {spec!r}: that share of this step's peak ({format_bytes(peak)}"
+                        f"{', its optimizer state included' if extra else ''}) is {format_bytes(budget_bytes + extra)}, "
+                        f"below what any plan reaches ({format_bytes(least)}); use budget='{pct:g}%' or more") from None
                 if extra and "least budget" in str(err):
                     # See Note [Optimizer state the profiled step did not see].
-                    least = _C.least_budget_bytes(trace) + extra
+                    least = _planner_least(err, trace) + extra
                     raise _C.MemschedError(
                         f"budget {self.budget_spec!r}: the steps after the first need at least {least} bytes "
                         f"({format_bytes(least)}): {format_bytes(least - extra)} for the step as profiled plus "
@@ -855,6 +865,13 @@ _OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumul
 
 
 _HOOK_REFUSALS = ("don't yet support saved tensor hooks", "saved tensors default hooks are disabled")
+
+
+def _planner_least(err, trace):
+    """The least budget, bytes, that the planner's refusal `err` names for `trace` (its "raise the budget
+    to at least N bytes"), else the least any plan reaches."""
+    found = re.findall(r"raise the budget to at least (\d+) bytes", str(err))
+    return int(found[0]) if found else _C.least_budget_bytes(trace)
 
 
 def _user_stacklevel():

@@ -85,6 +85,8 @@ def parse_budget(budget):
         f = float(budget)
         if math.isfinite(f) and 0.0 < f <= 1.0:
             return f
+        if math.isfinite(f) and f <= 0.0:
+            raise ValueError(f"budget: must be positive, got {budget!r}; accepted: {BUDGET_FORMS}")
         if math.isfinite(f) and f > 1.0 and f == int(f):
             return parse_bytes(f, name="budget")  # a whole number of bytes written as a float (6e9)
         raise ValueError(f"budget: a float is a fraction of the activation memory in (0, 1] (or a whole number "

@@ -88,3 +88,22 @@ def test_a_loop_without_step_boundary_stops_profiling_and_says_how_to_end_a_step
     ours = [w for w in caught if "without a step boundary" in str(w.message)]
     assert len(ours) == 1 and "run.step()" in str(ours[0].message)
     assert run.profile_ is None and run.trace is None
+
+
+def test_a_percent_budget_below_any_plan_is_refused_in_percent():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: the percent is of the profiled peak
+    with memsched.optimize(model, opt, budget="1%", planner="dp") as run:
+        model(_batch(0)).pow(2).mean().backward()
+        with pytest.raises(_C.MemschedError, match=r"budget '1.0%': .* use budget='(\d+(\.\d)?)%' or more") as e:
+            run.step()
+    import re
+    pct = float(re.search(r"use budget='([\d.]+)%'", str(e.value)).group(1))
+    # The percent it names works.
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memsched.optimize(model, opt, budget=f"{pct}%", planner="dp") as run:
+        for s in range(2):
+            model(_batch(s)).pow(2).mean().backward()
+            run.step()
+    assert run.steps_planned == 1
