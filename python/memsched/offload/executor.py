@@ -623,7 +623,19 @@ class OffloadExecutor:
         return None
 
     def _diverge_label(self, k, expected, label):
-        self._diverge(f"activation {k}: trace has {expected!r}, this step has {label!r}")
+        # Executed steps label without the module path (docs/CONVENTIONS-activation-identity.md): show
+        # both sides in that form, and the trace's module apart, so only the real difference shows.
+        def split(text):
+            parts = text.split(":", 3) if isinstance(text, str) else []
+            return (parts[2], parts[3]) if len(parts) == 4 and parts[0] == "act" else ("", text)
+
+        module, want = split(expected)
+        got = split(label)[1]
+        where = f" in module '{module}'" if module else ""
+        if expected is None:
+            self._diverge(f"activation {k}: the trace has no such activation, this step saves {got}")
+        else:
+            self._diverge(f"activation {k}{where}: the trace has {want}, this step has {got} (shape:dtype)")
 
     def _memory_allocated(self):
         return torch.cuda.memory_allocated(self.device)
