@@ -50,7 +50,9 @@ void bind_copy_engine(py::module_& m) {
       .def("end_step", &CopyEngine::end_step)
       .def("mark_end", [](CopyEngine& e, StepCopyLog& log) { log.mark_end(e.events()); }, py::arg("log"),
            "Record the step's end on the compute stream (again after the optimizer's update).")
-      .def("release", &CopyEngine::release, py::call_guard<py::gil_scoped_release>())
+      // The GIL stays held: poll() from a hook on another thread must not run while release()
+      // empties the queues.
+      .def("release", &CopyEngine::release)
       .def("check_invariants", &CopyEngine::check_invariants);
 }
 

@@ -199,7 +199,7 @@ std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vec
     log_->d2h_bytes += t->nbytes;
     if (timeline_) log_->copies.push_back({true, t->nbytes, 0.0, 0.0, start, t->done});
     // WARNING: src is read on the D2H stream: keep it until `done` (Note [Offload copy ordering]).
-    d2h_pending_.push_back({t, src});
+    d2h_pending_.push_back({t, src, t->dst});
     tickets.push_back(std::move(t));
   }
   return tickets;
@@ -239,7 +239,7 @@ std::shared_ptr<CopyTicket> CopyEngine::fetch(const at::Tensor& host, const std:
   log_->h2d_bytes += t->nbytes;
   if (timeline_) log_->copies.push_back({false, t->nbytes, 0.0, 0.0, start, t->done});
   // WARNING: host is read on the H2D stream: keep it until `done`.
-  h2d_pending_.push_back({t, host});
+  h2d_pending_.push_back({t, host, t->dst});
   return t;
 }
 
@@ -283,7 +283,8 @@ void CopyEngine::check_invariants() const {
     for (const Pending& p : *queue) {
       MEMSCHED_CHECK(accel_, "CopyEngine: CPU copies are complete at birth and never pending");
       MEMSCHED_CHECK(p.ticket != nullptr && p.ticket->done != nullptr, "CopyEngine: a pending copy has no done-event");
-      MEMSCHED_CHECK(p.hold.defined(), "CopyEngine: a pending copy must hold what it reads");
+      MEMSCHED_CHECK(p.source.defined() && p.dst.defined(),
+                     "CopyEngine: a pending copy must hold what it reads and what it writes");
     }
   }
 }

@@ -11,7 +11,8 @@
 //     source storage with the copy's done-event in the D2H stream's pending queue, and poll()
 //     drops it when the event has completed. So the caching allocator gets the device block back
 //     only after the copy finished -- no record_stream, whose deferral would hide the real release
-//     time from our measurements.
+//     time from our measurements. The destination is held too: a ticket dropped early (a step that
+//     raised) must not hand its block back while the copy still writes it.
 //   - H2D: the destination is allocated on the compute stream; the H2D stream waits for an event
 //     recorded there at that moment (the block may still be in use by earlier compute-stream
 //     kernels) and for the D2H copy that wrote the host block, then copies. The consumer makes the
@@ -139,7 +140,8 @@ class CopyEngine {
  private:
   struct Pending {
     std::shared_ptr<CopyTicket> ticket;
-    at::Tensor hold;              // read by the copy: kept until ticket->done
+    at::Tensor source;            // read by the copy: kept until ticket->done
+    at::Tensor dst;               // written by the copy: kept until ticket->done, even if the ticket dies
   };
   c10::Stream compute_stream() const;
   double now_s() const;

@@ -148,9 +148,31 @@ def build_report(run_info, planned, step_stats, notes=(), counts=None):
     lines = [head, format_table(["", "planned (simulated)", "measured (median)"], rows)]
     if r.memory_source:
         lines.append(f"measured memory: {r.memory_source}; host buffers: {r.host_source}")
+    gap = _peak_gap_note(p, m, cuda)
+    if gap:
+        lines.append(gap)
     lines.extend(r.notes)
     r.table = "\n".join(lines)
     return r
+
+
+PEAK_GAP = 0.02  # a measured peak this far above the plan's gets a note
+
+
+def _peak_gap_note(planned, measured, cuda):
+    """A line when the measured peak exceeds the planned one by more than PEAK_GAP, naming what the plan
+    does not model on this device; "" otherwise. CPU compares saved activations (what it measures)."""
+    key = "peak_bytes" if cuda else "activation_peak_bytes"
+    want, got = planned.get(key), measured.get(key)
+    if not want or got is None or got <= want * (1 + PEAK_GAP):
+        return ""
+    what = "peak memory" if cuda else "saved-activation peak"
+    why = ("memory the trace does not model: the autocast cache of low-precision weights, cuBLAS/cuDNN "
+           "workspaces, allocator rounding, blocks freed while another stream still used them" if cuda else
+           "saved storages alive longer than the trace recorded (an input a Python frame still holds, an "
+           "output allocated while its input is alive), which the plan does not see")
+    return (f"note: the measured {what} is {format_bytes(got - want)} ({(got - want) / want:.1%}) above the "
+            f"plan's; likely {why}")
 
 
 def save_timeline(path, title, planned_curve, measured, copies, planned_copies=None):

@@ -135,3 +135,17 @@ def test_cuda_step_log_resolves_duration_stall_and_copies_one_step_later():
     assert log.ready() and duration > 0 and stall >= 0
     assert [(k, n) for k, _, _, n in copies] == [("d2h", 8 << 20), ("h2d", 8 << 20)]
     assert all(0 <= s <= e <= duration for _, s, e, _ in copies)
+
+
+@pytest.mark.requires_cuda
+def test_cuda_destinations_stay_held_when_their_tickets_die_before_the_copy():
+    """A step that raised drops its tickets at once: the host blocks the D2H copies still write must not
+    go back to the pool (nor a fetch's device block to the allocator) before the copies complete."""
+    engine, _ = _engine("cuda")
+    engine.begin_step()
+    torch.cuda._sleep(50_000_000)
+    tickets = engine.offload_many(_sources("cuda", [1 << 20] * 4))
+    del tickets
+    assert engine.host_live_bytes() >= 4 << 20
+    _drain(engine, "cuda")
+    assert engine.host_live_bytes() == 0
