@@ -22,7 +22,8 @@
 //   the end-of-backward callback), and -- only with a fused update or DDP, on the last
 //   micro-step -- owner._on_ready(groups, ready_buckets): with a fused update, a group is a step
 //   unit whose every parameter is final (Note [Step units] in backward.py; set_units()), so
-//   Python is called once per layer, not per parameter.
+//   Python is called once per layer, not per parameter -- and not at all for a group that
+//   step_native() updates here (Adam/AdamW, See Note [Adam update in C++] in adam_update.h).
 //   Executors: "inline" runs an item on the autograd thread when the scheduler says it is
 //   urgent, "thread" on a C++ worker thread, "stream" at once on a side stream.
 //   The per-parameter AccumulateGrad hooks (Note [AccumulateGrad gate] in backward.py) are C

@@ -55,7 +55,8 @@ Note [Step units]
   Approach: every parameter belongs to one unit: the parameters its first
   owning module (in model.modules() order) holds directly. A final parameter
   (last micro-step) waits in the runtime (DwRuntime.set_units) until all of its unit is final, then the
-  unit is stepped in one ParamStepper.step_params call. Without DDP that is
+  unit is stepped in one call: DwRuntime's C++ Adam update (See Note [Adam
+  plan for the C++ update] in fused.py), else one ParamStepper.step_params call. Without DDP that is
   the whole ready group; under DDP a reduced bucket is the group. At the end
   of backward every unit still waiting (a member got no gradient) is stepped
   as it is.

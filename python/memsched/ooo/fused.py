@@ -58,8 +58,9 @@ Note [Adam plan for the C++ update]
   Approach: ``native_plan(params)`` runs once per backward pass (the owner's
   _backward_started, last micro-step) and says, per parameter, whether C++
   may step it: Adam or AdamW with torch's own step(), no step hooks, no
-  GradScaler attributes, and a group that is neither differentiable nor
-  capturable, with float lr and betas (the grouped path's rules otherwise);
+  GradScaler attributes, no CUDA graph capture under way, and a group that is
+  neither differentiable nor capturable, with float lr and betas (the grouped
+  path's rules otherwise);
   the kernel is the one this path would pick (explicit foreach/fused, else
   plain torch.optim's default for the group). The parameter's state tensors
   (step, exp_avg, exp_avg_sq, max_exp_avg_sq) are handed over as they are in
@@ -182,6 +183,8 @@ class ParamStepper:
             if group["differentiable"] or group["capturable"] or any(
                     torch.is_tensor(v) for v in (lr, beta1, beta2, group["eps"], group["weight_decay"])):
                 continue
+            if self._on_accelerator[gi] and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                continue  # the Python path runs Adam's graph-capture health check (it raises)
             foreach, fused = group["foreach"], group["fused"]
             if foreach is None and fused is None:
                 foreach = self._default_foreach[gi]
