@@ -110,3 +110,26 @@ def test_what_cpp_does_not_cover_stays_on_the_python_path(case):
     if case == "step_hook":
         assert len(hooks) > 1  # the hook ran on every Python-path call
 
+
+
+@pytest.mark.parametrize("config", ["adamw_default", "adamw_fused", "adam_foreach_amsgrad_maximize_wd",
+                                    "adam_single_amsgrad_wd"])
+def test_cpp_update_equals_the_optimizers_step_on_the_same_gradients(device, config):
+    """The update alone, on either device: the fused run against ooo without fusion followed by
+    optimizer.step() -- the same deferred gradients (same kernels), so any difference is the
+    update's. On CUDA this covers the foreach default and the CUDA fused kernels."""
+    a = models.build_model("transformer", seed=1, device=device)
+    b = copy.deepcopy(a)
+    oa, ob = CONFIGS[config](a.parameters()), CONFIGS[config](b.parameters())
+    data = [(x.to(device), y.to(device)) for x, y in batches("transformer", STEPS)]
+    with OutOfOrderBackward(a, optimizer=oa, fuse_optimizer=False) as ooo_a:
+        for x, y in data:
+            models.loss_fn("transformer", a(x), y).backward()
+            assert ooo_a.step()
+            oa.step()
+            oa.zero_grad(set_to_none=True)
+    _, native = _run(b, ob, "transformer", data)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_same_state(a, oa, b, ob)
+    assert native == (STEPS - 1) * len(list(b.parameters()))
