@@ -6,6 +6,7 @@
 #include <torch/csrc/Exceptions.h>
 
 #include "bindings/bindings.h"
+#include "core/check.h"
 #include "torch/deferred_layers.h"
 #include "torch/dw_runtime.h"
 
@@ -78,7 +79,52 @@ void bind_ooo(py::module_& m) {
       .def_readonly("grad_bytes", &DwRuntime::grad_bytes)
       .def_readonly("peak_grad_bytes", &DwRuntime::peak_grad_bytes)
       .def_property_readonly("max_deferred_bytes", &DwRuntime::max_deferred_bytes)
-      .def("stats", [](DwRuntime& rt) { return dw_stats_dict(rt.stats()); });
+      .def("stats", [](DwRuntime& rt) { return dw_stats_dict(rt.stats()); })
+      .def(
+          "set_adam",
+          [](DwRuntime& rt, const std::vector<py::tuple>& hypers, std::vector<int32_t> group_of,
+             const std::vector<std::optional<at::Tensor>>& steps, const std::vector<std::optional<at::Tensor>>& exp_avgs,
+             const std::vector<std::optional<at::Tensor>>& exp_avg_sqs,
+             const std::vector<std::optional<at::Tensor>>& max_exp_avg_sqs) {
+            std::vector<AdamHyper> hs;
+            for (const py::tuple& t : hypers) {
+              MEMSCHED_CHECK(t.size() == 9, "DwRuntime.set_adam: a hyper-parameter tuple has 9 fields, got ",
+                             t.size());
+              AdamHyper h;
+              h.lr = t[0].cast<double>();
+              h.beta1 = t[1].cast<double>();
+              h.beta2 = t[2].cast<double>();
+              h.eps = t[3].cast<double>();
+              h.weight_decay = t[4].cast<double>();
+              h.amsgrad = t[5].cast<bool>();
+              h.maximize = t[6].cast<bool>();
+              h.decoupled = t[7].cast<bool>();
+              const int kernel = t[8].cast<int>();
+              MEMSCHED_CHECK(kernel >= 0 && kernel <= 2, "DwRuntime.set_adam: kernel must be 0, 1 or 2, got ", kernel);
+              h.kernel = static_cast<AdamKernel>(kernel);
+              hs.push_back(h);
+            }
+            const size_t n = group_of.size();
+            MEMSCHED_CHECK(steps.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                               max_exp_avg_sqs.size() == n,
+                           "DwRuntime.set_adam: one step, exp_avg, exp_avg_sq and max_exp_avg_sq per parameter");
+            std::vector<AdamSlot> slots(n);
+            for (size_t i = 0; i < n; ++i) {
+              if (group_of[i] < 0) continue;
+              slots[i] = AdamSlot{steps[i].value_or(at::Tensor()), exp_avgs[i].value_or(at::Tensor()),
+                                  exp_avg_sqs[i].value_or(at::Tensor()), max_exp_avg_sqs[i].value_or(at::Tensor())};
+            }
+            rt.set_adam(std::move(hs), std::move(group_of), std::move(slots));
+          },
+          py::arg("hypers"), py::arg("group_of"), py::arg("steps"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+          py::arg("max_exp_avg_sqs"),
+          "For this backward pass: the fused update of Adam/AdamW parameters runs in C++ (Note [Adam update in "
+          "C++]); hypers: (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, kernel 0 single "
+          "tensor / 1 foreach / 2 fused) per param group; group_of[p] < 0: p is stepped in Python.")
+      .def("clear_adam", &DwRuntime::clear_adam)
+      .def("step_native", &DwRuntime::step_native, py::arg("params"))
+      .def_property_readonly("native_updates", &DwRuntime::native_updates)
+      .def_property_readonly("native_calls", &DwRuntime::native_calls);
 
   m.def(
       "deferred_linear",

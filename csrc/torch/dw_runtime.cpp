@@ -2,6 +2,9 @@
 // backward].
 #include "torch/dw_runtime.h"
 
+#include <optional>
+#include <utility>
+
 #include <ATen/ATen.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -373,8 +376,111 @@ std::vector<std::vector<int32_t>> DwRuntime::take_partial_units() {
   return out;
 }
 
-void DwRuntime::hand_over(const Completion& c, Side* side) {
-  if (c.groups.empty() && c.ready_buckets.empty()) return;
+void DwRuntime::set_adam(std::vector<AdamHyper> hypers, std::vector<int32_t> group_of, std::vector<AdamSlot> slots) {
+  MEMSCHED_CHECK(group_of.size() == params_.size() && slots.size() == params_.size(), "DwRuntime.set_adam: ",
+                 group_of.size(), " groups and ", slots.size(), " slots given for ", params_.size(), " parameters");
+  for (size_t i = 0; i < group_of.size(); ++i) {
+    const int32_t g = group_of[i];
+    if (g < 0) continue;
+    MEMSCHED_CHECK(g < static_cast<int32_t>(hypers.size()), "DwRuntime.set_adam: parameter ", i, " has group ", g,
+                   " of ", hypers.size());
+    const AdamSlot& s = slots[i];
+    MEMSCHED_CHECK(s.step.defined() && s.exp_avg.defined() && s.exp_avg_sq.defined() &&
+                       (!hypers[g].amsgrad || s.max_exp_avg_sq.defined()),
+                   "DwRuntime.set_adam: parameter ", i, " lacks optimizer state");
+  }
+  auto plan = std::make_shared<AdamPlan>();
+  plan->hypers = std::move(hypers);
+  plan->group_of = std::move(group_of);
+  plan->slots = std::move(slots);
+  std::shared_ptr<const AdamPlan> old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    old = std::exchange(adam_, std::move(plan));
+  }
+}  // the old plan's tensors are released here, outside the lock
+
+void DwRuntime::clear_adam() {
+  std::shared_ptr<const AdamPlan> old;
+  std::lock_guard<std::mutex> lock(mu_);
+  old = std::exchange(adam_, nullptr);
+}
+
+int64_t DwRuntime::native_updates() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return native_updates_;
+}
+
+int64_t DwRuntime::native_calls() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return native_calls_;
+}
+
+std::vector<int32_t> DwRuntime::step_native(const std::vector<int32_t>& params) {
+  return step_native_on(params, nullptr);
+}
+
+std::vector<int32_t> DwRuntime::step_native_on(const std::vector<int32_t>& params, Side* side) {
+  std::shared_ptr<const AdamPlan> plan;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    plan = adam_;
+  }
+  if (plan == nullptr) return params;
+  // Split by param group, as ParamStepper.step_params does; the rest goes to the owner (a
+  // parameter without state yet, a sparse gradient torch refuses with its own message, ...).
+  std::vector<int32_t> rest;
+  std::vector<std::vector<int32_t>> by_group(plan->hypers.size());
+  for (int32_t i : params) {
+    const int32_t g = (i >= 0 && i < static_cast<int32_t>(plan->group_of.size())) ? plan->group_of[i] : -1;
+    const at::Tensor& grad = params_[i].grad();
+    if (g < 0 || !grad.defined() || grad.layout() != c10::kStrided) {
+      rest.push_back(i);
+    } else {
+      by_group[g].push_back(i);
+    }
+  }
+  std::optional<c10::StreamGuard> guard;
+  if (side != nullptr) guard.emplace(side->stream);
+  for (size_t g = 0; g < by_group.size(); ++g) {
+    const std::vector<int32_t>& idx = by_group[g];
+    if (idx.empty()) continue;
+    std::vector<at::Tensor> ps, grads;
+    std::vector<const AdamSlot*> slots;
+    int64_t bytes = 0;
+    for (int32_t i : idx) {
+      ps.push_back(params_[i]);
+      grads.push_back(params_[i].grad());
+      slots.push_back(&plan->slots[i]);
+      bytes += nbytes(grads.back());
+      // The update runs on the side stream; a .grad made on the compute stream is freed there.
+      if (side != nullptr) record_on(grads.back(), side->stream);
+    }
+    adam_update(plan->hypers[g], ps, grads, slots);
+    grads.clear();
+    for (int32_t i : idx) params_[i].mutable_grad() = at::Tensor();  // p.grad = None
+    std::lock_guard<std::mutex> lock(mu_);
+    track(-bytes, 0);
+    native_updates_ += static_cast<int64_t>(idx.size());
+    native_calls_ += 1;
+  }
+  return rest;
+}
+
+void DwRuntime::hand_over(const Completion& given, Side* side) {
+  if (given.groups.empty() && given.ready_buckets.empty()) return;
+  const Completion* pc = &given;
+  Completion rest;
+  if (!given.groups.empty()) {
+    rest.ready_buckets = given.ready_buckets;
+    for (const auto& group : given.groups) {
+      std::vector<int32_t> left = step_native_on(group, side);
+      if (!left.empty()) rest.groups.push_back(std::move(left));
+    }
+    pc = &rest;
+    if (rest.groups.empty() && rest.ready_buckets.empty()) return;
+  }
+  const Completion& c = *pc;
   py::gil_scoped_acquire gil;
   py::object owner = owner_ref_();
   if (owner.is_none()) return;
@@ -464,6 +570,7 @@ void DwRuntime::new_scheduler() {
 void DwRuntime::abandon() {
   std::unordered_map<int64_t, DwItem> items;
   std::vector<at::Tensor> pending;
+  std::shared_ptr<const AdamPlan> plan;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (executor_ == Executor::kThread) idle_.wait(lock, [this] { return !worker_busy_; });
@@ -476,6 +583,7 @@ void DwRuntime::abandon() {
       seen_[i] = AutogradSeen{};
     }
     for (auto& ready : unit_ready_) ready.clear();  // final but not stepped: they keep .grad and old values
+    plan.swap(adam_);
     new_scheduler();
     backward_started = false;
   }

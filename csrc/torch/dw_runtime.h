@@ -22,7 +22,8 @@
 //   the end-of-backward callback), and -- only with a fused update or DDP, on the last
 //   micro-step -- owner._on_ready(groups, ready_buckets): with a fused update, a group is a step
 //   unit whose every parameter is final (Note [Step units] in backward.py; set_units()), so
-//   Python is called once per layer, not per parameter.
+//   Python is called once per layer, not per parameter -- and not at all for a group that
+//   step_native() updates here (Adam/AdamW, See Note [Adam update in C++] in adam_update.h).
 //   Executors: "inline" runs an item on the autograd thread when the scheduler says it is
 //   urgent, "thread" on a C++ worker thread, "stream" at once on a side stream.
 //   The per-parameter AccumulateGrad hooks (Note [AccumulateGrad gate] in backward.py) are C
@@ -71,6 +72,7 @@
 #include <torch/python.h>
 
 #include "core/dw_scheduler.h"
+#include "torch/adam_update.h"
 
 namespace memsched {
 
@@ -161,6 +163,18 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // End of backward: the units some of whose parameters got no gradient, as they are.
   std::vector<std::vector<int32_t>> take_partial_units();
 
+  // -- the fused update in C++ (See Note [Adam update in C++] in adam_update.h) --------------
+  // For this backward pass: param p is stepped here with hypers[group_of[p]] and slots[p]
+  // (group_of[p] < 0: by the owner, in Python). Cleared by clear_adam() (the owner, at the end of
+  // backward) and abandon().
+  void set_adam(std::vector<AdamHyper> hypers, std::vector<int32_t> group_of, std::vector<AdamSlot> slots);
+  void clear_adam();
+  // Steps those of `params` (final, with .grad) that the Adam plan covers, grouped by param group,
+  // and frees their gradients; returns the others, in order, for the owner.
+  std::vector<int32_t> step_native(const std::vector<int32_t>& params);
+  int64_t native_updates();  // COUNT: parameters updated here since construction
+  int64_t native_calls();    // COUNT: adam_update calls (one per param group per ready group)
+
   // -- gradient memory accounting (peak_grad_bytes in report()) ----------------------------
   void track_locked(int64_t delta_bytes, int64_t transient_bytes);  // the owner's updates
   void start_tracking();  // grad_bytes = the .grad bytes held now
@@ -192,6 +206,8 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void finalize(int32_t param);                    // under the lock
   void collect(const DwCompletion& done, Completion* out);  // under the lock
   void hand_over(const Completion& c, Side* side);  // no lock; GIL taken when the owner is called
+  // step_native on `side`'s stream (nullptr: the current one); no lock held.
+  std::vector<int32_t> step_native_on(const std::vector<int32_t>& params, Side* side);
   void worker_loop();
   void track(int64_t delta_bytes, int64_t transient_bytes);  // under the lock
   void expect_hook(int32_t param);                            // under the lock
@@ -203,6 +219,11 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
     bool mixed = false;           // deferred and autograd uses: .grad parked in stash_
   };
   void new_scheduler();
+  struct AdamPlan {               // See set_adam()
+    std::vector<AdamHyper> hypers;
+    std::vector<int32_t> group_of;  // per parameter
+    std::vector<AdamSlot> slots;    // per parameter
+  };
 
   int64_t max_deferred_bytes_;
   Executor executor_;
@@ -223,6 +244,10 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<int32_t> unit_of_;                // per parameter, its step unit (empty: no grouping)
   std::vector<int32_t> unit_size_;              // per unit, its parameters
   std::vector<std::vector<int32_t>> unit_ready_;  // per unit, its final parameters not yet handed over
+
+  std::shared_ptr<const AdamPlan> adam_;       // null: every fused update goes to the owner
+  int64_t native_updates_ = 0;                  // COUNT
+  int64_t native_calls_ = 0;                    // COUNT
 
   std::thread worker_;                          // executor "thread"
   std::condition_variable wake_;                // worker: items queued or stop

@@ -125,3 +125,5 @@ def test_ddp_ooo_and_fused_match_plain_ddp(tmp_path):
         for a, b in zip(res[0][mode][0], res[1][mode][0]):
             assert torch.equal(a, b)
     assert res[0]["fused"][2]["fused_updates"] == K_STEPS * len(res[0]["fused"][0])
+    # AdamW's update of a reduced bucket runs in C++ once torch created the state (first step)
+    assert res[0]["fused"][2]["fused_updates_in_cpp"] == (K_STEPS - 1) * len(res[0]["fused"][0])

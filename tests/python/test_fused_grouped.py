@@ -75,7 +75,11 @@ def test_grouped_fused_update_equals_plain_bitwise(name, config, accumulation):
     _assert_same_state_dict(oa, ob)
     n = len(list(b.parameters()))
     assert ooo.report()["fused_updates"] == 3 * n
-    assert sum(calls) == 3 * n and max(calls) >= 2  # weight and bias of a layer in one call
+    # weight and bias of a layer in one call; Adam/AdamW: after the first step (which creates
+    # torch's state) the update runs in C++ (test_fused_native.py)
+    native = ooo.report()["fused_updates_in_cpp"]
+    assert sum(calls) + native == 3 * n and max(calls) >= 2
+    assert native == (0 if config.startswith("sgd") else 2 * n)
     assert all(p.grad is None for p in b.parameters())
 
 

@@ -1,7 +1,8 @@
 """Out-of-order backward's hot path is C++ (Note [dW runtime in C++] in csrc/torch/dw_runtime.h):
 a backward pass runs memsched Python only per backward pass -- not per layer, not per
-parameter -- and with the fused update once per layer (one grouped optimizer call per step
-unit); the deferred gradients stay bitwise plain autograd's."""
+parameter -- and with the fused update not at all for Adam/AdamW (their update runs in C++,
+csrc/torch/adam_update.h), once per layer for other optimizers (one grouped optimizer call per
+step unit); the deferred gradients stay bitwise plain autograd's."""
 import collections
 import copy
 import sys
@@ -21,10 +22,10 @@ def _mlp(depth):
     return nn.Sequential(*layers)
 
 
-def _memsched_python_calls_in_backward(model, fuse, executor="inline"):
+def _memsched_python_calls_in_backward(model, fuse, executor="inline", make_opt=None):
     """Python functions of the memsched package called while loss.backward() runs (CPU: the
     autograd engine runs this graph on the calling thread, where the profile hook is set)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = (make_opt or (lambda p: torch.optim.AdamW(p, lr=1e-3)))(model.parameters())
     x = torch.randn(4, 16)
     calls = collections.Counter()
 
@@ -56,11 +57,24 @@ def test_backward_runs_no_memsched_python_per_layer_or_parameter(executor):
     assert sum(deep.values()) <= 10, deep            # per backward pass: start, end-of-backward callback
 
 
-def test_fused_update_calls_python_once_per_layer():
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_fused_adamw_update_runs_no_python_per_layer(executor):
+    shallow = _memsched_python_calls_in_backward(_mlp(2), fuse=True, executor=executor)
+    deep = _memsched_python_calls_in_backward(_mlp(12), fuse=True, executor=executor)
+    assert shallow == deep, (shallow, deep)          # the update of 24 parameters in C++
+    assert calls_named(deep, "_on_ready", "step_params") == 0, deep
+
+
+def test_fused_sgd_update_calls_python_once_per_layer():
     depth = 12
-    calls = _memsched_python_calls_in_backward(_mlp(depth), fuse=True)
+    calls = _memsched_python_calls_in_backward(_mlp(depth), fuse=True,
+                                               make_opt=lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9))
     assert calls["_on_ready"] == depth, calls        # one complete unit (weight + bias) per call
     assert calls["step_params"] == depth, calls      # one grouped optimizer call per layer
+
+
+def calls_named(calls, *names):
+    return sum(calls[n] for n in names)
 
 
 @pytest.mark.parametrize("executor", ["inline", "thread"])

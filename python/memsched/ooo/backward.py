@@ -55,7 +55,8 @@ Note [Step units]
   Approach: every parameter belongs to one unit: the parameters its first
   owning module (in model.modules() order) holds directly. A final parameter
   (last micro-step) waits in the runtime (DwRuntime.set_units) until all of its unit is final, then the
-  unit is stepped in one ParamStepper.step_params call. Without DDP that is
+  unit is stepped in one call: DwRuntime's C++ Adam update (See Note [Adam
+  plan for the C++ update] in fused.py), else one ParamStepper.step_params call. Without DDP that is
   the whole ready group; under DDP a reduced bucket is the group. At the end
   of backward every unit still waiting (a member got no gradient) is stepped
   as it is.
@@ -295,6 +296,8 @@ class OutOfOrderBackward:
         self._updated_since_step = False # a fused update ran since the last step()
         self._iterations = 0
         self._fused_steps = 0
+        self._native_seen = 0  # the runtime's native_updates at the end of the last backward
+        self._native_steps = 0  # COUNT: fused updates run in C++ (See Note [Adam plan for the C++ update])
         self._last_peak_grad_bytes = 0
         self._reducer = None
         self._ddp_saved_sync = None
@@ -403,6 +406,7 @@ class OutOfOrderBackward:
             rt.set_units(self._unit_of)  # final parameters come back a whole unit at a time
         rt.poll_after_defer = self._reducer is not None
         self._rt = rt
+        self._native_seen = 0
 
         me = weakref.proxy(self)
         for m in modules:
@@ -591,6 +595,11 @@ class OutOfOrderBackward:
             self._phase = "backward"
             self._timeline.append(("backward_start", time.perf_counter()))
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            if self._stepper is not None and self._last_micro_step():
+                # See Note [Adam plan for the C++ update] in fused.py
+                plan = self._stepper.native_plan(self._params)
+                if plan is not None:
+                    self._rt.set_adam(*plan)
 
     def _first_deferred(self) -> None:
         """Called by the runtime (C++, the engine's thread) at the first deferred item of a backward pass."""
@@ -616,6 +625,7 @@ class OutOfOrderBackward:
         functional optimizer] in fused.py); frees their gradients."""
         if self._stepper is None:
             return
+        idx = self._rt.step_native(list(idx))  # those the C++ Adam update covers (set_adam)
         params = [p for p in (self._params[i] for i in idx) if p.grad is not None and self._stepper.owns(p)]
         if not params:
             return
@@ -672,6 +682,13 @@ class OutOfOrderBackward:
         finally:
             self._phase = "idle"
             rt.backward_started = False
+            rt.clear_adam()
+            native = rt.native_updates  # parameters stepped in C++: See Note [Adam plan for the C++ update] in fused.py
+            if native != self._native_seen:
+                self._fused_steps += native - self._native_seen
+                self._native_steps += native - self._native_seen
+                self._native_seen = native
+                self.optimizer._opt_called = True  # what the LR scheduler's step wrapper records
         self._timeline.append(("backward_end", time.perf_counter()))
         self._last_timeline = list(self._timeline) + (list(self._reducer.trace) if self._reducer else [])
         self._last_peak_grad_bytes = rt.peak_grad_bytes
@@ -755,6 +772,7 @@ class OutOfOrderBackward:
             "peak_queued_items": st.get("peak_queued", 0),
             "max_deferred_bytes": self.max_deferred_bytes,
             "fused_updates": self._fused_steps,
+            "fused_updates_in_cpp": self._native_steps,  # of those, Adam/AdamW updates run in C++
             "param_bytes": sum(_nbytes(p) for p in self._params),
             "peak_grad_bytes": self._last_peak_grad_bytes,
             "buckets": len(self._reducer.buckets) if self._reducer is not None else 0,

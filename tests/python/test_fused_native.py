@@ -1,0 +1,135 @@
+"""The fused update's C++ Adam/AdamW path (csrc/torch/adam_update.h, See Note [Adam plan for the C++
+update] in fused.py): after the first step (torch creates the state in Python) every Adam/AdamW
+update runs in C++, and parameters and optimizer state stay bitwise those of plain PyTorch with
+the same optimizer flags (single-tensor, foreach, fused kernels; amsgrad, maximize, both weight
+decays), with gradient accumulation, an LR scheduler, a state_dict loaded mid-run and the thread
+executor; what C++ does not cover (SGD, step hooks, a tensor lr) stays on the Python path."""
+import copy
+
+import pytest
+import torch
+
+from memsched import models
+from memsched.ooo import OutOfOrderBackward
+from ooo_helpers import assert_same_state, batches, plain_loop
+
+CONFIGS = {
+    "adamw_default": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam_single_amsgrad_wd": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, weight_decay=1e-2,
+                                                         foreach=False),
+    "adam_foreach_amsgrad_maximize_wd": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, maximize=True,
+                                                                   weight_decay=1e-2, foreach=True),
+    "adam_fused_amsgrad_wd": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, weight_decay=1e-2, fused=True),
+    "adamw_maximize_betas": lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.95), maximize=True),
+}
+
+STEPS = 3
+
+
+def _twin(name, make, seed=1):
+    a = models.build_model(name, seed=seed)
+    b = copy.deepcopy(a)
+    return a, make(a.parameters()), b, make(b.parameters())
+
+
+def _run(b, ob, name, data, accumulation=1, scheduler=None, **kw):
+    with OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=True, grad_accumulation_steps=accumulation, **kw) as ooo:
+        for k, (x, y) in enumerate(data):
+            models.loss_fn(name, b(x), y).backward()
+            assert ooo.step() is False
+            if scheduler is not None and (k + 1) % accumulation == 0:
+                scheduler.step()
+    return ooo, ooo.report()["fused_updates_in_cpp"]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_cpp_adam_update_equals_plain_bitwise(name, config, accumulation):
+    a, oa, b, ob = _twin(name, CONFIGS[config])
+    sa = torch.optim.lr_scheduler.StepLR(oa, step_size=1, gamma=0.5)
+    sb = torch.optim.lr_scheduler.StepLR(ob, step_size=1, gamma=0.5)
+    data = batches(name, STEPS * accumulation)
+    plain_loop(a, oa, name, data, accumulation=accumulation, scheduler=sa)
+    ooo, native = _run(b, ob, name, data, accumulation=accumulation, scheduler=sb)
+    assert ob.param_groups[0]["lr"] == oa.param_groups[0]["lr"] != ob.defaults["lr"]  # the schedule ran
+    assert_same_state(a, oa, b, ob)
+    assert ob.state_dict()["param_groups"] == oa.state_dict()["param_groups"]
+    n = len(list(b.parameters()))
+    # the first step creates torch's state in Python; every later update runs in C++
+    assert native == (STEPS - 1) * n
+    assert ooo.report()["fused_updates"] == STEPS * n
+    assert all(p.grad is None for p in b.parameters())
+
+
+@pytest.mark.parametrize("config", ["adamw_default", "adam_foreach_amsgrad_maximize_wd"])
+def test_a_state_dict_loaded_between_steps_is_used(config):
+    """load_state_dict replaces the state tensors: the next backward pass updates the new ones."""
+    make = CONFIGS[config]
+    a, oa, b, ob = _twin("transformer", make)
+    data = batches("transformer", 6)
+    plain_loop(a, oa, "transformer", data[:2])
+    with OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=True) as ooo:
+        for k, (x, y) in enumerate(data):
+            if k == 2:  # the plain run's checkpoint, loaded into the fused run
+                b.load_state_dict(a.state_dict())
+                ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+            models.loss_fn("transformer", b(x), y).backward()
+            ooo.step()
+    assert ooo.report()["fused_updates_in_cpp"] > 0
+    plain_loop(a, oa, "transformer", data[2:])
+    assert_same_state(a, oa, b, ob)
+
+
+def test_thread_executor_equals_plain_bitwise():
+    a, oa, b, ob = _twin("transformer", CONFIGS["adamw_default"])
+    data = batches("transformer", STEPS)
+    plain_loop(a, oa, "transformer", data)
+    _, native = _run(b, ob, "transformer", data, executor="thread")
+    assert_same_state(a, oa, b, ob)
+    assert native == (STEPS - 1) * len(list(b.parameters()))
+
+
+@pytest.mark.parametrize("case", ["sgd", "step_hook", "tensor_lr"])
+def test_what_cpp_does_not_cover_stays_on_the_python_path(case):
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+            "step_hook": CONFIGS["adamw_default"],
+            "tensor_lr": lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), foreach=False)}[case]
+    a, oa, b, ob = _twin("mlp", make)
+    hooks = []
+    if case == "step_hook":
+        hooks.append(ob.register_step_post_hook(lambda *args: hooks.append(None)))
+    data = batches("mlp", STEPS)
+    plain_loop(a, oa, "mlp", data)
+    ooo, native = _run(b, ob, "mlp", data)
+    assert_same_state(a, oa, b, ob)
+    assert native == 0
+    assert ooo.report()["fused_updates"] == STEPS * len(list(b.parameters()))
+    if case == "step_hook":
+        assert len(hooks) > 1  # the hook ran on every Python-path call
+
+
+
+@pytest.mark.parametrize("config", ["adamw_default", "adamw_fused", "adam_foreach_amsgrad_maximize_wd",
+                                    "adam_single_amsgrad_wd"])
+def test_cpp_update_equals_the_optimizers_step_on_the_same_gradients(device, config):
+    """The update alone, on either device: the fused run against ooo without fusion followed by
+    optimizer.step() -- the same deferred gradients (same kernels), so any difference is the
+    update's. On CUDA this covers the foreach default and the CUDA fused kernels."""
+    a = models.build_model("transformer", seed=1, device=device)
+    b = copy.deepcopy(a)
+    oa, ob = CONFIGS[config](a.parameters()), CONFIGS[config](b.parameters())
+    data = [(x.to(device), y.to(device)) for x, y in batches("transformer", STEPS)]
+    with OutOfOrderBackward(a, optimizer=oa, fuse_optimizer=False) as ooo_a:
+        for x, y in data:
+            models.loss_fn("transformer", a(x), y).backward()
+            assert ooo_a.step()
+            oa.step()
+            oa.zero_grad(set_to_none=True)
+    _, native = _run(b, ob, "transformer", data)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_same_state(a, oa, b, ob)
+    assert native == (STEPS - 1) * len(list(b.parameters()))
