@@ -16,6 +16,24 @@ namespace py = pybind11;
 
 namespace {
 
+// (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, kernel) -> AdamHyper.
+AdamHyper adam_hyper(const py::tuple& t) {
+  MEMSCHED_CHECK(t.size() == 9, "adam hyper-parameters: a tuple of 9 fields, got ", t.size());
+  AdamHyper h;
+  h.lr = t[0].cast<double>();
+  h.beta1 = t[1].cast<double>();
+  h.beta2 = t[2].cast<double>();
+  h.eps = t[3].cast<double>();
+  h.weight_decay = t[4].cast<double>();
+  h.amsgrad = t[5].cast<bool>();
+  h.maximize = t[6].cast<bool>();
+  h.decoupled = t[7].cast<bool>();
+  const int kernel = t[8].cast<int>();
+  MEMSCHED_CHECK(kernel >= 0 && kernel <= 2, "adam hyper-parameters: kernel must be 0, 1 or 2, got ", kernel);
+  h.kernel = static_cast<AdamKernel>(kernel);
+  return h;
+}
+
 // A Python error carried through C++ as torch's python_error is raised as the original
 // exception (a MemschedError stays one), not as a RuntimeError.
 template <typename F>
@@ -31,6 +49,27 @@ auto reraising(F&& f) {
 }  // namespace
 
 void bind_ooo(py::module_& m) {
+  m.def(
+      "adam_update",
+      [](const py::tuple& hyper, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+         const std::vector<at::Tensor>& steps, const std::vector<at::Tensor>& exp_avgs,
+         const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<std::optional<at::Tensor>>& maxes) {
+        const size_t n = params.size();
+        MEMSCHED_CHECK(grads.size() == n && steps.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                           maxes.size() == n,
+                       "adam_update: one grad, step, exp_avg, exp_avg_sq and max_exp_avg_sq per parameter");
+        std::vector<AdamSlot> slots(n);
+        std::vector<const AdamSlot*> ptrs(n);
+        for (size_t i = 0; i < n; ++i) {
+          slots[i] = AdamSlot{steps[i], exp_avgs[i], exp_avg_sqs[i], maxes[i].value_or(at::Tensor())};
+          ptrs[i] = &slots[i];
+        }
+        adam_update(adam_hyper(hyper), params, grads, ptrs);
+      },
+      py::arg("hyper"), py::arg("params"), py::arg("grads"), py::arg("steps"), py::arg("exp_avgs"),
+      py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
+      "The fused update's C++ Adam/AdamW step on given tensors (Note [Adam update in C++]); fused.py checks it "
+      "against torch's own step once per configuration before using it.");
   py::class_<DwRuntime, std::shared_ptr<DwRuntime>>(
       m, "DwRuntime", "Out-of-order backward's dW queue, pending sums and streams (Note [dW runtime in C++]).")
       .def(py::init([](int64_t max_deferred_bytes, const std::string& executor, py::object owner) {
@@ -87,23 +126,7 @@ void bind_ooo(py::module_& m) {
              const std::vector<std::optional<at::Tensor>>& exp_avg_sqs,
              const std::vector<std::optional<at::Tensor>>& max_exp_avg_sqs) {
             std::vector<AdamHyper> hs;
-            for (const py::tuple& t : hypers) {
-              MEMSCHED_CHECK(t.size() == 9, "DwRuntime.set_adam: a hyper-parameter tuple has 9 fields, got ",
-                             t.size());
-              AdamHyper h;
-              h.lr = t[0].cast<double>();
-              h.beta1 = t[1].cast<double>();
-              h.beta2 = t[2].cast<double>();
-              h.eps = t[3].cast<double>();
-              h.weight_decay = t[4].cast<double>();
-              h.amsgrad = t[5].cast<bool>();
-              h.maximize = t[6].cast<bool>();
-              h.decoupled = t[7].cast<bool>();
-              const int kernel = t[8].cast<int>();
-              MEMSCHED_CHECK(kernel >= 0 && kernel <= 2, "DwRuntime.set_adam: kernel must be 0, 1 or 2, got ", kernel);
-              h.kernel = static_cast<AdamKernel>(kernel);
-              hs.push_back(h);
-            }
+            for (const py::tuple& t : hypers) hs.push_back(adam_hyper(t));
             const size_t n = group_of.size();
             MEMSCHED_CHECK(steps.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
                                max_exp_avg_sqs.size() == n,

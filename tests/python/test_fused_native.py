@@ -133,3 +133,41 @@ def test_cpp_update_equals_the_optimizers_step_on_the_same_gradients(device, con
         torch.cuda.synchronize()
     assert_same_state(a, oa, b, ob)
     assert native == (STEPS - 1) * len(list(b.parameters()))
+
+
+def test_a_configuration_whose_cpp_update_differs_from_torch_stays_on_torchs_path(monkeypatch):
+    """Note [C++ Adam checked against torch's]: a torch whose Adam computes otherwise than the C++ port
+    (simulated: the checked C++ update is off by one ulp) gets torch's own update, still bitwise plain."""
+    from memsched import _C
+    from memsched.ooo import fused
+
+    real = _C.adam_update
+
+    def off_by_one_ulp(hyper, params, *rest):
+        real(hyper, params, *rest)
+        for p in params:
+            p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
+
+    monkeypatch.setattr(_C, "adam_update", off_by_one_ulp)
+    monkeypatch.setattr(fused, "_NATIVE_CHECKED", {})
+    a, oa, b, ob = _twin("mlp", CONFIGS["adamw_default"])
+    data = batches("mlp", STEPS)
+    plain_loop(a, oa, "mlp", data)
+    _, native = _run(b, ob, "mlp", data)
+    assert native == 0
+    assert_same_state(a, oa, b, ob)
+    assert fused._NATIVE_CHECKED and not any(fused._NATIVE_CHECKED.values())
+
+
+def test_this_torchs_adam_matches_the_cpp_update_for_every_tested_configuration():
+    from memsched.ooo import fused
+
+    checked = {k: v for k, v in fused._NATIVE_CHECKED.items()}
+    for make in CONFIGS.values():
+        opt = make([torch.nn.Parameter(torch.zeros(3))])
+        group = opt.param_groups[0]
+        hyper = (group["lr"], *group["betas"], group["eps"], group["weight_decay"], group["amsgrad"],
+                 group["maximize"], group.get("decoupled_weight_decay", False),
+                 2 if group["fused"] else (1 if group["foreach"] else 0))
+        assert fused._check_native(type(opt), hyper, group, torch.device("cpu"), torch.float32), group
+    assert fused._NATIVE_CHECKED == checked  # _check_native itself caches nothing

@@ -91,6 +91,66 @@ def _noop():
     pass
 
 
+# Note [C++ Adam checked against torch's]
+#   Rationale: the C++ update (Note [Adam update in C++]) repeats, op by op, what torch.optim's Adam
+#   does in the torch it was written against; another torch version may compute otherwise (a new
+#   op order, another scalar rounding), and a fused update must stay bitwise plain's.
+#   Approach: before a configuration (optimizer class, kernel, amsgrad, maximize, decoupled weight
+#   decay, weight decay on or off, foreach/fused flags, device type, dtype) is first stepped in C++
+#   in this process, torch's own optimizer of that class steps two small random parameters three
+#   times, and the C++ update repeats steps 2 and 3 from a copy of the state after step 1 (torch
+#   creates it). Only a bitwise match of parameters and state lets the configuration use C++;
+#   otherwise it stays on the Python path, which calls torch's own functions. Cached per process.
+_NATIVE_CHECKED: Dict[tuple, bool] = {}
+
+
+def _native_agrees(opt_type, hyper, group, device, dtype) -> bool:
+    key = (opt_type, hyper[5:], hyper[4] != 0.0, group["foreach"], group["fused"], device.type, dtype)
+    ok = _NATIVE_CHECKED.get(key)
+    if ok is None:
+        try:
+            ok = _check_native(opt_type, hyper, group, device, dtype)
+        except Exception:  # noqa: BLE001 -- any failure means: not proven equal, use torch's own path
+            ok = False
+        _NATIVE_CHECKED[key] = ok
+    return ok
+
+
+def _check_native(opt_type, hyper, group, device, dtype) -> bool:
+    from memsched import _C
+
+    lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, _ = hyper
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((5,), (3, 4))
+    rand = lambda shape: torch.randn(shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    ref = [torch.nn.Parameter(rand(s)) for s in shapes]
+    grads = [[rand(s) for s in shapes] for _ in range(3)]
+    kw = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+              foreach=group["foreach"], fused=group["fused"])
+    if opt_type is torch.optim.Adam and "decoupled_weight_decay" in group:
+        kw["decoupled_weight_decay"] = decoupled
+    opt = opt_type(ref, **kw)
+    native = None
+    for k in range(3):
+        for p, g in zip(ref, grads[k]):
+            p.grad = g.clone()
+        if k >= 1:
+            with torch.no_grad():
+                _C.adam_update(hyper, native[0], [g.clone() for g in grads[k]], *native[1:])
+        opt.step()
+        if k == 0:
+            st = [opt.state[p] for p in ref]
+            native = ([p.detach().clone() for p in ref], [s["step"].clone() for s in st],
+                      [s["exp_avg"].clone() for s in st], [s["exp_avg_sq"].clone() for s in st],
+                      [s["max_exp_avg_sq"].clone() if amsgrad else None for s in st])
+    st = [opt.state[p] for p in ref]
+    pairs = list(zip(ref, native[0]))
+    for name, mine in (("step", native[1]), ("exp_avg", native[2]), ("exp_avg_sq", native[3])) + \
+            ((("max_exp_avg_sq", native[4]),) if amsgrad else ()):
+        pairs += list(zip((s[name] for s in st), mine))
+    return all(torch.equal(a.detach(), b) for a, b in pairs)
+
+
 # Code objects of torch's own layers of Optimizer.step: the profiler/hook wrapper
 # Optimizer._patch_step_function puts on the class, the grad-mode wrapper and the step itself.
 _STOCK_CODES = {torch.optim.Optimizer.profile_hook_step(_noop).__code__,
@@ -144,6 +204,7 @@ class ParamStepper:
         self._group_of: Dict[int, int] = {}
         self._default_foreach: List[bool] = []
         self._on_accelerator: List[bool] = []
+        self._kinds: List[set] = []  # per group, the (device, dtype) of its trainable parameters
         self._checked_step = None  # (class step, instance step) that _stock was computed for
         self._stock = False
         self.refresh()
@@ -153,6 +214,7 @@ class ParamStepper:
         self._group_of = {}
         self._default_foreach = []
         self._on_accelerator = []
+        self._kinds = []
         for gi, group in enumerate(self.optimizer.param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             for p in group["params"]:
@@ -160,6 +222,7 @@ class ParamStepper:
             # what plain torch.optim picks for the whole group when foreach and fused are None
             self._default_foreach.append(_opt_mod._default_to_fused_or_foreach(params, False, use_fused=False)[1])
             self._on_accelerator.append(any(p.device.type != "cpu" for p in params))
+            self._kinds.append({(p.device, p.dtype) for p in params})
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._group_of
@@ -189,10 +252,13 @@ class ParamStepper:
             if foreach is None and fused is None:
                 foreach = self._default_foreach[gi]
             kernel = 2 if fused else (1 if foreach else 0)
+            hyper = (float(lr), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                     bool(group["amsgrad"]), bool(group["maximize"]), bool(group.get("decoupled_weight_decay", False)),
+                     kernel)
+            if not all(_native_agrees(type(opt), hyper, group, dev, dt) for dev, dt in self._kinds[gi]):
+                continue  # See Note [C++ Adam checked against torch's]: this torch computes otherwise
             native_of[gi] = len(hypers)
-            hypers.append((float(lr), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                           bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]),
-                           kernel))
+            hypers.append(hyper)
         if not hypers:
             return None
         state = opt.state
