@@ -73,10 +73,12 @@ class CopyEngine:
         self.bytes_d2h = 0     # SUM this step
         self.bytes_h2d = 0     # SUM this step
 
-    def offload(self, src_bytes):
+    def offload(self, src_bytes, hold=True):
         """Copy the flat uint8 device tensor `src_bytes` to a fresh host buffer; returns the ticket.
 
         The engine holds `src_bytes` until the copy completes (See Note [Offload copy ordering]).
+        hold=False, only with on_compute_stream: the caller may free the source at once -- the
+        caching allocator reuses its block in compute-stream order, after the copy.
         """
         nbytes = src_bytes.numel()
         host = self.host.empty(nbytes)
@@ -97,7 +99,8 @@ class CopyEngine:
                 done.record(stream)
             ticket = CopyTicket(host, nbytes, "d2h", done=done, start_event=start, issued_s=issued)
             # WARNING: src_bytes is read on the D2H stream: keep it until `done`.
-            self.pending_.append((ticket, (src_bytes,)))
+            if hold or not self.on_compute_stream:
+                self.pending_.append((ticket, (src_bytes,)))
         self.bytes_d2h += nbytes
         self._log(ticket)
         return ticket
@@ -107,16 +110,20 @@ class CopyEngine:
 
         `after`: the D2H ticket that wrote `host`; the H2D copy is ordered after it.
         """
+        dst = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)  # compute-stream block
+        return self.fetch_into(dst, host, after)
+
+    def fetch_into(self, dst, host, after=None):
+        """Copy the flat uint8 host tensor `host` into the flat uint8 device tensor `dst`, whose
+        memory was just allocated on the compute stream; returns the ticket (ordered as fetch())."""
         nbytes = host.numel()
         issued = time.perf_counter()
         if not self.is_cuda:
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             dst.copy_(host)
             ticket = CopyTicket(dst, nbytes, "h2d", issued_s=issued, finished_s=time.perf_counter())
         else:
             compute = torch.cuda.current_stream(self.device)
             stream = compute if self.on_compute_stream else self.h2d_stream
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # compute-stream block
             allocated = torch.cuda.Event()
             allocated.record(compute)
             start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
