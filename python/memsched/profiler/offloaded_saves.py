@@ -172,14 +172,15 @@ class OffloadedSaves:
         self.engine.finish()
 
     # -- the measurement -------------------------------------------------------------------------
-    def _resident(self, key, nbytes, storage=None):
-        if key in self.resident_:
-            return
+    def _account(self, key, storage, first=False):
+        """Saved storage `key` holds storage.nbytes() of device memory now (read from the storage
+        itself, so a release that freed nothing is not counted as one)."""
+        nbytes = storage.nbytes()
+        self.current_ += nbytes - self.resident_.get(key, 0)
         self.resident_[key] = nbytes
-        self.current_ += nbytes
         if self.current_ > self.stats.activation_peak_bytes:
             self.stats.activation_peak_bytes = self.current_
-        if storage is not None and key not in self.deaths_:
+        if first and key not in self.deaths_:
             resident, deaths = self.resident_, self.deaths_
 
             def died(ref, key=key):
@@ -189,9 +190,6 @@ class OffloadedSaves:
                     self.current_ -= resident.pop(key, 0)
 
             self.deaths_[key] = weakref.ref(storage, died)
-
-    def _gone(self, key):
-        self.current_ -= self.resident_.pop(key, 0)
 
     # -- pack --------------------------------------------------------------------------------------
     def pack(self, t):
@@ -206,7 +204,8 @@ class OffloadedSaves:
             if key in self.kept_:
                 return _kept_pack(t)
             nbytes = storage.nbytes()
-            self._resident(key, nbytes, storage)
+            if key not in self.resident_:
+                self._account(key, storage, first=True)
             if not self._offloadable(t, storage, nbytes):
                 self.kept_.add(key)
                 self.stats.kept += 1
@@ -268,7 +267,7 @@ class OffloadedSaves:
             return False
         slot.storage.resize_(0)
         slot.state = _RELEASED
-        self._gone(slot.key)
+        self._account(slot.key, slot.storage)
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += slot.nbytes
         return True
@@ -293,7 +292,7 @@ class OffloadedSaves:
                 self.engine.wait(ticket)
                 slot.d2h = None  # the engine holds the host block until the copy is done
                 self.stats.fetched += 1
-                self._resident(slot.key, slot.nbytes)
+                self._account(slot.key, slot.storage)
             slot.state = _FETCHED
             return torch.empty(0, dtype=save.dtype, device=self.device).set_(
                 slot.storage, save.offset, save.size, save.stride)
