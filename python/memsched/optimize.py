@@ -421,6 +421,8 @@ class Run:
     def _record_step(self, stats):
         """Book an executed step once its update ran."""
         self.executor.stamp(stats)  # no host wait: See Note [No host synchronisation in a step]
+        if self.profile_saves_ is not None:
+            self.profile_saves_.release_done()  # host blocks the profiled step's last fetches read
         if self.step_stats:
             self.step_stats[-1].try_resolve()
         self.step_stats.append(stats)

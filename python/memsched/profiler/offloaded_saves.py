@@ -171,6 +171,12 @@ class OffloadedSaves:
         self.pending_ = []
         return self.stats
 
+    def release_done(self):
+        """Drop what completed copies hold (CUDA: host blocks of fetches still in flight at the step's
+        end); never waits."""
+        if self.engine.pending_count():
+            self.engine.poll()
+
     def finish(self):
         """Wait for every copy and release what they hold (the Run ended)."""
         if self.engine.is_cuda:
