@@ -287,3 +287,36 @@ def test_cuda_offloaded_profile_matches_keep_all_and_holds_less(name):
     _assert_same_structure(keep, off)
     assert _bitwise(keep_grads, off_grads)
     assert off_peak < keep_peak
+
+
+def _zoo_variants():
+    from module_zoo import ZOO
+    return sorted(ZOO)
+
+
+@pytest.mark.parametrize("variant", _zoo_variants())
+def test_every_torch_nn_module_profiles_offloaded_as_kept(variant):
+    """Every torch.nn module class (tests/python/module_zoo.py): one step profiled keeping and
+    offloading saved activations gives the same Trace, gradients and buffers."""
+    from module_zoo import ZOO, ZooModel, loss_of, make_inputs
+
+    case = ZOO[variant]
+    results = {}
+    for how in ("keep", "offload"):
+        torch.manual_seed(0)
+        model = ZooModel(case, make_inputs(case, 0))
+        if case.lazy:  # materialise lazy parameters first, as the zoo does
+            model(*make_inputs(case, 0))
+        saves = OffloadedSaves("cpu", HostBuffers(pinned=False), 0) if how == "offload" else None
+        session = ProfilerSession(model, None, "cpu", offload=saves).start()
+        torch.manual_seed(1)
+        try:
+            loss_of(model(*make_inputs(case, 100))).backward()
+        finally:
+            trace = session.stop()
+        state = [p.grad for p in model.parameters() if p.grad is not None] + list(model.buffers())
+        results[how] = (trace, [t.detach().clone() for t in state], saves)
+    (keep, keep_state, _), (off, off_state, saves) = results["keep"], results["offload"]
+    _assert_same_structure(keep, off)
+    assert _bitwise(keep_state, off_state)
+    assert saves.stats.offloaded > 0  # every variant saves something that goes to host and back
