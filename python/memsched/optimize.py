@@ -65,7 +65,7 @@ Note [What a Run changes while it is active]
     run.step(); restored by __exit__. See Note [optimizer.step() without run.step()] in
     step_hook.py.
   - CUDA: torch.cuda peak-memory statistics are reset at the start of every
-    executed step (the measured peak is per step).
+    executed and profiled step (the measured peak is per step).
   Parameters, buffers, gradients and optimizer state are never touched except
   by optimizer.step() / zero_grad(set_to_none=True) in run.step().
   A step whose first forward starts under the caller's own saved-tensor hooks
