@@ -763,6 +763,12 @@ class Run:
                 line += f"; {st.host_limited} stayed on the device: host_memory_limit reached"
         if st is not None and st.peak_bytes is not None:
             line += f"; device peak of the profiled step (max_memory_allocated): {format_bytes(st.peak_bytes)}"
+            if self.budget_bytes is not None and st.peak_bytes > self.budget_bytes:
+                line += (f", above the budget ({format_bytes(self.budget_bytes)})" +
+                         (": what it kept on the device (parameters, gradients, optimizer state, each op's "
+                          "inputs and outputs) needs more; later steps follow the plan" if self.profile_offload
+                          else ": pass the budget in bytes (or profile='offload') to keep the profiled step's "
+                               "saved activations in host memory"))
         return line
 
     def save_timeline(self, path, torch_trace=None, offset_us=None):

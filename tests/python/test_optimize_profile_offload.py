@@ -144,3 +144,17 @@ def test_with_ooo_and_recompute_the_run_records_the_keep_all_trace_and_trains_as
     _assert_same_structure(keep.trace, run.trace)
     assert run.mismatches == 0 and run.steps_planned == 3
     assert all(torch.equal(a, b) for a, b in zip(plain, params))
+
+
+@pytest.mark.parametrize("profile", ["offload", "keep"])
+def test_the_report_says_when_the_profiled_step_went_over_the_budget(profile):
+    """CUDA reports the profiled step's max_memory_allocated; above the budget the line says what to do
+    (the figure is set by hand here: the CPU measures no device total)."""
+    _, run = _train("transformer", 2, dict(budget=_least_budget("transformer") * 2, profile=profile))
+    run.profile_stats.peak_bytes = run.budget_bytes + 1
+    table = run.report(file=io.StringIO()).table
+    assert "above the budget" in table
+    assert ("later steps follow the plan" in table) is (profile == "offload")
+    assert ("pass the budget in bytes (or profile='offload') to keep" in table) is (profile == "keep")
+    run.profile_stats.peak_bytes = run.budget_bytes
+    assert "above the budget" not in run.report(file=io.StringIO()).table
