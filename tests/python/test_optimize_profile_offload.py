@@ -12,6 +12,7 @@ import torch
 
 import memsched
 from memsched import _C, models
+from trace_helpers import assert_same_trace_structure
 
 BATCH = 4
 
@@ -133,14 +134,12 @@ def test_with_ooo_and_recompute_the_run_records_the_keep_all_trace_and_trains_as
     """The Run's trace of an offloaded profile equals its keep-all profile's, with out-of-order
     backward (dW items hold unpacked inputs), the fused update and hybrid's recompute, at the least
     budget of that trace; and four AdamW steps give plain PyTorch's parameters."""
-    from test_profiler_offloaded_saves import _assert_same_structure
-
     _, keep = _train(name, 1, dict(budget=None, profile="keep", **options))
     budget = _C.least_budget_bytes(keep.trace)
     plain, _ = _train(name, 4)
     params, run = _train(name, 4, dict(budget=budget, **options))
     assert run.profile_stats.mode == "offload" and run.profile_stats.offloaded > 0
-    _assert_same_structure(keep.trace, run.trace)
+    assert_same_trace_structure(keep.trace, run.trace)
     assert run.mismatches == 0 and run.steps_planned == 3
     assert all(torch.equal(a, b) for a, b in zip(plain, params))
 

@@ -18,6 +18,7 @@ from memsched.offload.host_buffers import HostBuffers
 from memsched.offload.report import planned_activation_curve
 from memsched.profiler import ProfilerSession
 from memsched.profiler.offloaded_saves import OffloadedSaves
+from trace_helpers import assert_same_trace_structure
 
 BATCH = 4
 
@@ -130,26 +131,6 @@ def _run(model, step, how, host=None):
     return trace, [p.grad.clone() for p in model.parameters()], session
 
 
-def _structure(trace):
-    """Everything a Trace says about the step except op durations."""
-    ops = [(o.id, o.name, o.module_path, o.phase, o.rng, o.flops, o.bytes_read, o.bytes_written) for o in trace.ops]
-    tensors = [(t.id, t.bytes, t.dtype, t.kind, t.producer_op, tuple(t.uses), t.freed_after_op, t.label)
-               for t in trace.tensors]
-    return ops, tensors
-
-
-def _assert_same_structure(keep, off):
-    k_ops, k_tensors = _structure(keep)
-    o_ops, o_tensors = _structure(off)
-    assert len(o_ops) == len(k_ops)
-    for a, b in zip(k_ops, o_ops):
-        assert a == b, f"op differs: keep-all {a}, offloaded {b}"
-    assert len(o_tensors) == len(k_tensors)
-    for a, b in zip(k_tensors, o_tensors):
-        assert a == b, f"tensor differs: keep-all {a}, offloaded {b}"
-    assert keep.peak_bytes() == off.peak_bytes() and keep.live_bytes() == off.live_bytes()
-
-
 def _bitwise(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -164,7 +145,7 @@ def test_offloaded_profile_records_the_keep_all_trace_with_plain_gradients(name)
     keep, keep_grads, keep_session = _run(model, step, "keep")
     off, off_grads, off_session = _run(model, step, "offload")
 
-    _assert_same_structure(keep, off)
+    assert_same_trace_structure(keep, off)
     assert off_session.node_of_op == keep_session.node_of_op  # the executor's prefetch triggers
     assert _bitwise(plain_grads, keep_grads) and _bitwise(plain_grads, off_grads)
 
@@ -244,7 +225,7 @@ def test_a_retained_graph_unpacks_twice_with_plain_gradients():
     keep, keep_grads, _ = _run(model, twice, "keep")
     off, off_grads, session = _run(model, twice, "offload")
     _, plain_grads, _ = _run(model, twice, "plain")
-    _assert_same_structure(keep, off)
+    assert_same_trace_structure(keep, off)
     assert _bitwise(plain_grads, off_grads) and session.offload.stats.fetched > 0
 
 
@@ -259,7 +240,7 @@ def test_host_memory_limit_keeps_the_rest_on_the_device():
     _, plain_grads, _ = _run(model, step, "plain")
     st = session.offload.stats
     assert st.host_limited > 0 and st.kept == st.host_limited and 0 < st.offloaded_bytes <= limit
-    _assert_same_structure(keep, off)
+    assert_same_trace_structure(keep, off)
     assert _bitwise(plain_grads, off_grads)
 
 
@@ -284,7 +265,7 @@ def test_cuda_offloaded_profile_matches_keep_all_and_holds_less(name):
         if saves is not None:
             saves.finish()
     (keep, keep_grads, keep_peak), (off, off_grads, off_peak) = out["keep"], out["offload"]
-    _assert_same_structure(keep, off)
+    assert_same_trace_structure(keep, off)
     assert _bitwise(keep_grads, off_grads)
     assert off_peak < keep_peak
 
@@ -317,6 +298,6 @@ def test_every_torch_nn_module_profiles_offloaded_as_kept(variant):
         state = [p.grad for p in model.parameters() if p.grad is not None] + list(model.buffers())
         results[how] = (trace, [t.detach().clone() for t in state], saves)
     (keep, keep_state, _), (off, off_state, saves) = results["keep"], results["offload"]
-    _assert_same_structure(keep, off)
+    assert_same_trace_structure(keep, off)
     assert _bitwise(keep_state, off_state)
     assert saves.stats.offloaded > 0  # every variant saves something that goes to host and back
