@@ -157,7 +157,10 @@ void CopyEngine::begin_step() {
   }
 }
 
-std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vector<at::Tensor>& sources) {
+std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vector<at::Tensor>& sources,
+                                                                   bool hold) {
+  MEMSCHED_CHECK(hold || on_compute_stream || !accel_,
+                 "CopyEngine.offload_many(hold=False): only for copies on the compute stream (on_compute_stream)");
   std::vector<std::shared_ptr<CopyTicket>> tickets;
   tickets.reserve(sources.size());
   if (sources.empty()) return tickets;
@@ -199,19 +202,26 @@ std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vec
     log_->d2h_bytes += t->nbytes;
     if (timeline_) log_->copies.push_back({true, t->nbytes, 0.0, 0.0, start, t->done});
     // WARNING: src is read on the D2H stream: keep it until `done` (Note [Offload copy ordering]).
-    d2h_pending_.push_back({t, src, t->dst});
+    d2h_pending_.push_back({t, hold ? src : at::Tensor(), t->dst});
     tickets.push_back(std::move(t));
   }
   return tickets;
 }
 
 std::shared_ptr<CopyTicket> CopyEngine::fetch(const at::Tensor& host, const std::shared_ptr<CopyTicket>& after) {
+  return fetch_into(empty_device_bytes(host.numel(), device_), host, after);  // a compute-stream block
+}
+
+std::shared_ptr<CopyTicket> CopyEngine::fetch_into(const at::Tensor& dst, const at::Tensor& host,
+                                                   const std::shared_ptr<CopyTicket>& after) {
+  MEMSCHED_CHECK(dst.numel() == host.numel() && dst.scalar_type() == at::kByte && host.scalar_type() == at::kByte,
+                 "CopyEngine.fetch_into: dst and host must be flat uint8 tensors of one size");
   auto t = std::make_shared<CopyTicket>();
   t->d2h = false;
   t->nbytes = host.numel();
+  t->dst = dst;
   if (!accel_) {
     const double issued = timeline_ ? now_s() : 0.0;
-    t->dst = empty_device_bytes(t->nbytes, device_);
     t->dst.copy_(host);
     log_->h2d_bytes += t->nbytes;
     if (timeline_) log_->copies.push_back({false, t->nbytes, issued, now_s(), nullptr, nullptr});
@@ -219,7 +229,6 @@ std::shared_ptr<CopyTicket> CopyEngine::fetch(const at::Tensor& host, const std:
   }
   const c10::Stream compute = compute_stream();
   const c10::Stream stream = on_compute_stream ? compute : *h2d_stream_;
-  t->dst = empty_device_bytes(t->nbytes, device_);  // a compute-stream block
   PooledEvent allocated;
   if (stream != compute) {
     allocated = events_->get(/*timing=*/false);
@@ -283,7 +292,7 @@ void CopyEngine::check_invariants() const {
     for (const Pending& p : *queue) {
       MEMSCHED_CHECK(accel_, "CopyEngine: CPU copies are complete at birth and never pending");
       MEMSCHED_CHECK(p.ticket != nullptr && p.ticket->done != nullptr, "CopyEngine: a pending copy has no done-event");
-      MEMSCHED_CHECK(p.source.defined() && p.dst.defined(),
+      MEMSCHED_CHECK((p.source.defined() || on_compute_stream) && p.dst.defined(),
                      "CopyEngine: a pending copy must hold what it reads and what it writes");
     }
   }

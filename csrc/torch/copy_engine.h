@@ -121,10 +121,15 @@ class CopyEngine {
 
   void begin_step();
   // Copy each flat uint8 device tensor to a fresh host block, after what the compute stream has
-  // queued so far. The engine holds each source until its copy completes.
-  std::vector<std::shared_ptr<CopyTicket>> offload_many(const std::vector<at::Tensor>& sources);
+  // queued so far. The engine holds each source until its copy completes; hold=false (copies on the
+  // compute stream only) lets the caller free it at once: the caching allocator reuses its block in
+  // compute-stream order, after the copy.
+  std::vector<std::shared_ptr<CopyTicket>> offload_many(const std::vector<at::Tensor>& sources, bool hold = true);
   // Copy the flat uint8 host tensor to a fresh device tensor, after `after` (the D2H that wrote it).
   std::shared_ptr<CopyTicket> fetch(const at::Tensor& host, const std::shared_ptr<CopyTicket>& after);
+  // The same into `dst`, a flat uint8 device tensor just allocated on the compute stream.
+  std::shared_ptr<CopyTicket> fetch_into(const at::Tensor& dst, const at::Tensor& host,
+                                         const std::shared_ptr<CopyTicket>& after);
   // Make the compute stream wait for the ticket (no host blocking); the stall is timed. Returns
   // whether a wait was queued (false on CPU and for complete tickets).
   bool wait(const CopyTicket& ticket);
@@ -140,7 +145,7 @@ class CopyEngine {
  private:
   struct Pending {
     std::shared_ptr<CopyTicket> ticket;
-    at::Tensor source;            // read by the copy: kept until ticket->done
+    at::Tensor source;            // read by the copy: kept until ticket->done (undefined: hold=false)
     at::Tensor dst;               // written by the copy: kept until ticket->done, even if the ticket dies
   };
   c10::Stream compute_stream() const;

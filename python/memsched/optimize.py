@@ -26,10 +26,31 @@ Note [Profiling inside the user's first step]
   executor's hooks are installed at __enter__ but stay inactive while
   profiling). The first step's optimizer.step() runs after the Trace is closed,
   so the trace holds forward + backward only.
+  How the profiled step holds its saved activations: Note [Profiling a step that does not fit].
   A step that does not match the trace (See Note [Activation identity]) runs
   without offloading from the first mismatching activation on, with one
   warning per Run; the next step is profiled again and re-planned, at most
   `max_reprofiles` times -- after that mismatching steps simply run plainly.
+
+Note [Profiling a step that does not fit]
+  Rationale: a profile that keeps every saved activation on the device needs plain PyTorch's
+  memory, so memsched could only train a batch whose plain step already fits.
+  Approach: with profile="offload" -- the default (profile="auto") when the budget is given in
+  bytes, the one form known before profiling -- the profiled step's saved activations go to host
+  memory as soon as nothing but autograd holds them and come back when backward unpacks them,
+  while the Trace still describes the step as plain PyTorch runs it (Note [Profiling with saved
+  activations offloaded] in profiler/offloaded_saves.py: same ops, activations, sizes, producers,
+  uses and frees; exact copies, so gradients are plain's). Copies use the Run's HostBuffers
+  (host_memory_limit holds: a save past it stays on the device) and a CopyEngine of its own.
+  profile="keep" profiles as plain PyTorch runs. run.profile_stats (ProfiledStepStats) and
+  run.report() say which, and what the profiled step measured.
+  Limitations: a fraction ("0.5") or a percentage ("50%") is resolved to bytes only from the
+  profile, so "auto" keeps every activation for those budgets (and for budget=None): the first
+  step then needs plain's memory -- pass bytes, or profile="offload". The offloaded profile needs
+  about what torch.autograd.graph.save_on_cpu needs (each activation leaves the device once its
+  forward users let go; backward fetches on demand), so a byte budget below that, which a plan
+  with prefetch or recompute may still meet from the second step on, is exceeded by the first
+  step. The profiled step is slower (copies, no prefetch).
 
 Note [What a Run changes while it is active]
   - hooks: a forward pre-hook and an always-called forward hook on the root
@@ -44,7 +65,7 @@ Note [What a Run changes while it is active]
     run.step(); restored by __exit__. See Note [optimizer.step() without run.step()] in
     step_hook.py.
   - CUDA: torch.cuda peak-memory statistics are reset at the start of every
-    executed step (the measured peak is per step).
+    executed and profiled step (the measured peak is per step).
   Parameters, buffers, gradients and optimizer state are never touched except
   by optimizer.step() / zero_grad(set_to_none=True) in run.step().
   A step whose first forward starts under the caller's own saved-tensor hooks
@@ -182,12 +203,12 @@ _MAX_PROFILED_FORWARDS = 256        # forwards one profiled step may hold (Note 
 
 
 # -- the pieces of other issues, behind one seam each (tests may substitute stand-ins) -----------------
-def start_profile(model, optimizer, device):
+def start_profile(model, optimizer, device, offload=None):
     """Start recording one step (called at the step's first forward): a started
     memsched.profiler.ProfilerSession, whose stop() returns the memsched.Trace and whose abort()
-    drops a failed step."""
+    drops a failed step. offload: an OffloadedSaves (Note [Profiling a step that does not fit])."""
     from memsched.profiler import ProfilerSession
-    return ProfilerSession(model, optimizer, device).start()
+    return ProfilerSession(model, optimizer, device, offload=offload).start()
 
 
 def make_plan(trace, budget_bytes, planner, device):
@@ -208,7 +229,7 @@ class Run:
 
     def __init__(self, model, optimizer=None, budget=None, planner="dp", device=None, ooo=False,
                  fuse_optimizer=False, min_offload_bytes=None, max_reprofiles=2, device_model=None,
-                 grad_accumulation_steps=1, timeline=False, history=100, host_memory_limit=None):
+                 grad_accumulation_steps=1, timeline=False, history=100, host_memory_limit=None, profile="auto"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not hasattr(optimizer, "step"):
@@ -221,6 +242,15 @@ class Run:
         self.planner = planner
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
+        if not isinstance(profile, str) or profile not in PROFILE_MODES:
+            raise ValueError(f"profile: expected one of {', '.join(repr(m) for m in PROFILE_MODES)} -- how the "
+                             f"first, profiled step holds its saved activations: 'offload' keeps them in host memory "
+                             f"(a step that does not fit can be profiled), 'keep' on the device as plain PyTorch "
+                             f"does, 'auto' offloads when the budget is given in bytes -- got {profile!r}")
+        self.profile = profile
+        # Note [Profiling a step that does not fit]
+        self.profile_offload = profile == "offload" or (profile == "auto" and isinstance(self.budget_spec, int))
+        self.profile_stats = None                # ProfiledStepStats of the last profiled step
         self.budget_note_ = ""                   # how a fraction was resolved, when run.report() should say
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
@@ -269,6 +299,7 @@ class Run:
         self.fuse_optimizer = bool(fuse_optimizer)
         limit, limit_text = parse_host_limit(host_memory_limit)  # See Note [Host memory limit]
         self.host = HostBuffers(pinned=self.device.type == "cuda", limit_bytes=limit, limit_text=limit_text)
+        self.profile_saves_ = None   # OffloadedSaves of the profiled steps, made at the first one
         self.executor = OffloadExecutor(model, self.device, self.host, min_bytes=self.min_offload_bytes,
                                         on_mismatch=self._on_mismatch, timeline=self.timeline)
         # Note [optimizer.step() without run.step()] (step_hook.py)
@@ -342,6 +373,8 @@ class Run:
         if self.ooo_ is not None:
             self.ooo_.remove()
         self.executor.remove()
+        if self.profile_saves_ is not None:
+            self.profile_saves_.finish()
         self.entered_ = False
 
     # -- the user's step ----------------------------------------------------------------------------
@@ -402,6 +435,7 @@ class Run:
             self.node_of_op_ = session.node_of_op
             self.steps_profiled += 1
             self.optimizer_state_extra_ = 0  # this trace holds the state that existed at its start
+            self.profile_stats = self._profiled_step_stats(session)
             try:
                 self._adopt_trace(trace)
             except BaseException:
@@ -424,6 +458,8 @@ class Run:
     def _record_step(self, stats):
         """Book an executed step once its update ran."""
         self.executor.stamp(stats)  # no host wait: See Note [No host synchronisation in a step]
+        if self.profile_saves_ is not None:
+            self.profile_saves_.release_done()  # host blocks the profiled step's last fetches read
         if self.step_stats:
             self.step_stats[-1].try_resolve()
         self.step_stats.append(stats)
@@ -509,9 +545,29 @@ class Run:
             self.profile_armed_ = False
             self.profile_forwards_ = 0
             self.state_at_profile_ = self._optimizer_state_bytes()
-            self.profile_ = start_profile(self.model, self.optimizer, self.device)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)  # the profiled step's peak
+            if self.profile_offload:
+                self.profile_ = start_profile(self.model, self.optimizer, self.device, offload=self._saves())
+            else:
+                self.profile_ = start_profile(self.model, self.optimizer, self.device)
         if self.profile_ is not None:
             self._count_profiled_forward()
+
+    def _saves(self):
+        """The OffloadedSaves of profiled steps (Note [Profiling a step that does not fit])."""
+        if self.profile_saves_ is None:
+            from memsched.profiler.offloaded_saves import OffloadedSaves
+            self.profile_saves_ = OffloadedSaves(self.device, self.host, self.min_offload_bytes)
+        return self.profile_saves_
+
+    def _profiled_step_stats(self, session):
+        from memsched.profiler.offloaded_saves import ProfiledStepStats
+        saves = getattr(session, "offload", None)
+        stats = saves.stats if saves is not None else ProfiledStepStats(mode="keep")
+        if self.device.type == "cuda":
+            stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        return stats
 
     def _warn_not_profiled(self, why):
         self.not_profiled_why_ = why
@@ -530,6 +586,8 @@ class Run:
             # __exit__, not here: its module hooks cannot be removed while torch iterates them.
             if self.profile_ is not None:
                 self.profile_failed_ = True
+                if not self.profile_offload:
+                    _explain_profiled_oom(sys.exc_info()[1])
             if self.ooo_ is not None:
                 self.ooo_.abandon_forward()
             _explain_hook_refusal(sys.exc_info()[1])
@@ -757,8 +815,9 @@ class Run:
         if self.budget_bytes is None and self.budget_spec is not None:
             budget_text = f"{self.budget_spec!r} (resolved when a step is profiled)"
         info = dict(device=str(self.device), planner=planner, budget_bytes=self.budget_bytes,
-                    budget_text=budget_text, steps_profiled=self.steps_profiled, host_source=self.host.source)
-        notes = []
+                    budget_text=budget_text, steps_profiled=self.steps_profiled, host_source=self.host.source,
+                    profile="offload" if self.profile_offload else "keep")
+        notes = [self._profile_note()]
         if self.mismatches:
             notes.append(f"{self.mismatches} step(s) did not match the profiled trace and ran without "
                          f"offloading from the mismatch on; {self.reprofiles} re-profile(s)")
@@ -792,6 +851,42 @@ class Run:
                          counts=(self.steps_planned, self.steps_plain + self.steps_not_profiled))
         print(r.table, file=file)
         return r
+
+    def _profile_note(self):
+        """run.report()'s line on how the profiled step held its saved activations."""
+        st = self.profile_stats
+        asked = f"profile={self.profile!r}" + ("" if self.profile != "auto" else
+                                                (", budget in bytes" if self.profile_offload else
+                                                 ", budget not in bytes" if self.budget_spec is not None
+                                                 else ", no budget"))
+        plain = ""
+        if self.trace is not None:
+            plain = format_bytes(max(planned_activation_curve(self.trace, None), default=0))
+        if not self.profile_offload:
+            line = (f"profiled step: every saved activation kept on the device as plain PyTorch does ({asked}"
+                    f"{'; ' + plain + ' at their peak' if plain else ''}), so the first step needs plain's memory; "
+                    f"pass the budget in bytes (or profile='offload') to profile a step that does not fit")
+        elif st is None or st.mode != "offload":
+            line = f"profiled step: saved activations offloaded to host memory ({asked}); no step profiled yet"
+        else:
+            line = (f"profiled step: saved activations offloaded to host memory ({asked}): {st.offloaded} storages "
+                    f"({format_bytes(st.offloaded_bytes)}) copied out, {st.fetched} fetched back in backward, "
+                    f"{st.kept} kept on the device; measured saved-activation peak "
+                    f"{format_bytes(st.activation_peak_bytes)}{' (plain PyTorch: ' + plain + ')' if plain else ''}")
+            if st.host_limited:
+                line += f"; {st.host_limited} stayed on the device: host_memory_limit reached"
+        if st is not None and st.peak_bytes is not None:
+            line += f"; device peak of the profiled step (max_memory_allocated): {format_bytes(st.peak_bytes)}"
+            # the user's budget: the planner's share plus the optimizer state the profiled step did not
+            # hold yet (Note [Optimizer state the profiled step did not see])
+            budget = None if self.budget_bytes is None else self.budget_bytes + self.optimizer_state_extra_
+            if budget is not None and st.peak_bytes > budget:
+                line += (f", above the budget ({format_bytes(budget)})" +
+                         (": what it kept on the device (parameters, gradients, optimizer state, each op's "
+                          "inputs and outputs) needs more; later steps follow the plan" if self.profile_offload
+                          else ": pass the budget in bytes (or profile='offload') to keep the profiled step's "
+                               "saved activations in host memory"))
+        return line
 
     def save_timeline(self, path, torch_trace=None, offset_us=None):
         """The last executed step: memory planned and measured, copy streams. Returns path.
@@ -861,7 +956,22 @@ class Run:
 
 
 _OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumulation_steps", "timeline", "history",
-            "host_memory_limit")
+            "host_memory_limit", "profile")
+PROFILE_MODES = ("auto", "offload", "keep")
+
+
+def _explain_profiled_oom(exc):
+    """A profiled forward that kept every saved activation on the device ran out of memory: say how
+    to profile a step that does not fit (Note [Profiling a step that does not fit])."""
+    if exc is None or getattr(exc, "_memsched_noted", False) or not hasattr(exc, "add_note"):
+        return
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        exc._memsched_noted = True
+        exc.add_note("memsched: this is the first, profiled step, which kept every saved activation on the device "
+                     "as plain PyTorch does (optimize(..., profile='keep'), or profile='auto' with a budget that is "
+                     "a fraction or a percentage, which is only resolved to bytes by this profile). Pass the "
+                     "budget in bytes (budget='6GiB') or profile='offload' so that the profiled step keeps its "
+                     "saved activations in host memory")
 
 
 _HOOK_REFUSALS = ("don't yet support saved tensor hooks", "saved tensors default hooks are disabled")
@@ -927,7 +1037,11 @@ def optimize(model, optimizer=None, budget=None, planner="dp", device=None, ooo=
     default False), history (executed steps whose StepStats run.step_stats keeps, default 100;
     run.report() counts every step), host_memory_limit (most bytes of host copies alive at once:
     bytes, '64GiB' or a fraction of RAM; default half of the machine's RAM -- See Note [Host memory
-    limit] in offload/host_buffers.py).
+    limit] in offload/host_buffers.py), profile ('auto', the default: 'offload' when the budget is in
+    bytes, else 'keep'; 'offload': the first, profiled step keeps its saved activations in host
+    memory, so a step that does not fit the device can be profiled -- the only way for a budget
+    that is a fraction or a percentage, which is resolved from the profile; 'keep': on the device,
+    as plain PyTorch -- See Note [Profiling a step that does not fit]).
     Every argument is checked here, before any step: a ValueError (TypeError for an unknown option)
     names the argument and what it accepts.
     """

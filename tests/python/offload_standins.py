@@ -114,7 +114,8 @@ def install_standins(monkeypatch, lookahead=1, only_missing=False):
     opt = importlib.import_module("memsched.optimize")  # memsched.optimize is also the function
     have_profiler = _importable("memsched.profiler")
     if not (only_missing and have_profiler):
-        monkeypatch.setattr(opt, "start_profile", lambda model, optimizer, device: StandInProfiler(model).start())
+        monkeypatch.setattr(opt, "start_profile", lambda model, optimizer, device, offload=None:
+                            StandInProfiler(model).start())  # keeps every activation: ignores `offload`
     if not (only_missing and hasattr(memsched, "plan")):
         monkeypatch.setattr(opt, "make_plan", lambda trace, budget, planner, device:
                             offload_all_plan(trace, lookahead))

@@ -143,6 +143,8 @@ CONFIGS = {
     "dp": dict(planner="dp", budget=0.5),
     "ooo": dict(planner="offload_all_prefetch", budget=1.0, ooo=True),
     "fused": dict(planner="offload_all_prefetch", budget=1.0, fuse_optimizer=True),
+    # the profiled step's saved activations in host memory (Note [Profiling a step that does not fit])
+    "offloaded_profile": dict(planner="offload_all_prefetch", budget=1.0, profile="offload"),
 }
 WHERE = ["forward", "backward", "loss"]
 

@@ -1,4 +1,4 @@
-"""Small traces built through the Python Trace API, shared by tests."""
+"""Small traces built through the Python Trace API, and a structural comparison of traces, shared by tests."""
 import memsched
 
 
@@ -10,3 +10,24 @@ def two_activation_trace():
     t.add_tensor(100, "float32", "activation", 0, [1, 2], 2)
     t.add_tensor(200, "float32", "activation", 1, [3], 3)
     return t
+
+
+def trace_structure(trace):
+    """Everything a Trace says about the step except op durations."""
+    ops = [(o.id, o.name, o.module_path, o.phase, o.rng, o.flops, o.bytes_read, o.bytes_written) for o in trace.ops]
+    tensors = [(t.id, t.bytes, t.dtype, t.kind, t.producer_op, tuple(t.uses), t.freed_after_op, t.label)
+               for t in trace.tensors]
+    return ops, tensors
+
+
+def assert_same_trace_structure(expected, actual):
+    """Same ops, tensors, sizes, producers, uses, frees and labels; names the first difference."""
+    e_ops, e_tensors = trace_structure(expected)
+    a_ops, a_tensors = trace_structure(actual)
+    assert len(a_ops) == len(e_ops), f"{len(a_ops)} ops, expected {len(e_ops)}"
+    for e, a in zip(e_ops, a_ops):
+        assert e == a, f"op differs: expected {e}, got {a}"
+    assert len(a_tensors) == len(e_tensors), f"{len(a_tensors)} tensors, expected {len(e_tensors)}"
+    for e, a in zip(e_tensors, a_tensors):
+        assert e == a, f"tensor differs: expected {e}, got {a}"
+    assert expected.peak_bytes() == actual.peak_bytes() and expected.live_bytes() == actual.live_bytes()

@@ -81,6 +81,7 @@ class RunReport:
     measured: dict = field(default_factory=dict)  # name -> value (median over planned steps)
     memory_source: str = ""
     host_source: str = ""
+    profile: str = ""                  # how the profiled step held saved activations: "offload" or "keep"
     notes: list = field(default_factory=list)
     table: str = ""
 

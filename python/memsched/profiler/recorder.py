@@ -195,7 +195,9 @@ class Recorder:
         return key
 
     # ---- saved tensors ----------------------------------------------------
-    def pack(self, t: torch.Tensor):
+    def note_save(self, t: torch.Tensor):
+        """Number a saved tensor and mark its storage an activation at its first pack; returns the
+        Activation, or None for a parameter or buffer (Note [Activation identity])."""
         stack = self._stack_list
         act = self.numbering.number(t, stack[-1] if stack else "")
         if act is not None and act.is_first_pack:
@@ -204,6 +206,10 @@ class Recorder:
                 if key not in self._watch:  # never seen made: it existed before the step
                     self.register_existing(t, "activation")
                 self.builder.upgrade_kind(key, "activation", act.label)
+        return act
+
+    def pack(self, t: torch.Tensor):
+        self.note_save(t)
         # kept_pack holds the op's own outputs detached (no cycle through C++ that gc cannot see:
         # See Note [Packing without reference cycles] in offload/executor.py) and kept_unpack redoes
         # PyTorch's in-place-modification check, which saved-tensor hooks switch off -- the

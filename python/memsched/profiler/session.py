@@ -71,7 +71,11 @@ class ProfilerSession:
     step and leave nothing installed.
     """
 
-    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer=None, device: Optional[str] = None):
+    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer=None, device: Optional[str] = None,
+                 offload=None):
+        """offload: an OffloadedSaves (profiler/offloaded_saves.py) to keep the step's saved
+        activations in host memory while only autograd holds them (Note [Profiling with saved
+        activations offloaded]); None keeps them on the device. The Trace is the same."""
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"memsched.profile: model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")
@@ -89,6 +93,7 @@ class ProfilerSession:
                                  f"the trace's device decides which op times a GPU preset uses -- pass 'cpu' or None")
         self.model = model
         self.optimizer = optimizer
+        self.offload = offload
         self.device = str(device) if device is not None else _device_of(model)
         self.optimizer_steps = 0   # optimizer.step() calls seen while recording
         self.node_of_op = {}       # backward op id -> autograd node sequence offset, after stop()
@@ -121,7 +126,12 @@ class ProfilerSession:
         if self._exits is not None:
             raise RuntimeError("ProfilerSession.start(): already recording; call stop() or abort() first")
         modules, named_params, buffers = _walk(self.model) if self.model is not None else ([], [], [])
-        rec = Recorder(self.model, self.device, named_params, modules)
+        if self.offload is None:
+            rec = Recorder(self.model, self.device, named_params, modules)
+        else:
+            from memsched.profiler.offloaded_saves import OffloadingRecorder
+            self.offload.begin_step()
+            rec = OffloadingRecorder(self.model, self.device, named_params, modules, saves=self.offload)
         params = self._params(named_params)
         exits = contextlib.ExitStack()
         try:
@@ -163,6 +173,8 @@ class ProfilerSession:
         self._rec = self._mode = None
         if exits is not None:
             exits.close()
+            if self.offload is not None:
+                self.offload.end_step()
 
     def stop(self):
         """Stop recording; return the validated memsched.Trace of what ran since start()."""
@@ -174,6 +186,8 @@ class ProfilerSession:
         # bookkeeping below records no ops; frees after this point are past the step.
         exits.close()
         rec.in_optimizer = False
+        if self.offload is not None:
+            self.offload.end_step()
         # Walk again: the step may have added parameters (their .grad is a gradient too).
         named_params = list(self.model.named_parameters()) if self.model is not None else []
         for p in self._params(named_params):

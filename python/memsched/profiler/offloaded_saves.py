@@ -1,0 +1,333 @@
+"""offloaded_saves.py -- profile a step that does not fit: its saved activations live on the host.
+
+Entry point: OffloadedSaves(device, host_buffers, min_bytes) handed to
+ProfilerSession(..., offload=saves) (memsched.optimize(..., profile="offload")). The session then
+records through OffloadingRecorder, whose pack/unpack hooks keep the device copy of a saved
+activation only while someone besides autograd uses it. saves.stats (ProfiledStepStats) is what
+the step measured.
+
+Note [Profiling with saved activations offloaded]
+  Rationale: memsched.optimize profiles the user's first step and plans from the next one; a
+  profile that keeps every activation on the device needs plain PyTorch's memory, so memsched
+  could only train a batch whose plain step already fits. The profiled step must offload, yet its
+  Trace must describe the step as plain PyTorch runs it -- the same ops, activations, sizes,
+  producers, uses and frees as a keep-all profile -- or the plan would be made for another step.
+  torch.autograd.graph.save_on_cpu gives up the device storage at the save and fetches a new one
+  in backward, so the recorder would see the storage die early (a free), a new storage in
+  backward (a temporary), and its copies as ops.
+  Approach: keep the storage object, drop only its memory.
+  - pack: the recorder numbers and marks the save exactly as in a keep-all profile
+    (Recorder.note_save); the packed object (_Save) holds the storage's Python object (so the
+    StorageImpl, whose address is the trace's key, lives exactly as long as under keep-all, where
+    the packed KeptSave holds it) plus the view geometry, and a detached alias for the version
+    check.
+  - release: after every recorded op (inside the dispatch mode, so nothing here is recorded) the
+    pending storages are polled. When the only references left are ours -- the StorageImpl's use
+    count is 1 (its Python object) plus our aliases -- nothing else can read or write it any more:
+    the aliases' versions are read (an in-place change after the save raises at unpack, as plain
+    PyTorch does), the whole storage is copied to a host block and `storage.resize_(0)` gives the
+    memory back. The copies run through a CopyEngine on the compute stream (as save_on_cpu's):
+    on CUDA the freed block returns to the caching allocator at once and is reused in stream
+    order, after the copy, so the profiled step holds no memory for copies in flight and needs
+    no event polling; prefetch on side streams is for the planned steps. Copying at release rather than at the save takes
+    the bytes backward would have read: later in-place writes that bump no version (rrelu's noise,
+    unsafe_chunk gates of ATen's GRU/LSTM cells, `.data`) are in the copy, so gradients stay
+    bitwise plain's.
+  - unpack: a released storage is grown back (`resize_(nbytes)`, on the compute stream) and filled
+    from its host block (the compute stream waits for the copy); the saved view is rebuilt on it
+    with its dtype, size, stride and offset. It is the same StorageImpl, so backward ops read the
+    trace's key, and it dies when the last packed object and unpacked tensor die -- when it would
+    under keep-all. Grown back, it stays on the device until then.
+  - Nothing done here goes through the profiler's dispatch mode: polls run inside
+    __torch_dispatch__ (the mode is off there) and unpack under torch._C._DisableTorchDispatch.
+  Kept on the device (a KeptSave, as in a keep-all profile): parameters and buffers, saves made
+  during backward, tensors on another device, below min_bytes, not strided, conjugate/negative
+  views, subclasses, storages that cannot be resized (from_numpy, DLPack), and what would take
+  host_memory_limit past its limit (counted in host_limited).
+  Memory: `stats.activation_peak_bytes` counts saved-activation storages holding device memory,
+  from their first pack until released, and again from a fetch until they die -- what the
+  executor measures on CPU for an executed step ("saved-activation storages alive"). On CUDA
+  Run reads torch.cuda.max_memory_allocated for the profiled step too.
+  The one Trace field that differs from a keep-all profile is ops' duration_us (timing noise; no
+  copy is inside an op's timing, but on CUDA the copies share the compute stream between ops).
+  Checked for MLP, CNN, transformers (with dropout) and LSTM/GRU in
+  tests/python/test_profiler_offloaded_saves.py.
+  Limitations: a storage is released one recorded op after its last other user lets go (the op
+  running holds its inputs); one alive past the step (the caller's batch, a kept output) is never
+  released; copies are on demand (no prefetch), so the profiled step is slower than a planned one.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from memsched import _C
+from memsched.profiler.recorder import Recorder
+
+_use_count = torch._C._storage_Use_Count
+_no_dispatch = torch._C._DisableTorchDispatch
+_graph_task_id = torch._C._current_graph_task_id
+_kept_pack = _C.kept_pack
+_kept_unpack = _C.kept_unpack
+
+# _Slot.state
+_RESIDENT = 0   # on the device, others may still use it: polled
+_RELEASED = 2   # memory given back; the host block has the bytes
+_FETCHED = 3    # grown back in backward (or never released): stays until it dies
+_STAYS = 4      # the host limit was reached at release: stays on the device
+
+
+@dataclass
+class ProfiledStepStats:
+    """How the profiled step treated its saved activations, and what it measured."""
+    mode: str = "keep"               # "offload" or "keep" (every saved activation on the device)
+    activation_peak_bytes: Optional[int] = None  # most bytes of saved-activation storages on the device
+    peak_bytes: Optional[int] = None  # CUDA: torch.cuda.max_memory_allocated over the step
+    offloaded: int = 0               # COUNT storages released to host memory
+    offloaded_bytes: int = 0         # SUM their bytes
+    fetched: int = 0                 # COUNT storages grown back in backward
+    kept: int = 0                    # COUNT saved storages never offloaded (see the Note)
+    host_limited: int = 0            # COUNT of those kept because host_memory_limit was reached
+    d2h_bytes: int = 0               # SUM
+    h2d_bytes: int = 0               # SUM
+
+
+class _Slot:
+    """One saved storage the step may offload."""
+
+    __slots__ = ("storage", "key", "nbytes", "state", "d2h", "saves", "__weakref__")
+
+    def __init__(self, storage, key, nbytes):
+        self.storage = storage   # its Python UntypedStorage (keeps the StorageImpl, not the memory)
+        self.key = key           # StorageImpl address: the trace's key
+        self.nbytes = nbytes
+        self.state = _RESIDENT
+        self.d2h = None          # CopyTicket of the host copy (dst: the host block)
+        self.saves = []          # weakref.ref(_Save) of its packed objects
+
+
+class _Save:
+    """What autograd stores for an offloaded save. Holds no tensor with a grad_fn (See Note
+    [Packing without reference cycles] in offload/executor.py)."""
+
+    __slots__ = ("slot", "alias", "version", "modified_to", "dtype", "size", "stride", "offset", "owner",
+                 "__weakref__")
+
+    def __init__(self, slot, t, owner):
+        self.slot = slot
+        self.alias = t.detach()     # shares the version counter; dropped at release
+        self.version = t._version
+        self.modified_to = None     # the alias's version at release, when it had changed
+        self.dtype = t.dtype
+        self.size = tuple(t.size())
+        self.stride = tuple(t.stride())
+        self.offset = t.storage_offset()
+        self.owner = owner          # the OffloadedSaves (a retained graph may unpack after the step)
+
+    def settle(self):
+        """Release time: read the version, then drop the alias."""
+        a, self.alias = self.alias, None
+        if a is not None and a._version != self.version:
+            self.modified_to = a._version
+
+
+def _modified(save, version):
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"a saved tensor of shape {list(save.size)} is at version {version}; expected version {save.version} "
+        "instead. (memsched checks this itself because saved-tensor hooks turn PyTorch's own check off; "
+        "plain PyTorch raises the same error.)")
+
+
+class OffloadedSaves:
+    """The profiled step's saved activations, on the host while only autograd holds them."""
+
+    def __init__(self, device, host_buffers, min_bytes=0):
+        from memsched import _C
+        self.device = torch.device(device)
+        self.host = host_buffers
+        self.min_bytes = int(min_bytes)
+        # The Run's host pool; the limit is checked here, per save (host.has_room).
+        self.engine = _C.CopyEngine(self.device, host_buffers.pool)
+        self.engine.on_compute_stream = True  # See the Note: blocks are freed in stream order
+        self.begin_step()
+
+    def begin_step(self):
+        self.stats = ProfiledStepStats(mode="offload", activation_peak_bytes=0)
+        self.slots_ = {}        # storage key -> weakref.ref(_Slot)
+        self.kept_ = set()      # storage keys saved and kept on the device
+        self.pending_ = []      # weakref.ref(_Slot) in state _RESIDENT, in save order
+        self.resident_ = {}     # storage key -> bytes on the device (the measurement)
+        self.current_ = 0       # SUM of resident_
+        self.deaths_ = {}       # storage key -> weakref whose callback ends its residence
+
+    def end_step(self):
+        """The step's figures (no wait: copies in flight keep what they read)."""
+        log = self.engine.end_step()
+        self.stats.d2h_bytes, self.stats.h2d_bytes = log.d2h_bytes, log.h2d_bytes
+        self.pending_ = []
+        return self.stats
+
+    def release_done(self):
+        """Drop what completed copies hold (CUDA: host blocks of fetches still in flight at the step's
+        end); never waits."""
+        if self.engine.pending_count():
+            self.engine.poll()
+
+    def finish(self):
+        """Wait for every copy and release what they hold (the Run ended)."""
+        self.engine.release()  # synchronises: the copies run on the compute stream
+
+    # -- the measurement -------------------------------------------------------------------------
+    def _account(self, key, storage, first=False):
+        """Saved storage `key` holds storage.nbytes() of device memory now (read from the storage
+        itself, so a release that freed nothing is not counted as one)."""
+        nbytes = storage.nbytes()
+        self.current_ += nbytes - self.resident_.get(key, 0)
+        self.resident_[key] = nbytes
+        if self.current_ > self.stats.activation_peak_bytes:
+            self.stats.activation_peak_bytes = self.current_
+        if first and key not in self.deaths_:
+            resident, deaths = self.resident_, self.deaths_
+
+            def died(ref, key=key):
+                if deaths.get(key) is ref:  # the address may be reused at once: forget the key
+                    del deaths[key]
+                    self.kept_.discard(key)
+                    self.current_ -= resident.pop(key, 0)
+
+            self.deaths_[key] = weakref.ref(storage, died)
+
+    # -- pack --------------------------------------------------------------------------------------
+    def pack(self, t):
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return _kept_pack(t)  # no storage: nothing to offload
+        key = storage._cdata
+        ref = self.slots_.get(key)
+        slot = ref() if ref is not None else None
+        if slot is None:
+            if key in self.kept_:
+                return _kept_pack(t)
+            nbytes = storage.nbytes()
+            if key not in self.resident_:
+                self._account(key, storage, first=True)
+            if not self._offloadable(t, storage, nbytes):
+                self.kept_.add(key)
+                self.stats.kept += 1
+                return _kept_pack(t)
+            slot = _Slot(storage, key, nbytes)
+            self.slots_[key] = weakref.ref(slot)
+            self.pending_.append(weakref.ref(slot))
+        elif slot.state == _STAYS:
+            return _kept_pack(t)
+        save = _Save(slot, t, self)
+        slot.saves.append(weakref.ref(save))
+        return save
+
+    def _offloadable(self, t, storage, nbytes):
+        if not (nbytes >= self.min_bytes and nbytes > 0 and t.device == self.device
+                and t.layout == torch.strided and type(t) is torch.Tensor
+                and not t.is_conj() and not t.is_neg() and not t.is_quantized and storage.resizable()):
+            return False
+        if not self.host.has_room(nbytes):
+            self.stats.host_limited += 1  # See Note [Host memory limit] (offload/host_buffers.py)
+            return False
+        return True
+
+    # -- release (after every recorded op) ---------------------------------------------------------
+    def poll(self):
+        """Copy and release every pending storage that only our packed objects still reference."""
+        if self.engine.pending_count():
+            self.engine.poll()
+        left = []
+        with _no_dispatch():
+            for ref in self.pending_:
+                slot = ref()
+                if slot is None:
+                    continue  # every save of it died (a graph dropped in forward)
+                if not self._release(slot) and slot.state == _RESIDENT:
+                    left.append(ref)
+        self.pending_ = left
+
+    def _release(self, slot):
+        """Copy `slot` to the host and give its memory back if nothing but our aliases references
+        it; True when released."""
+        saves = [s for s in (r() for r in slot.saves) if s is not None]
+        aliases = sum(1 for s in saves if s.alias is not None)
+        if _use_count(slot.key) != 1 + aliases:
+            return False  # still used by the forward (or held by the caller)
+        if not self.host.has_room(slot.nbytes):
+            slot.state = _STAYS  # See Note [Host memory limit] (offload/host_buffers.py)
+            self.stats.kept += 1
+            self.stats.host_limited += 1
+            return False
+        for s in saves:
+            s.settle()
+        flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(slot.storage, 0, (slot.nbytes,), (1,))
+        slot.d2h = self.engine.offload_many([flat], hold=False)[0]
+        del flat
+        if _use_count(slot.key) != 1:  # WARNING: never free what another holder may read (cannot happen)
+            slot.state = _STAYS
+            self.stats.kept += 1
+            return False
+        slot.storage.resize_(0)
+        slot.state = _RELEASED
+        self._account(slot.key, slot.storage)
+        self.stats.offloaded += 1
+        self.stats.offloaded_bytes += slot.nbytes
+        return True
+
+    # -- unpack ------------------------------------------------------------------------------------
+    def unpack(self, save):
+        slot = save.slot
+        alias = save.alias
+        if alias is not None:
+            # Never released: the storage is on the device; PyTorch's version check, as kept_unpack.
+            if alias._version != save.version:
+                raise _modified(save, alias._version)
+            return alias
+        if save.modified_to is not None:
+            raise _modified(save, save.modified_to)
+        with _no_dispatch():
+            if slot.state == _RELEASED:
+                slot.storage.resize_(slot.nbytes)  # allocated on the compute stream
+                flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
+                    slot.storage, 0, (slot.nbytes,), (1,))
+                ticket = self.engine.fetch_into(flat, slot.d2h.dst, after=slot.d2h)
+                self.engine.wait(ticket)
+                slot.d2h = None  # the engine holds the host block until the copy is done
+                self.stats.fetched += 1
+                self._account(slot.key, slot.storage)
+            slot.state = _FETCHED
+            return torch.empty(0, dtype=save.dtype, device=self.device).set_(
+                slot.storage, save.offset, save.size, save.stride)
+
+
+class OffloadingRecorder(Recorder):
+    """The profiler's Recorder with Note [Profiling with saved activations offloaded]."""
+
+    def __init__(self, *args, saves: OffloadedSaves, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.saves = saves
+
+    def pack(self, t):
+        act = self.note_save(t)
+        if act is None or _graph_task_id() != -1:
+            return _kept_pack(t)  # a parameter or buffer, or a save made during backward
+        return self.saves.pack(t)
+
+    def unpack(self, packed):
+        if type(packed) is _Save:
+            return packed.owner.unpack(packed)
+        return _kept_unpack(packed)
+
+    def on_op(self, func, info, args, kwargs):
+        out = Recorder.on_op(self, func, info, args, kwargs)
+        if self.saves.pending_:
+            self.saves.poll()
+        return out
