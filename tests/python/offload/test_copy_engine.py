@@ -149,3 +149,30 @@ def test_cuda_destinations_stay_held_when_their_tickets_die_before_the_copy():
     assert engine.host_live_bytes() >= 4 << 20
     _drain(engine, "cuda")
     assert engine.host_live_bytes() == 0
+
+
+def test_fetch_into_fills_the_given_device_tensor(device):
+    engine, _ = _engine(device)
+    engine.begin_step()
+    (t,) = engine.offload_many(_sources(device, [4096]))
+    dst = torch.empty(4096, dtype=torch.uint8, device=device)
+    f = engine.fetch_into(dst, t.dst, t)
+    engine.wait(f)
+    assert f.dst.data_ptr() == dst.data_ptr() and torch.equal(dst.cpu(), t.dst)
+    with pytest.raises(_C.MemschedError, match="flat uint8 tensors of one size"):
+        engine.fetch_into(torch.empty(10, dtype=torch.uint8, device=device), t.dst)
+    _drain(engine, device)
+
+
+@pytest.mark.requires_cuda
+def test_sources_freed_at_once_only_for_copies_on_the_compute_stream():
+    engine, _ = _engine("cuda")
+    engine.begin_step()
+    with pytest.raises(_C.MemschedError, match=r"hold=False.*on_compute_stream"):
+        engine.offload_many(_sources("cuda", [64]), hold=False)
+    engine.on_compute_stream = True
+    src = _sources("cuda", [1 << 20])
+    (t,) = engine.offload_many(src, hold=False)
+    del src  # freed in compute-stream order, after the copy
+    _drain(engine, "cuda")
+    assert t.dst.numel() == 1 << 20
