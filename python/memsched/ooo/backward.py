@@ -100,6 +100,33 @@ Note [Parameters added or unfrozen after install]
   Limitations: a parameter put into ``module._parameters`` directly, bypassing
   register_parameter and __setattr__, is not seen.
 
+Note [Parameters with gradient hooks]
+  Rationale: a deferred layer's Function returns no weight gradient, so a hook the caller put on
+  the parameter (p.register_hook(fn)) was called with None: ``g * 0.5`` raised in user code and a
+  None-tolerant hook was skipped (parameters off by 0.09). A post-accumulate-grad hook
+  (clip_grad_value_ per parameter) saw .grad already stepped and freed under a fused update.
+  Approach: a patched layer checks its parameters' hook dicts at every forward (two len() calls):
+  when one carries a hook besides memsched's own, that call runs the stock forward and is
+  counted as an autograd use, so autograd sums the gradient and calls the hook with all of it, as
+  plain PyTorch does. With a fused update, memsched's post-accumulate-grad hook (which may step
+  the parameter) is moved behind the caller's at the start of each iteration, so the caller's
+  hook sees and may change the accumulated .grad before the update.
+  Limitations: a hook registered between a forward and its backward is not seen by that
+  forward: its parameter's deferred gradient reaches the hook as None in that backward only.
+
+Note [Tied parameters]
+  Rationale: a parameter owned by several modules (a T5/BART shared embedding tied to the output
+  nn.Linear) gets some gradient through autograd and some through the deferred layer. Mixing the
+  two sums them in another order than autograd's InputBuffer when autograd sees two or more uses
+  (HF T5: 1.2e-7 off after 3 steps).
+  Approach: a Linear/Conv owning a parameter that another module also owns is not patched; all
+  uses of a tied parameter then go through autograd, bitwise as plain. One module reached by
+  several paths (a shared layer) stays deferred: all its uses are deferred and summed in
+  autograd's order.
+  Limitations: a patched layer's weight also read functionally (F.linear(x, layer.weight)) is
+  refused (Note [AccumulateGrad gate]); one also run under autocast in the same iteration mixes
+  the two kinds of use and is exact only for one autograd use.
+
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
   that queued them, the rest at the end-of-backward flush, on the autograd
@@ -199,6 +226,12 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _user_hooked(p: torch.Tensor) -> bool:
+    """p carries a gradient hook of the caller's besides memsched's own one of each kind (See
+    Note [Parameters with gradient hooks])."""
+    return len(p._backward_hooks) > 1 or len(p._post_accumulate_grad_hooks) > 1
+
+
 class OutOfOrderBackward:
     """Defers weight gradients of eligible layers; optionally fuses the optimizer update.
 
@@ -286,6 +319,8 @@ class OutOfOrderBackward:
         self._params: List[nn.Parameter] = []
         self._index: Dict[int, int] = {}
         self._frozen: List[nn.Parameter] = []  # See Note [Parameters added or unfrozen after install]
+        self._patchable: Set[int] = set()  # ids of modules patched (See Note [Tied parameters])
+        self._post_hook_ids: List[int] = []  # memsched's post-accumulate-grad hook per parameter
         self._structure_changed = True
         self._deferred_only: Set[int] = set()
         self._phase = "idle"
@@ -359,8 +394,12 @@ class OutOfOrderBackward:
             for p in m.parameters(recurse=False):
                 if id(p) in self._index:
                     owners.setdefault(id(p), []).append(m)
+        # See Note [Tied parameters]: a Linear/Conv owning a parameter another module owns stays plain.
+        tied = {pid for pid, ms in owners.items() if len(ms) > 1}
+        self._patchable = {id(m) for m in modules if _eligible(m) and not any(
+            id(p) in tied for p in m.parameters(recurse=False))}
         for pid, ms in owners.items():
-            if all(_eligible(m) for m in ms):
+            if all(id(m) in self._patchable for m in ms):
                 self._deferred_only.add(self._index[pid])
         # See Note [Step units]: a parameter's unit is its first owner's own parameters.
         self._unit_of = [-1] * len(self._params)
@@ -406,7 +445,7 @@ class OutOfOrderBackward:
 
         me = weakref.proxy(self)
         for m in modules:
-            if _eligible(m):
+            if id(m) in self._patchable:
                 self._patch(m, me)
             elif any(id(p) in self._index for p in m.parameters(recurse=False)):
                 ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
@@ -414,7 +453,9 @@ class OutOfOrderBackward:
                     inert_on_copy(lambda mod, args, ids=ids: me._note_autograd_use(ids))))
         for i, p in enumerate(self._params):  # C functions (See Note [dW runtime in C++])
             self._handles.append(p.register_hook(self._rt.grad_hook(i)))
-            self._handles.append(p.register_post_accumulate_grad_hook(self._rt.accumulated_hook(i)))
+            post = p.register_post_accumulate_grad_hook(self._rt.accumulated_hook(i))
+            self._handles.append(post)
+            self._post_hook_ids.append(post.id)
 
     def _patch(self, m: nn.Module, me) -> None:
         had = "forward" in m.__dict__
@@ -432,7 +473,9 @@ class OutOfOrderBackward:
                 bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
                 if wi is None and bi is None:
                     return nn.Linear.forward(mod, x)
-                if torch.is_autocast_enabled(x.device.type):
+                # See Note [Parameters with gradient hooks]
+                if torch.is_autocast_enabled(x.device.type) or (wi is not None and _user_hooked(mod.weight)) \
+                        or (bi is not None and _user_hooked(mod.bias)):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return nn.Linear.forward(mod, x)
                 wi = -1 if wi is None else wi
@@ -451,7 +494,9 @@ class OutOfOrderBackward:
                 bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
                 if wi is None and bi is None:
                     return base.forward(mod, x)
-                if torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2:
+                if torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2 \
+                        or (wi is not None and _user_hooked(mod.weight)) \
+                        or (bi is not None and _user_hooked(mod.bias)):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return base.forward(mod, x)
                 wi = -1 if wi is None else wi
@@ -510,6 +555,9 @@ class OutOfOrderBackward:
                         f"parameter {n} requires grad but had requires_grad=False when OutOfOrderBackward was "
                         f"installed, so memsched neither defers nor (fuse_optimizer) updates it. Unfreeze "
                         f"parameters before install(), or remove() and install() again after unfreezing.")
+            if self._stepper is not None:
+                self._post_hooks_last()
+            self._iter_stepped = 0  # parameters the fused update stepped in this iteration
             self._rt.begin_iteration(self._last_micro_step())
             if self._reducer is not None:
                 self._reducer.begin_iteration()
@@ -519,6 +567,14 @@ class OutOfOrderBackward:
             graph = _IterationGraph()
             self._graph = weakref.ref(graph, self._graph_gone)
             self._graph_obj = graph  # handed to the iteration's nodes by graph_token(), then dropped
+
+    def _post_hooks_last(self) -> None:
+        """See Note [Parameters with gradient hooks]: the caller's post-accumulate-grad hooks run
+        before memsched's, which may step the parameter and free its gradient."""
+        for p, hid in zip(self._params, self._post_hook_ids):
+            hooks = p._post_accumulate_grad_hooks
+            if len(hooks) > 1 and next(reversed(hooks)) != hid:
+                hooks[hid] = hooks.pop(hid)  # torch calls them in dict order (PyDict_Next), not move_to_end's
 
     def graph_token(self):
         """The object every Deferred* node of this iteration keeps in its ctx: it dies with the
