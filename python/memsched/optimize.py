@@ -348,7 +348,7 @@ class Run:
         grad_accumulation_steps backward passes: the fused update (or ooo's step count) follows
         that setting, the caller's loop its own. Refused before anything changes."""
         k, n = self.grad_accumulation_steps, self.ooo_.backward_passes_since_step
-        if n != k:
+        if n != k and n != 0:  # n == 0: gradients set by hand (torch.autograd.grad): a plain step
             raise _C.MemschedError(
                 f"optimizer.step() was called after {n} backward pass(es) since the last optimizer step, but "
                 f"memsched.optimize(..., grad_accumulation_steps={k}) expects {k}: with ooo=True / "

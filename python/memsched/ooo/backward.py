@@ -119,13 +119,32 @@ Note [Tied parameters]
   nn.Linear) gets some gradient through autograd and some through the deferred layer. Mixing the
   two sums them in another order than autograd's InputBuffer when autograd sees two or more uses
   (HF T5: 1.2e-7 off after 3 steps).
-  Approach: a Linear/Conv owning a parameter that another module also owns is not patched; all
-  uses of a tied parameter then go through autograd, bitwise as plain. One module reached by
-  several paths (a shared layer) stays deferred: all its uses are deferred and summed in
-  autograd's order.
+  Approach: a Linear/Conv owning a parameter that a module memsched does not patch also owns
+  (named_parameters(remove_duplicate=False) lists it twice) is not patched; all uses of that
+  parameter then go through autograd, bitwise as plain. A parameter whose owners are all
+  patchable (two Linears sharing a weight, one layer reached by several paths) stays deferred:
+  all its uses are deferred and summed in autograd's order.
   Limitations: a patched layer's weight also read functionally (F.linear(x, layer.weight)) is
   refused (Note [AccumulateGrad gate]); one also run under autocast in the same iteration mixes
   the two kinds of use and is exact only for one autograd use.
+
+Note [Gradients the fused update did not see]
+  Rationale: plain optimizer.step() steps every parameter whose .grad is not None. A parameter
+  whose gradient no backward pass delivered -- a zero tensor left by zero_grad(set_to_none=False),
+  a branch or MoE expert unused this step -- is stepped by plain AdamW (its step count advances,
+  weight decay applies) but was never made final, so the fused update skipped it; and a step
+  whose gradients came from torch.autograd.grad and were set by hand had no backward pass at all,
+  so step() returned False and nothing was updated.
+  Approach: at the end of the last micro-step's backward, every parameter that still holds a
+  .grad (the fused update frees the gradients it steps) is stepped in one grouped call. A
+  parameter whose gradient the fused update freed holds a zero gradient in plain PyTorch after
+  optimizer.zero_grad(set_to_none=False): the optimizer's zero_grad is watched
+  (zero_grad_watch.py) and such a parameter, if no backward pass reached it, gets a zero .grad
+  there and is stepped with the rest. step() after no backward pass returns True, so the caller
+  (run.step()) runs optimizer.step().
+  Limitations: under DDP (memsched's bucket reducer) such parameters are not stepped; zeroing
+  through model.zero_grad(set_to_none=False) or p.grad.zero_() is not seen (the freed gradient
+  stays None, as after set_to_none=True).
 
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
@@ -166,6 +185,7 @@ from memsched._C import DwRuntime, MemschedError, deferred_conv, deferred_linear
 from memsched.copy_inert import PatchedForward, inert_on_copy
 from memsched.ooo import clip_guard, grad_scaler_guard
 from memsched.ooo.fused import ParamStepper
+from memsched.ooo.zero_grad_watch import ZeroGradWatch
 from memsched.units import parse_bytes
 
 DEFAULT_MAX_DEFERRED_BYTES = 64 * 1024 * 1024
@@ -330,6 +350,10 @@ class OutOfOrderBackward:
         self._updated_since_step = False # a fused update ran since the last step()
         self._iterations = 0
         self._fused_steps = 0
+        self._iter_stepped = 0
+        self._freed: Set[int] = set()   # stepped and freed since the caller last set gradients to None
+        self._zeroed: Set[int] = set()  # of those, zeroed since (plain would hold a zero .grad)
+        self._zero_watch: Optional[ZeroGradWatch] = None
         self._last_peak_grad_bytes = 0
         self._reducer = None
         self._ddp_saved_sync = None
@@ -395,7 +419,7 @@ class OutOfOrderBackward:
                 if id(p) in self._index:
                     owners.setdefault(id(p), []).append(m)
         # See Note [Tied parameters]: a Linear/Conv owning a parameter another module owns stays plain.
-        tied = {pid for pid, ms in owners.items() if len(ms) > 1}
+        tied = {pid for pid, ms in owners.items() if len(ms) > 1 and not all(_eligible(m) for m in ms)}
         self._patchable = {id(m) for m in modules if _eligible(m) and not any(
             id(p) in tied for p in m.parameters(recurse=False))}
         for pid, ms in owners.items():
@@ -430,6 +454,9 @@ class OutOfOrderBackward:
             self._stepper = ParamStepper(self.optimizer)
             grad_scaler_guard.guard(self)  # See Note [GradScaler and fused updates]
             clip_guard.guard(self)  # See Note [Clipping and fused updates]
+            # See Note [Gradients the fused update did not see]
+            self._zero_watch = ZeroGradWatch(self.optimizer, self._on_zero_grad)
+            self._zero_watch.install()
 
         if executor == "stream" and not any(p.is_cuda for p in self._params):
             raise MemschedError("executor='stream' needs the model on a CUDA device; use 'inline' or 'thread'")
@@ -524,6 +551,9 @@ class OutOfOrderBackward:
         self._handles = []
         grad_scaler_guard.unguard(self)
         clip_guard.unguard(self)
+        if self._zero_watch is not None:
+            self._zero_watch.remove()
+            self._zero_watch = None
         if self._rt is not None:
             self._rt.shutdown()  # nodes recorded before now return their gradients plainly
         if self._reducer is not None and self._ddp_saved_sync is not None:
@@ -557,7 +587,7 @@ class OutOfOrderBackward:
                         f"parameters before install(), or remove() and install() again after unfreezing.")
             if self._stepper is not None:
                 self._post_hooks_last()
-            self._iter_stepped = 0  # parameters the fused update stepped in this iteration
+            self._iter_stepped = 0  # parameters the fused update stepped in this iteration (Note [A failed backward])
             self._rt.begin_iteration(self._last_micro_step())
             if self._reducer is not None:
                 self._reducer.begin_iteration()
@@ -679,6 +709,32 @@ class OutOfOrderBackward:
         self._stepper.step_params(params)  # frees each p.grad
         self._rt.track(-nbytes)
         self._fused_steps += len(params)
+        self._iter_stepped += len(params)
+        self._freed.update(idx)
+        self._zeroed.difference_update(idx)
+
+    def _step_leftovers(self) -> None:
+        """See Note [Gradients the fused update did not see]: one grouped update of every parameter
+        that still has a .grad at the end of the last micro-step's backward."""
+        for i in self._zeroed:  # plain holds a zero .grad for these; no backward pass reached them
+            p = self._params[i]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        left = [i for i, p in enumerate(self._params) if p.grad is not None and self._stepper.owns(p)]
+        if left:
+            self._stepper.step_params([self._params[i] for i in left])
+            self._fused_steps += len(left)
+            self._iter_stepped += len(left)
+            self._freed.update(left)
+            self._zeroed.difference_update(left)
+
+    def _on_zero_grad(self, set_to_none: bool) -> None:
+        """The caller's optimizer.zero_grad(set_to_none) (Note [Gradients the fused update did not see])."""
+        if set_to_none:
+            self._freed.clear()
+            self._zeroed.clear()
+        else:
+            self._zeroed.update(self._freed)
 
     def _on_ready(self, groups: List[List[int]], ready_buckets: List[int]) -> None:
         """Called by the runtime (C++) on the last micro-step, with a fused update or DDP: step the
@@ -722,6 +778,8 @@ class OutOfOrderBackward:
                 self._step_params(self._reducer.poll())
                 self._step_params(self._reducer.wait_all())
             self._flush_ready()
+            if self._stepper is not None and self._reducer is None and self._last_micro_step():
+                self._step_leftovers()
         except BaseException:
             self._abandon()
             raise
@@ -768,17 +826,22 @@ class OutOfOrderBackward:
         """Marks the end of one micro-step. Returns True when the caller should
         now run ``optimizer.step()`` (no fusion, last micro-step); with
         max_grad_norm set that clipping has been applied. With fuse_optimizer the
-        updates already happened during backward and this returns False."""
+        updates already happened during backward and this returns False -- unless no
+        backward pass ran since the last step() (gradients from torch.autograd.grad set by
+        hand): then it returns True, as without fusion."""
         if self._phase == "backward" or self.__dict__.pop("_failed_backward", False):
             # The end-of-backward callback never ran: backward raised part way.
             self._abandon()
             raise MemschedError("step(): the last backward pass did not finish (it raised part way); its "
                                 "deferred weight gradients were dropped and parameters not yet updated keep "
                                 "their old values. Zero the gradients and run the step again.")
+        ran = self._backwards_since_step
         self._backwards_since_step = 0
         self._updated_since_step = False
-        completed = self._micro_step % self.grad_accumulation_steps == 0 and self._micro_step > 0
-        if self.fuse_optimizer or not completed:
+        # No backward pass since the last step(): gradients (if any) came from torch.autograd.grad and
+        # the caller's own .grad assignments, which no fused update saw -- step them as plain PyTorch.
+        completed = ran == 0 or (self._micro_step % self.grad_accumulation_steps == 0 and self._micro_step > 0)
+        if (self.fuse_optimizer and ran > 0) or not completed:
             return False
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)

@@ -58,3 +58,12 @@ def test_tied_linear_is_not_patched_and_others_are():
         assert "forward" not in m.head.__dict__
         assert "forward" in m.enc.__dict__ and "forward" in m.dec.__dict__
         assert ooo.report()["eligible_layers"] == 2
+
+
+def test_weight_shared_by_two_linears_stays_deferred():
+    """Every use deferred: summed in autograd's order, so no reason to run them plainly."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    m[2].weight = m[0].weight
+    with memsched.OutOfOrderBackward(m) as ooo:
+        assert ooo.report()["eligible_layers"] == 2
