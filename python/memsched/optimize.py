@@ -101,7 +101,8 @@ Note [A step that raises]
   profiled step cannot be told from a second forward of the same step, so the
   retry is recorded into the same trace (the plan may then mismatch and
   re-profile). Parameters the fused update stepped before a backward raised
-  keep their update, as documented in ooo.
+  keep their update, as documented in ooo; a RuntimeWarning names how many
+  when the iteration is abandoned (Note [A failed backward] in ooo/backward.py).
 
 Note [Budgets]
   budget=None: "as fast as possible within the device's memory": keep_all when

@@ -89,6 +89,9 @@ Note [A failed backward]
   finds the phase "backward" (the failed graph still referenced) abandons it
   too, and so does remove(). memsched.optimize abandons an iteration whose
   root forward raised (abandon_forward()).
+  Limitations: with a fused update, parameters stepped before the backward pass raised keep their
+  update (plain PyTorch, whose step follows backward, updates none); a RuntimeWarning names how
+  many when the iteration is abandoned.
 
 Note [Parameters added or unfrozen after install]
   Rationale: a parameter that requires grad but was not registered at install is neither
@@ -174,6 +177,7 @@ import numbers
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Dict, List, Optional, Sequence, Set
 
@@ -758,6 +762,14 @@ class OutOfOrderBackward:
         """Drops the running iteration after an error: queued work, pending
         sums, the scheduler's counts (a fresh scheduler, same parameters)."""
         self._rt.abandon()  # queued items, pending sums, a fresh scheduler
+        stepped, self._iter_stepped = self._iter_stepped, 0
+        if stepped:
+            warnings.warn(
+                f"memsched: a backward pass raised after the fused optimizer update (fuse_optimizer=True) had "
+                f"already stepped {stepped} of {len(self._params)} parameters; they keep that update and the "
+                f"others keep their old values, whereas plain PyTorch updates nothing when backward raises. "
+                f"Raise before backward (check the loss) or use fuse_optimizer=False to skip such a step "
+                f"exactly (Note [A failed backward] in memsched/ooo/backward.py).", RuntimeWarning, stacklevel=2)
         self._callback_queued = False
         self._phase = "idle"
         self._graph = None
