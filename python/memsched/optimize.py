@@ -351,7 +351,8 @@ class Run:
         k, n = self.grad_accumulation_steps, self.ooo_.backward_passes_since_step
         if n != k and n != 0:  # n == 0: gradients set by hand (torch.autograd.grad): a plain step
             raise _C.MemschedError(
-                f"optimizer.step() was called after {n} backward pass(es) since the last optimizer step, but "
+                f"optimizer.step() was called after {n} backward pass(es) since the last optimizer step (or "
+                f"optimizer.zero_grad() at a step boundary), but "
                 f"memsched.optimize(..., grad_accumulation_steps={k}) expects {k}: with ooo=True / "
                 "fuse_optimizer=True the update follows grad_accumulation_steps, so it must equal the "
                 "training loop's gradient accumulation (the memsched callbacks for transformers and "

@@ -188,7 +188,7 @@ from torch.nn.utils import parametrize
 from memsched._C import DwRuntime, MemschedError, deferred_conv, deferred_linear
 from memsched.copy_inert import PatchedForward, inert_on_copy
 from memsched.ooo import clip_guard, grad_scaler_guard
-from memsched.ooo.fused import ParamStepper
+from memsched.ooo.fused import SUPPORTED_OPTIMIZERS, ParamStepper
 from memsched.ooo.zero_grad_watch import ZeroGradWatch
 from memsched.units import parse_bytes
 
@@ -284,6 +284,12 @@ class OutOfOrderBackward:
         if fuse_optimizer and optimizer is None:
             raise MemschedError("fuse_optimizer=True needs optimizer=...: the torch.optim optimizer whose "
                                 "update runs per parameter during backward")
+        if fuse_optimizer and type(optimizer) not in SUPPORTED_OPTIMIZERS:
+            # checked here, so memsched.optimize(...) refuses it too, before the `with` block
+            raise MemschedError(
+                f"optimizer: fuse_optimizer=True supports torch.optim.SGD, Adam and AdamW (per-parameter "
+                f"updates); got {type(optimizer).__module__}.{type(optimizer).__qualname__}. Use "
+                f"fuse_optimizer=False (ooo=True alone) and let optimizer.step() run after backward.")
         if fuse_optimizer and max_grad_norm is not None:
             raise MemschedError(
                 "max_grad_norm: global gradient-norm clipping cannot be fused with the optimizer update -- "
@@ -458,6 +464,7 @@ class OutOfOrderBackward:
             self._stepper = ParamStepper(self.optimizer)
             grad_scaler_guard.guard(self)  # See Note [GradScaler and fused updates]
             clip_guard.guard(self)  # See Note [Clipping and fused updates]
+        if self.optimizer is not None and isinstance(self.optimizer, torch.optim.Optimizer):
             # See Note [Gradients the fused update did not see]
             self._zero_watch = ZeroGradWatch(self.optimizer, self._on_zero_grad)
             self._zero_watch.install()
@@ -654,10 +661,12 @@ class OutOfOrderBackward:
         """Called by the runtime's post-accumulate-grad hook (See Note [AccumulateGrad gate])."""
         raise MemschedError(
             f"parameter {self._name(i)} received a gradient through autograd that memsched did not "
-            f"count during forward (it is used outside the layer that owns it, e.g. in a "
-            f"functional call or a loss term). Its deferred gradient may already be final; "
-            f"memsched refuses to compute a wrong update. Use it only through its module, or "
-            f"leave that model out of ooo.")
+            f"count during forward. Either the loss differentiates through a gradient (double "
+            f"backward: a gradient penalty from torch.autograd.grad(..., create_graph=True) makes "
+            f"every layer's input gradient depend on its weight), which ooo does not support; or the "
+            f"parameter is used outside the layer that owns it (a functional call, a loss term). Its "
+            f"deferred gradient may already be final; memsched refuses to compute a wrong update. Use "
+            f"it only through its module, or leave that model out of ooo (ooo=False).")
 
     def _check_no_grad_use(self) -> None:
         # See _REENTRANT_MESSAGE; the stack walk runs only with a fused update.
@@ -734,6 +743,10 @@ class OutOfOrderBackward:
 
     def _on_zero_grad(self, set_to_none: bool) -> None:
         """The caller's optimizer.zero_grad(set_to_none) (Note [Gradients the fused update did not see])."""
+        if not self.fuse_optimizer and self._micro_step % self.grad_accumulation_steps == 0:
+            # the gradients of the backward passes so far are dropped without a step (GradScaler
+            # skipped it on inf/NaN): the caller's next optimizer.step() follows the passes after this
+            self._backwards_since_step = 0
         if set_to_none:
             self._freed.clear()
             self._zeroed.clear()
