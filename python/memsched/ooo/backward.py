@@ -22,7 +22,10 @@ Note [One iteration of out-of-order backward]
   ``param.grad`` once, when the parameter is final -- the same additions
   autograd's InputBuffer + AccumulateGrad perform, hence bitwise equal
   gradients (for up to two contributions of one parameter: float addition is
-  commutative, not associative). Autograd contributions (non-eligible uses)
+  commutative, not associative; a parameter with both deferred and autograd uses
+  is summed in another order once autograd sees two or more, so a Linear owning
+  a tied parameter stays plain -- See Note [Tied parameters] for what remains,
+  and Note [Parameters with gradient hooks]). Autograd contributions (non-eligible uses)
   are seen through a tensor hook (is the gradient defined?) and a
   post-accumulate-grad hook. At the end of the backward pass (an engine
   callback, so ``loss.backward()`` returns with everything done) the queue is
