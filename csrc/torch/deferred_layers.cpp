@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
+#include <stdexcept>
 #include <torch/csrc/autograd/custom_function.h>
 
 namespace py = pybind11;
@@ -52,6 +53,24 @@ c10::intrusive_ptr<LayerConf> make_conf(const std::shared_ptr<DwRuntime>& rt, in
   return conf;
 }
 
+// The node's saved (input, weight). WARNING: a second backward pass over a retained graph after
+// its iteration ended (phase idle) under a fused update finds the weight already stepped, so the
+// saved-tensor version check would blame an in-place op "plain PyTorch raises too" (it does not):
+// name the real cause instead. Only the failing path pays for the check.
+variable_list saved_of(AutogradContext* ctx, const LayerConf& conf) {
+  try {
+    return ctx->get_saved_variables();
+  } catch (const std::exception&) {
+    std::shared_ptr<DwRuntime> rt = conf.rt.lock();
+    if (rt == nullptr || !rt->installed || rt->phase != 0 || !rt->notify) throw;
+  }
+  throw std::runtime_error(
+      "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
+      "backward(inputs=...) first) is not supported with fuse_optimizer=True: the first pass already "
+      "updated the parameters this graph saved, in place. Run forward again for each backward pass "
+      "(grad_accumulation_steps=K for K passes per step), or use fuse_optimizer=False.");
+}
+
 // dW and db of one node: deferred to the runtime when this backward pass accumulates into
 // .grad and the runtime is live; returned now when torch.autograd.grad() asks for them or the
 // runtime is gone; nothing when the pass does not want them (Note [Same kernels, same order] in deferred_layers.h).
@@ -99,7 +118,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const LayerConf& conf = conf_of(ctx);
-    variable_list saved = ctx->get_saved_variables();
+    variable_list saved = saved_of(ctx, conf);
     const at::Tensor& grad = grads[0];
     at::Tensor dx, dw, db;
     if (ctx->needs_input_grad(0)) dx = grad.matmul(saved[1]);  // mm_mat1_backward
@@ -124,7 +143,7 @@ struct ConvFunction : torch::autograd::Function<ConvFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const LayerConf& conf = conf_of(ctx);
-    variable_list saved = ctx->get_saved_variables();
+    variable_list saved = saved_of(ctx, conf);
     const at::Tensor& grad = grads[0];
     const at::Tensor& weight = saved[1];
     const int64_t nd = weight.dim() - 2;
