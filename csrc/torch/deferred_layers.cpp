@@ -2,6 +2,7 @@
 #include "torch/deferred_layers.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
 #include <stdexcept>
 #include <torch/csrc/autograd/custom_function.h>
@@ -53,11 +54,25 @@ c10::intrusive_ptr<LayerConf> make_conf(const std::shared_ptr<DwRuntime>& rt, in
   return conf;
 }
 
-// The node's saved (input, weight). WARNING: a second backward pass over a retained graph after
+// The node's saved (input, weight), after refusing double backward. WARNING: a second backward pass over a retained graph after
 // its iteration ended (phase idle) under a fused update finds the weight already stepped, so the
 // saved-tensor version check would blame an in-place op "plain PyTorch raises too" (it does not):
 // name the real cause instead. Only the failing path pays for the check.
 variable_list saved_of(AutogradContext* ctx, const LayerConf& conf) {
+  if (at::GradMode::is_enabled()) {
+    // create_graph=True: the deferred dW is computed outside autograd, so a gradient of this
+    // gradient (a gradient penalty) would miss it. Refused before any parameter changes -- also
+    // when this pass asks only for input gradients: dX = dY W records W, so the penalty's
+    // backward would reach the weight through autograd, uncounted.
+    std::shared_ptr<DwRuntime> rt = conf.rt.lock();
+    if (rt != nullptr && rt->installed && (conf.weight_idx >= 0 || conf.bias_idx >= 0)) {
+      throw std::runtime_error(
+          "a backward pass with create_graph=True (double backward, e.g. a gradient penalty from "
+          "torch.autograd.grad(..., create_graph=True)) through a layer memsched's out-of-order backward "
+          "defers is not supported: its weight gradient is computed outside autograd, so gradients of "
+          "gradients would miss it. Use ooo=False / fuse_optimizer=False for this model.");
+    }
+  }
   try {
     return ctx->get_saved_variables();
   } catch (const std::exception&) {

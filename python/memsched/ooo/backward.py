@@ -664,10 +664,10 @@ class OutOfOrderBackward:
         """Called by the runtime's post-accumulate-grad hook (See Note [AccumulateGrad gate])."""
         raise MemschedError(
             f"parameter {self._name(i)} received a gradient through autograd that memsched did not "
-            f"count during forward. Either the loss differentiates through a gradient (double "
-            f"backward: a gradient penalty from torch.autograd.grad(..., create_graph=True) makes "
-            f"every layer's input gradient depend on its weight), which ooo does not support; or the "
-            f"parameter is used outside the layer that owns it (a functional call, a loss term). Its "
+            f"count during forward: it is used outside the layer that owns it (a functional call, a "
+            f"loss term such as a penalty on the weight), or the loss differentiates through a "
+            f"gradient (double backward: torch.autograd.grad(..., create_graph=True), which ooo does "
+            f"not support). Its "
             f"deferred gradient may already be final; memsched refuses to compute a wrong update. Use "
             f"it only through its module, or leave that model out of ooo (ooo=False).")
 
