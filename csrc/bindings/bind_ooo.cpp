@@ -145,6 +145,8 @@ void bind_ooo(py::module_& m) {
           "C++]); hypers: (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, kernel 0 single "
           "tensor / 1 foreach / 2 fused) per param group; group_of[p] < 0: p is stepped in Python.")
       .def("clear_adam", &DwRuntime::clear_adam)
+      .def("take_native_stepped", &DwRuntime::take_native_stepped,
+           "The parameters (indices) the C++ Adam update stepped since the last call.")
       .def("step_native", &DwRuntime::step_native, py::arg("params"))
       .def_property_readonly("native_updates", &DwRuntime::native_updates)
       .def_property_readonly("native_calls", &DwRuntime::native_calls);

@@ -2,7 +2,9 @@
 #include "torch/deferred_layers.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
+#include <stdexcept>
 #include <torch/csrc/autograd/custom_function.h>
 
 namespace py = pybind11;
@@ -52,6 +54,38 @@ c10::intrusive_ptr<LayerConf> make_conf(const std::shared_ptr<DwRuntime>& rt, in
   return conf;
 }
 
+// The node's saved (input, weight), after refusing double backward. WARNING: a second backward pass over a retained graph after
+// its iteration ended (phase idle) under a fused update finds the weight already stepped, so the
+// saved-tensor version check would blame an in-place op "plain PyTorch raises too" (it does not):
+// name the real cause instead. Only the failing path pays for the check.
+variable_list saved_of(AutogradContext* ctx, const LayerConf& conf) {
+  if (at::GradMode::is_enabled()) {
+    // create_graph=True: the deferred dW is computed outside autograd, so a gradient of this
+    // gradient (a gradient penalty) would miss it. Refused before any parameter changes -- also
+    // when this pass asks only for input gradients: dX = dY W records W, so the penalty's
+    // backward would reach the weight through autograd, uncounted.
+    std::shared_ptr<DwRuntime> rt = conf.rt.lock();
+    if (rt != nullptr && rt->installed && (conf.weight_idx >= 0 || conf.bias_idx >= 0)) {
+      throw std::runtime_error(
+          "a backward pass with create_graph=True (double backward, e.g. a gradient penalty from "
+          "torch.autograd.grad(..., create_graph=True)) through a layer memsched's out-of-order backward "
+          "defers is not supported: its weight gradient is computed outside autograd, so gradients of "
+          "gradients would miss it. Use ooo=False / fuse_optimizer=False for this model.");
+    }
+  }
+  try {
+    return ctx->get_saved_variables();
+  } catch (const std::exception&) {
+    std::shared_ptr<DwRuntime> rt = conf.rt.lock();
+    if (rt == nullptr || !rt->installed || rt->phase != 0 || !rt->notify) throw;
+  }
+  throw std::runtime_error(
+      "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
+      "backward(inputs=...) first) is not supported with fuse_optimizer=True: the first pass already "
+      "updated the parameters this graph saved, in place. Run forward again for each backward pass "
+      "(grad_accumulation_steps=K for K passes per step), or use fuse_optimizer=False.");
+}
+
 // dW and db of one node: deferred to the runtime when this backward pass accumulates into
 // .grad and the runtime is live; returned now when torch.autograd.grad() asks for them or the
 // runtime is gone; nothing when the pass does not want them (Note [Same kernels, same order] in deferred_layers.h).
@@ -99,7 +133,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const LayerConf& conf = conf_of(ctx);
-    variable_list saved = ctx->get_saved_variables();
+    variable_list saved = saved_of(ctx, conf);
     const at::Tensor& grad = grads[0];
     at::Tensor dx, dw, db;
     if (ctx->needs_input_grad(0)) dx = grad.matmul(saved[1]);  // mm_mat1_backward
@@ -124,7 +158,7 @@ struct ConvFunction : torch::autograd::Function<ConvFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const LayerConf& conf = conf_of(ctx);
-    variable_list saved = ctx->get_saved_variables();
+    variable_list saved = saved_of(ctx, conf);
     const at::Tensor& grad = grads[0];
     const at::Tensor& weight = saved[1];
     const int64_t nd = weight.dim() - 2;

@@ -411,6 +411,11 @@ int64_t DwRuntime::native_updates() {
   return native_updates_;
 }
 
+std::vector<int32_t> DwRuntime::take_native_stepped() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(native_stepped_, {});
+}
+
 int64_t DwRuntime::native_calls() {
   std::lock_guard<std::mutex> lock(mu_);
   return native_calls_;
@@ -462,6 +467,7 @@ std::vector<int32_t> DwRuntime::step_native_on(const std::vector<int32_t>& param
     std::lock_guard<std::mutex> lock(mu_);
     track(-bytes, 0);
     native_updates_ += static_cast<int64_t>(idx.size());
+    native_stepped_.insert(native_stepped_.end(), idx.begin(), idx.end());
     native_calls_ += 1;
   }
   return rest;

@@ -173,6 +173,8 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // and frees their gradients; returns the others, in order, for the owner.
   std::vector<int32_t> step_native(const std::vector<int32_t>& params);
   int64_t native_updates();  // COUNT: parameters updated here since construction
+  // The parameters updated here since the last call (the owner's bookkeeping of freed gradients).
+  std::vector<int32_t> take_native_stepped();
   int64_t native_calls();    // COUNT: adam_update calls (one per param group per ready group)
 
   // -- gradient memory accounting (peak_grad_bytes in report()) ----------------------------
@@ -247,6 +249,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
 
   std::shared_ptr<const AdamPlan> adam_;       // null: every fused update goes to the owner
   int64_t native_updates_ = 0;                  // COUNT
+  std::vector<int32_t> native_stepped_;         // parameters updated here, until take_native_stepped()
   int64_t native_calls_ = 0;                    // COUNT
 
   std::thread worker_;                          // executor "thread"

@@ -122,7 +122,8 @@ Note [A step that raises]
   profiled step cannot be told from a second forward of the same step, so the
   retry is recorded into the same trace (the plan may then mismatch and
   re-profile). Parameters the fused update stepped before a backward raised
-  keep their update, as documented in ooo.
+  keep their update, as documented in ooo; a RuntimeWarning names how many
+  when the iteration is abandoned (Note [A failed backward] in ooo/backward.py).
 
 Note [Budgets]
   budget=None: "as fast as possible within the device's memory": keep_all when
@@ -416,9 +417,10 @@ class Run:
         grad_accumulation_steps backward passes: the fused update (or ooo's step count) follows
         that setting, the caller's loop its own. Refused before anything changes."""
         k, n = self.grad_accumulation_steps, self.ooo_.backward_passes_since_step
-        if n != k:
+        if n != k and n != 0:  # n == 0: gradients set by hand (torch.autograd.grad): a plain step
             raise _C.MemschedError(
-                f"optimizer.step() was called after {n} backward pass(es) since the last optimizer step, but "
+                f"optimizer.step() was called after {n} backward pass(es) since the last optimizer step (or "
+                f"optimizer.zero_grad() at a step boundary), but "
                 f"memsched.optimize(..., grad_accumulation_steps={k}) expects {k}: with ooo=True / "
                 "fuse_optimizer=True the update follows grad_accumulation_steps, so it must equal the "
                 "training loop's gradient accumulation (the memsched callbacks for transformers and "

@@ -181,8 +181,9 @@ def test_parameters_used_several_times_update_once_after_all_contributions(opt_n
     assert len(steps) + native == 5 * 4 and len({id(p) for p in steps}) == 4
     assert native == (16 if opt_name == "adam" else 0)
     r = ooo.report()
-    # per iteration: twice x2 (w+b items), l1, l2, head -> 5 deferred items
-    assert r["deferred_items"] == 25 and r["fused_updates"] == 20
+    # per iteration: twice x2 (w+b items), l1, l2 -> 4 deferred items; head, tied to the
+    # embedding, runs plainly (Note [Tied parameters] in ooo/backward.py)
+    assert r["deferred_items"] == 20 and r["fused_updates"] == 20
     assert all(p.grad is None for p in b.parameters())
 
 

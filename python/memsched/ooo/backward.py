@@ -22,7 +22,10 @@ Note [One iteration of out-of-order backward]
   ``param.grad`` once, when the parameter is final -- the same additions
   autograd's InputBuffer + AccumulateGrad perform, hence bitwise equal
   gradients (for up to two contributions of one parameter: float addition is
-  commutative, not associative). Autograd contributions (non-eligible uses)
+  commutative, not associative; a parameter with both deferred and autograd uses
+  is summed in another order once autograd sees two or more, so a Linear owning
+  a tied parameter stays plain -- See Note [Tied parameters] for what remains,
+  and Note [Parameters with gradient hooks]). Autograd contributions (non-eligible uses)
   are seen through a tensor hook (is the gradient defined?) and a
   post-accumulate-grad hook. At the end of the backward pass (an engine
   callback, so ``loss.backward()`` returns with everything done) the queue is
@@ -90,6 +93,9 @@ Note [A failed backward]
   finds the phase "backward" (the failed graph still referenced) abandons it
   too, and so does remove(). memsched.optimize abandons an iteration whose
   root forward raised (abandon_forward()).
+  Limitations: with a fused update, parameters stepped before the backward pass raised keep their
+  update (plain PyTorch, whose step follows backward, updates none); a RuntimeWarning names how
+  many when the iteration is abandoned.
 
 Note [Parameters added or unfrozen after install]
   Rationale: a parameter that requires grad but was not registered at install is neither
@@ -100,6 +106,52 @@ Note [Parameters added or unfrozen after install]
   install (the flag is set, never cleared, so later iterations walk too).
   Limitations: a parameter put into ``module._parameters`` directly, bypassing
   register_parameter and __setattr__, is not seen.
+
+Note [Parameters with gradient hooks]
+  Rationale: a deferred layer's Function returns no weight gradient, so a hook the caller put on
+  the parameter (p.register_hook(fn)) was called with None: ``g * 0.5`` raised in user code and a
+  None-tolerant hook was skipped (parameters off by 0.09). A post-accumulate-grad hook
+  (clip_grad_value_ per parameter) saw .grad already stepped and freed under a fused update.
+  Approach: a patched layer checks its parameters' hook dicts at every forward (two len() calls):
+  when one carries a hook besides memsched's own, that call runs the stock forward and is
+  counted as an autograd use, so autograd sums the gradient and calls the hook with all of it, as
+  plain PyTorch does. With a fused update, memsched's post-accumulate-grad hook (which may step
+  the parameter) is moved behind the caller's at the start of each iteration, so the caller's
+  hook sees and may change the accumulated .grad before the update.
+  Limitations: a hook registered between a forward and its backward is not seen by that
+  forward: its parameter's deferred gradient reaches the hook as None in that backward only.
+
+Note [Tied parameters]
+  Rationale: a parameter owned by several modules (a T5/BART shared embedding tied to the output
+  nn.Linear) gets some gradient through autograd and some through the deferred layer. Mixing the
+  two sums them in another order than autograd's InputBuffer when autograd sees two or more uses
+  (HF T5: 1.2e-7 off after 3 steps).
+  Approach: a Linear/Conv owning a parameter that a module memsched does not patch also owns
+  (named_parameters(remove_duplicate=False) lists it twice) is not patched; all uses of that
+  parameter then go through autograd, bitwise as plain. A parameter whose owners are all
+  patchable (two Linears sharing a weight, one layer reached by several paths) stays deferred:
+  all its uses are deferred and summed in autograd's order.
+  Limitations: a patched layer's weight also read functionally (F.linear(x, layer.weight)) is
+  refused (Note [AccumulateGrad gate]); one also run under autocast in the same iteration mixes
+  the two kinds of use and is exact only for one autograd use.
+
+Note [Gradients the fused update did not see]
+  Rationale: plain optimizer.step() steps every parameter whose .grad is not None. A parameter
+  whose gradient no backward pass delivered -- a zero tensor left by zero_grad(set_to_none=False),
+  a branch or MoE expert unused this step -- is stepped by plain AdamW (its step count advances,
+  weight decay applies) but was never made final, so the fused update skipped it; and a step
+  whose gradients came from torch.autograd.grad and were set by hand had no backward pass at all,
+  so step() returned False and nothing was updated.
+  Approach: at the end of the last micro-step's backward, every parameter that still holds a
+  .grad (the fused update frees the gradients it steps) is stepped in one grouped call. A
+  parameter whose gradient the fused update freed holds a zero gradient in plain PyTorch after
+  optimizer.zero_grad(set_to_none=False): the optimizer's zero_grad is watched
+  (zero_grad_watch.py) and such a parameter, if no backward pass reached it, gets a zero .grad
+  there and is stepped with the rest. step() after no backward pass returns True, so the caller
+  (run.step()) runs optimizer.step().
+  Limitations: under DDP (memsched's bucket reducer) such parameters are not stepped; zeroing
+  through model.zero_grad(set_to_none=False) or p.grad.zero_() is not seen (the freed gradient
+  stays None, as after set_to_none=True).
 
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
@@ -129,6 +181,7 @@ import numbers
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Dict, List, Optional, Sequence, Set
 
@@ -139,7 +192,8 @@ from torch.nn.utils import parametrize
 from memsched._C import DwRuntime, MemschedError, deferred_conv, deferred_linear
 from memsched.copy_inert import PatchedForward, inert_on_copy
 from memsched.ooo import clip_guard, grad_scaler_guard
-from memsched.ooo.fused import ParamStepper
+from memsched.ooo.fused import SUPPORTED_OPTIMIZERS, ParamStepper
+from memsched.ooo.zero_grad_watch import ZeroGradWatch
 from memsched.units import parse_bytes
 
 DEFAULT_MAX_DEFERRED_BYTES = 64 * 1024 * 1024
@@ -200,6 +254,12 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _user_hooked(p: torch.Tensor) -> bool:
+    """p carries a gradient hook of the caller's besides memsched's own one of each kind (See
+    Note [Parameters with gradient hooks])."""
+    return len(p._backward_hooks) > 1 or len(p._post_accumulate_grad_hooks) > 1
+
+
 class OutOfOrderBackward:
     """Defers weight gradients of eligible layers; optionally fuses the optimizer update.
 
@@ -228,6 +288,12 @@ class OutOfOrderBackward:
         if fuse_optimizer and optimizer is None:
             raise MemschedError("fuse_optimizer=True needs optimizer=...: the torch.optim optimizer whose "
                                 "update runs per parameter during backward")
+        if fuse_optimizer and type(optimizer) not in SUPPORTED_OPTIMIZERS:
+            # checked here, so memsched.optimize(...) refuses it too, before the `with` block
+            raise MemschedError(
+                f"optimizer: fuse_optimizer=True supports torch.optim.SGD, Adam and AdamW (per-parameter "
+                f"updates); got {type(optimizer).__module__}.{type(optimizer).__qualname__}. Use "
+                f"fuse_optimizer=False (ooo=True alone) and let optimizer.step() run after backward.")
         if fuse_optimizer and max_grad_norm is not None:
             raise MemschedError(
                 "max_grad_norm: global gradient-norm clipping cannot be fused with the optimizer update -- "
@@ -287,6 +353,8 @@ class OutOfOrderBackward:
         self._params: List[nn.Parameter] = []
         self._index: Dict[int, int] = {}
         self._frozen: List[nn.Parameter] = []  # See Note [Parameters added or unfrozen after install]
+        self._patchable: Set[int] = set()  # ids of modules patched (See Note [Tied parameters])
+        self._post_hook_ids: List[int] = []  # memsched's post-accumulate-grad hook per parameter
         self._structure_changed = True
         self._deferred_only: Set[int] = set()
         self._phase = "idle"
@@ -298,6 +366,10 @@ class OutOfOrderBackward:
         self._fused_steps = 0
         self._native_seen = 0  # the runtime's native_updates at the end of the last backward
         self._native_steps = 0  # COUNT: fused updates run in C++ (See Note [Adam plan for the C++ update])
+        self._iter_stepped = 0
+        self._freed: Set[int] = set()   # stepped and freed since the caller last set gradients to None
+        self._zeroed: Set[int] = set()  # of those, zeroed since (plain would hold a zero .grad)
+        self._zero_watch: Optional[ZeroGradWatch] = None
         self._last_peak_grad_bytes = 0
         self._reducer = None
         self._ddp_saved_sync = None
@@ -362,8 +434,12 @@ class OutOfOrderBackward:
             for p in m.parameters(recurse=False):
                 if id(p) in self._index:
                     owners.setdefault(id(p), []).append(m)
+        # See Note [Tied parameters]: a Linear/Conv owning a parameter another module owns stays plain.
+        tied = {pid for pid, ms in owners.items() if len(ms) > 1 and not all(_eligible(m) for m in ms)}
+        self._patchable = {id(m) for m in modules if _eligible(m) and not any(
+            id(p) in tied for p in m.parameters(recurse=False))}
         for pid, ms in owners.items():
-            if all(_eligible(m) for m in ms):
+            if all(id(m) in self._patchable for m in ms):
                 self._deferred_only.add(self._index[pid])
         # See Note [Step units]: a parameter's unit is its first owner's own parameters.
         self._unit_of = [-1] * len(self._params)
@@ -394,6 +470,10 @@ class OutOfOrderBackward:
             self._stepper = ParamStepper(self.optimizer)
             grad_scaler_guard.guard(self)  # See Note [GradScaler and fused updates]
             clip_guard.guard(self)  # See Note [Clipping and fused updates]
+        if self.optimizer is not None and isinstance(self.optimizer, torch.optim.Optimizer):
+            # See Note [Gradients the fused update did not see]
+            self._zero_watch = ZeroGradWatch(self.optimizer, self._on_zero_grad)
+            self._zero_watch.install()
 
         if executor == "stream" and not any(p.is_cuda for p in self._params):
             raise MemschedError("executor='stream' needs the model on a CUDA device; use 'inline' or 'thread'")
@@ -410,7 +490,7 @@ class OutOfOrderBackward:
 
         me = weakref.proxy(self)
         for m in modules:
-            if _eligible(m):
+            if id(m) in self._patchable:
                 self._patch(m, me)
             elif any(id(p) in self._index for p in m.parameters(recurse=False)):
                 ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
@@ -418,7 +498,9 @@ class OutOfOrderBackward:
                     inert_on_copy(lambda mod, args, ids=ids: me._note_autograd_use(ids))))
         for i, p in enumerate(self._params):  # C functions (See Note [dW runtime in C++])
             self._handles.append(p.register_hook(self._rt.grad_hook(i)))
-            self._handles.append(p.register_post_accumulate_grad_hook(self._rt.accumulated_hook(i)))
+            post = p.register_post_accumulate_grad_hook(self._rt.accumulated_hook(i))
+            self._handles.append(post)
+            self._post_hook_ids.append(post.id)
 
     def _patch(self, m: nn.Module, me) -> None:
         had = "forward" in m.__dict__
@@ -436,7 +518,9 @@ class OutOfOrderBackward:
                 bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
                 if wi is None and bi is None:
                     return nn.Linear.forward(mod, x)
-                if torch.is_autocast_enabled(x.device.type):
+                # See Note [Parameters with gradient hooks]
+                if torch.is_autocast_enabled(x.device.type) or (wi is not None and _user_hooked(mod.weight)) \
+                        or (bi is not None and _user_hooked(mod.bias)):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return nn.Linear.forward(mod, x)
                 wi = -1 if wi is None else wi
@@ -455,7 +539,9 @@ class OutOfOrderBackward:
                 bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
                 if wi is None and bi is None:
                     return base.forward(mod, x)
-                if torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2:
+                if torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2 \
+                        or (wi is not None and _user_hooked(mod.weight)) \
+                        or (bi is not None and _user_hooked(mod.bias)):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return base.forward(mod, x)
                 wi = -1 if wi is None else wi
@@ -483,6 +569,9 @@ class OutOfOrderBackward:
         self._handles = []
         grad_scaler_guard.unguard(self)
         clip_guard.unguard(self)
+        if self._zero_watch is not None:
+            self._zero_watch.remove()
+            self._zero_watch = None
         if self._rt is not None:
             self._rt.shutdown()  # nodes recorded before now return their gradients plainly
         if self._reducer is not None and self._ddp_saved_sync is not None:
@@ -514,6 +603,9 @@ class OutOfOrderBackward:
                         f"parameter {n} requires grad but had requires_grad=False when OutOfOrderBackward was "
                         f"installed, so memsched neither defers nor (fuse_optimizer) updates it. Unfreeze "
                         f"parameters before install(), or remove() and install() again after unfreezing.")
+            if self._stepper is not None:
+                self._post_hooks_last()
+            self._iter_stepped = 0  # parameters the fused update stepped in this iteration (Note [A failed backward])
             self._rt.begin_iteration(self._last_micro_step())
             if self._reducer is not None:
                 self._reducer.begin_iteration()
@@ -523,6 +615,14 @@ class OutOfOrderBackward:
             graph = _IterationGraph()
             self._graph = weakref.ref(graph, self._graph_gone)
             self._graph_obj = graph  # handed to the iteration's nodes by graph_token(), then dropped
+
+    def _post_hooks_last(self) -> None:
+        """See Note [Parameters with gradient hooks]: the caller's post-accumulate-grad hooks run
+        before memsched's, which may step the parameter and free its gradient."""
+        for p, hid in zip(self._params, self._post_hook_ids):
+            hooks = p._post_accumulate_grad_hooks
+            if len(hooks) > 1 and next(reversed(hooks)) != hid:
+                hooks[hid] = hooks.pop(hid)  # torch calls them in dict order (PyDict_Next), not move_to_end's
 
     def graph_token(self):
         """The object every Deferred* node of this iteration keeps in its ctx: it dies with the
@@ -568,10 +668,12 @@ class OutOfOrderBackward:
         """Called by the runtime's post-accumulate-grad hook (See Note [AccumulateGrad gate])."""
         raise MemschedError(
             f"parameter {self._name(i)} received a gradient through autograd that memsched did not "
-            f"count during forward (it is used outside the layer that owns it, e.g. in a "
-            f"functional call or a loss term). Its deferred gradient may already be final; "
-            f"memsched refuses to compute a wrong update. Use it only through its module, or "
-            f"leave that model out of ooo.")
+            f"count during forward: it is used outside the layer that owns it (a functional call, a "
+            f"loss term such as a penalty on the weight), or the loss differentiates through a "
+            f"gradient (double backward: torch.autograd.grad(..., create_graph=True), which ooo does "
+            f"not support). Its "
+            f"deferred gradient may already be final; memsched refuses to compute a wrong update. Use "
+            f"it only through its module, or leave that model out of ooo (ooo=False).")
 
     def _check_no_grad_use(self) -> None:
         # See _REENTRANT_MESSAGE; the stack walk runs only with a fused update.
@@ -633,6 +735,45 @@ class OutOfOrderBackward:
         self._stepper.step_params(params)  # frees each p.grad
         self._rt.track(-nbytes)
         self._fused_steps += len(params)
+        self._iter_stepped += len(params)
+        self._freed.update(idx)
+        self._zeroed.difference_update(idx)
+
+    def _note_native_steps(self) -> None:
+        """Book the parameters the C++ Adam update stepped (and freed) as _step_params books its own."""
+        idx = self._rt.take_native_stepped()
+        if idx:
+            self._iter_stepped += len(idx)
+            self._freed.update(idx)
+            self._zeroed.difference_update(idx)
+
+    def _step_leftovers(self) -> None:
+        """See Note [Gradients the fused update did not see]: one grouped update of every parameter
+        that still has a .grad at the end of the last micro-step's backward."""
+        self._note_native_steps()  # stepped in C++ this pass: not left over, even with .grad now None
+        for i in self._zeroed:  # plain holds a zero .grad for these; no backward pass reached them
+            p = self._params[i]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        left = [i for i, p in enumerate(self._params) if p.grad is not None and self._stepper.owns(p)]
+        if left:
+            self._stepper.step_params([self._params[i] for i in left])
+            self._fused_steps += len(left)
+            self._iter_stepped += len(left)
+            self._freed.update(left)
+            self._zeroed.difference_update(left)
+
+    def _on_zero_grad(self, set_to_none: bool) -> None:
+        """The caller's optimizer.zero_grad(set_to_none) (Note [Gradients the fused update did not see])."""
+        if not self.fuse_optimizer and self._micro_step % self.grad_accumulation_steps == 0:
+            # the gradients of the backward passes so far are dropped without a step (GradScaler
+            # skipped it on inf/NaN): the caller's next optimizer.step() follows the passes after this
+            self._backwards_since_step = 0
+        if set_to_none:
+            self._freed.clear()
+            self._zeroed.clear()
+        else:
+            self._zeroed.update(self._freed)
 
     def _on_ready(self, groups: List[List[int]], ready_buckets: List[int]) -> None:
         """Called by the runtime (C++) on the last micro-step, with a fused update or DDP: step the
@@ -656,6 +797,15 @@ class OutOfOrderBackward:
         """Drops the running iteration after an error: queued work, pending
         sums, the scheduler's counts (a fresh scheduler, same parameters)."""
         self._rt.abandon()  # queued items, pending sums, a fresh scheduler
+        self._note_native_steps()  # updates the C++ Adam path ran before the error count too
+        stepped, self._iter_stepped = self._iter_stepped, 0
+        if stepped:
+            warnings.warn(
+                f"memsched: a backward pass raised after the fused optimizer update (fuse_optimizer=True) had "
+                f"already stepped {stepped} of {len(self._params)} parameters; they keep that update and the "
+                f"others keep their old values, whereas plain PyTorch updates nothing when backward raises. "
+                f"Raise before backward (check the loss) or use fuse_optimizer=False to skip such a step "
+                f"exactly (Note [A failed backward] in memsched/ooo/backward.py).", RuntimeWarning, stacklevel=2)
         self._callback_queued = False
         self._phase = "idle"
         self._graph = None
@@ -676,6 +826,8 @@ class OutOfOrderBackward:
                 self._step_params(self._reducer.poll())
                 self._step_params(self._reducer.wait_all())
             self._flush_ready()
+            if self._stepper is not None and self._reducer is None and self._last_micro_step():
+                self._step_leftovers()
         except BaseException:
             self._abandon()
             raise
@@ -683,6 +835,7 @@ class OutOfOrderBackward:
             self._phase = "idle"
             rt.backward_started = False
             rt.clear_adam()
+            self._note_native_steps()
             native = rt.native_updates  # parameters stepped in C++: See Note [Adam plan for the C++ update] in fused.py
             if native != self._native_seen:
                 self._fused_steps += native - self._native_seen
@@ -729,17 +882,22 @@ class OutOfOrderBackward:
         """Marks the end of one micro-step. Returns True when the caller should
         now run ``optimizer.step()`` (no fusion, last micro-step); with
         max_grad_norm set that clipping has been applied. With fuse_optimizer the
-        updates already happened during backward and this returns False."""
+        updates already happened during backward and this returns False -- unless no
+        backward pass ran since the last step() (gradients from torch.autograd.grad set by
+        hand): then it returns True, as without fusion."""
         if self._phase == "backward" or self.__dict__.pop("_failed_backward", False):
             # The end-of-backward callback never ran: backward raised part way.
             self._abandon()
             raise MemschedError("step(): the last backward pass did not finish (it raised part way); its "
                                 "deferred weight gradients were dropped and parameters not yet updated keep "
                                 "their old values. Zero the gradients and run the step again.")
+        ran = self._backwards_since_step
         self._backwards_since_step = 0
         self._updated_since_step = False
-        completed = self._micro_step % self.grad_accumulation_steps == 0 and self._micro_step > 0
-        if self.fuse_optimizer or not completed:
+        # No backward pass since the last step(): gradients (if any) came from torch.autograd.grad and
+        # the caller's own .grad assignments, which no fused update saw -- step them as plain PyTorch.
+        completed = ran == 0 or (self._micro_step % self.grad_accumulation_steps == 0 and self._micro_step > 0)
+        if (self.fuse_optimizer and ran > 0) or not completed:
             return False
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)

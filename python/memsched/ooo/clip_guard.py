@@ -13,7 +13,11 @@ Note [Clipping and fused updates]
   transformers' Trainer does to log grad_norm); other parameters are clipped as usual. OutOfOrderBackward's own
   max_grad_norm is refused with fuse_optimizer=True at construction (clip-then-step works
   without fusion: step() clips before returning True), as are the integrations' clipping
-  settings (Trainer's max_grad_norm, Lightning's gradient_clip_val).
+  settings (Trainer's max_grad_norm, Lightning's gradient_clip_val). The per-parameter clipping
+  the refusal recommends (clip_grad_value_ in a post-accumulate-grad hook) clips the whole
+  gradient before the fused update: a parameter with a caller's hook runs its layer plainly and
+  memsched's hook runs last (See Note [Parameters with gradient hooks] in backward.py; tested in
+  tests/python/ooo/test_backward_param_hooks.py).
   Limitations: a function bound before install (``from torch.nn.utils import
   clip_grad_norm_``) and hand-written norms are invisible; the patch is process-wide while
   installed, restored after the last fused owner is removed.

@@ -1,0 +1,83 @@
+"""A backward pass that raises under the fused update (Note [A failed backward] in
+ooo/backward.py): parameters already stepped keep their update, and a RuntimeWarning says how
+many; without a fused update (or before any step) there is no warning and the result is plain."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memsched
+
+
+class Guard(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if Guard.armed:
+            raise FloatingPointError("non-finite gradient")
+        return g
+
+
+class Net(nn.Module):
+    def __init__(self, guard_at_loss):
+        super().__init__()
+        self.guard_at_loss = guard_at_loss
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.relu(self.a(x))))
+        if not self.guard_at_loss:
+            h = Guard.apply(h)  # raises after c's backward: c is already stepped
+        out = self.c(h)
+        return Guard.apply(out) if self.guard_at_loss else out
+
+
+def _loop(m, opt, step):
+    for s in range(4):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+        Guard.armed = s == 1
+        try:
+            F.cross_entropy(m(x), y).backward()
+        except FloatingPointError:
+            opt.zero_grad()
+            continue
+        finally:
+            Guard.armed = False
+        step()
+
+
+def _run(guard_at_loss, flags):
+    torch.manual_seed(0)
+    base = Net(guard_at_loss)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    oa, ob = torch.optim.AdamW(a.parameters()), torch.optim.AdamW(b.parameters())
+    _loop(a, oa, lambda: (oa.step(), oa.zero_grad()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with memsched.optimize(b, ob, **flags) as run:
+            _loop(b, ob, run.step)
+    same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    return same, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+                  and "backward pass raised" in str(w.message)]
+
+
+def test_fused_warns_naming_parameters_already_stepped():
+    same, warned = _run(guard_at_loss=False, flags=dict(fuse_optimizer=True))
+    assert not same  # documented: c.weight and c.bias keep their update
+    assert len(warned) == 1 and "already stepped 2 of 6 parameters" in warned[0]
+
+
+@pytest.mark.parametrize("guard_at_loss, flags", [(False, dict(ooo=True)), (True, dict(fuse_optimizer=True))],
+                         ids=["ooo_unfused", "fused_raises_before_any_step"])
+def test_no_warning_when_nothing_was_stepped(guard_at_loss, flags):
+    same, warned = _run(guard_at_loss, flags)
+    assert same and warned == []
