@@ -90,6 +90,9 @@ OffloadAnalysis analyze_offload(const Trace& trace) {
       continue;
     auto it = std::lower_bound(t.uses.begin(), t.uses.end(), beta);
     if (it == t.uses.end() || trace.ops[*it].phase != Phase::kBackward) continue;
+    // Held into the backward pass by the caller (Note [Held by the caller] in trace.h): leaving the
+    // device would free nothing while it is held, and its fetch would add a second copy.
+    if (t.held_until_op >= beta) continue;
     OffloadCandidate c;
     c.tensor_id = t.id;
     c.bytes = t.bytes;
@@ -97,6 +100,7 @@ OffloadAnalysis analyze_offload(const Trace& trace) {
     c.live_end = trace.live_end(t);
     c.earliest_offload_op = std::max<int64_t>(t.producer_op, 0);
     c.last_forward_use = it == t.uses.begin() ? c.earliest_offload_op : std::max(c.earliest_offload_op, *(it - 1));
+    c.last_forward_use = std::max(c.last_forward_use, t.held_until_op);  // Note [Held by the caller]
     c.first_backward_use = *it;
     a.candidate_index[t.id] = static_cast<int64_t>(a.candidates.size());
     a.candidates.push_back(c);

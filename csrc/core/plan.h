@@ -10,7 +10,10 @@
 // Note [Plan semantics]
 //   Offloadable tensor: kind activation, producer a forward op (or kBeforeStep,
 //   e.g. a model input saved for backward) and at least one use at or after the
-//   first backward op, the first such use being a backward op. Everything else
+//   first backward op, the first such use being a backward op, and not held by
+//   the caller into the backward pass (held_until_op < first backward op; Note
+//   [Held by the caller] in trace.h). Its `last_forward_use` below is its last
+//   forward use or held_until_op, whichever is later. Everything else
 //   stays on the device; a Plan has one TensorDecision per offloadable tensor,
 //   ascending tensor_id, and nothing for the other tensors.
 //   For an offloaded tensor t (offload == true):
@@ -106,7 +109,8 @@ struct OffloadCandidate {
   int64_t live_start = 0;          // first op during which it is live (Trace::live_start)
   int64_t live_end = 0;            // last op during which it is live (Trace::live_end)
   int64_t earliest_offload_op = 0; // max(producer_op, 0): the D2H copy may follow this op
-  int64_t last_forward_use = 0;    // last use before first_backward_op, or earliest_offload_op if none
+  int64_t last_forward_use = 0;    // last use before first_backward_op (or earliest_offload_op if none),
+                                   // or held_until_op if later (Note [Held by the caller] in trace.h)
   int64_t first_backward_use = 0;  // first use at or after first_backward_op (a backward op)
 };
 
