@@ -130,6 +130,19 @@ const py::object& python_storage_key() {
   return *fn;
 }
 
+// See Note [Copies issued at the next op].
+thread_local SavedTensorPath* t_queued_path = nullptr;  // the path whose copies wait for the next op
+// An error _issue_copies raised inside the callback, which cannot raise (RecordFunction logs and drops
+// what its callbacks throw): re-raised by the step's next hook call or its end.
+thread_local std::unique_ptr<py::error_already_set> t_copy_error;
+// Raises (as a Python error) what op_starts() caught, once.
+bool raise_copy_error() {
+  if (!t_copy_error) return false;
+  std::unique_ptr<py::error_already_set> e = std::move(t_copy_error);
+  e->restore();
+  return true;
+}
+
 }  // namespace
 
 SavedTensorPath::SavedTensorPath(at::Device device, py::object owner)
@@ -178,6 +191,7 @@ PyObject* SavedTensorPath::pack(PyObject* obj) {
     return kept_pack(obj);
   }
   if (next_op_callback_ != 0 && !has_queued) disarm();
+  if (raise_copy_error()) return nullptr;  // See Note [Copies issued at the next op]
   if (!is_cpu_ || !track_memory) return pack_saved(obj, t);
   tick();  // See Note [Measured from birth]
   PyObject* packed = pack_saved(obj, t);
@@ -235,6 +249,7 @@ void SavedTensorPath::check_label(int64_t k, bool has_storage) {
 PyObject* SavedTensorPath::unpack(PyObject* packed) {
   HANDLE_TH_ERRORS
   if (THPVariable_Check(packed)) return Py_NewRef(packed);
+  if (raise_copy_error()) return nullptr;  // See Note [Copies issued at the next op]
   if (has_queued) call_owner("_issue_copies");
   if (need_poll) need_poll = call_owner("_poll").cast<bool>();
   int64_t k = -1;
@@ -322,13 +337,14 @@ void prepare_kept_type(py::module_& m) {
 //   inside a kernel run below autograd and have none): the saving op has returned by then, so the
 //   queued copies are issued there, before the next op allocates. The callback exists only while
 //   copies are queued -- between an offloaded tensor's save and the next op -- so other ops pay
-//   nothing; it is removed at the next pack or step boundary, never from inside itself.
+//   nothing; it is removed at the next pack or step boundary, never from inside itself. An error
+//   the copies raise there (RecordFunction drops what its callbacks throw) is kept and raised by
+//   the step's next save, unpack or end.
 //   Limitations: factory ops with no tensor argument (empty, arange) enter below autograd and do
 //   not count as the next op; the first later op that does (or a save, the end of the forward, the
 //   first unpack, as before) issues the copies.
 namespace {
 
-thread_local SavedTensorPath* t_queued_path = nullptr;  // the path whose copies wait for the next op
 
 std::unique_ptr<at::ObserverContext> next_op_starts(const at::RecordFunction& fn) {
   if (fn.seqNr() >= 0 && t_queued_path != nullptr) t_queued_path->op_starts();
@@ -355,11 +371,11 @@ void SavedTensorPath::op_starts() {
   py::gil_scoped_acquire gil;
   try {
     call_owner("_issue_copies");
-  } catch (const py::error_already_set& e) {
-    // The next save, the end of the forward or the first unpack issues them (and raises there).
-    (void)e;
+  } catch (py::error_already_set& e) {
+    if (!t_copy_error) t_copy_error = std::make_unique<py::error_already_set>(std::move(e));
   }
 }
+
 
 void SavedTensorPath::disarm() {
   if (next_op_callback_ != 0) at::removeCallback(next_op_callback_);
@@ -661,6 +677,7 @@ void SavedTensorPath::sample() {
 
 void SavedTensorPath::finish_step() {
   if (!has_queued) disarm();  // the step's copies are out: no op after it pays for the callback
+  if (raise_copy_error()) throw py::error_already_set();
   if (!is_cpu_ || !track_memory) return;
   // See Note [Measured from birth]: deaths at a clock come before births at it (key 2c vs 2c + 1).
   std::vector<std::pair<int64_t, int64_t>> events;  // (key, +/- bytes)
