@@ -73,6 +73,21 @@ RecomputeChain derive_chain(const Trace& trace, const OffloadAnalysis& analysis,
     }
   }
   std::sort(r.ops.begin(), r.ops.end());
+  // An in-place op of the chain writes one of the tensors it reads, and the trace does not say which
+  // (uses are by storage, not by argument). Where it reads a tensor the chain does not recreate -- a
+  // live one the plan keeps -- the replay might write into that live tensor (ATen's LSTM cell adds
+  // the step's input gates into its hidden gates in place), so such a chain is refused.
+  for (int64_t op : r.ops) {
+    if (!is_inplace_op_name(trace.ops[op].name)) continue;
+    for (int64_t q = analysis.op_inputs_begin[op]; q < analysis.op_inputs_begin[op + 1]; ++q) {
+      const int64_t u = analysis.op_inputs[q];
+      if (std::find(recreated.begin(), recreated.end(), u) != recreated.end()) continue;
+      r.ops.clear();
+      r.why = "in-place op " + std::to_string(op) + " of its replay reads tensor " + std::to_string(u) +
+              ", which the replay does not recreate: it could write a live tensor";
+      return r;
+    }
+  }
   for (int64_t op : r.ops) r.rng = r.rng || trace.ops[op].rng;
   r.feasible = true;
   if (recreated_candidates != nullptr) {
