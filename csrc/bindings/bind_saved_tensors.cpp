@@ -87,7 +87,7 @@ void bind_saved_tensors(py::module_& m) {
            py::arg("parameters"))
       .def("begin_step", &SavedTensorPath::begin_step, py::arg("t0_s"))
       .def("set_schedule", &SavedTensorPath::set_schedule, py::arg("labels"), py::arg("planned"),
-           py::arg("first_bwd_op"), py::arg("triggers"))
+           py::arg("first_bwd_op"), py::arg("triggers"), py::arg("before_step") = py::tuple())
       .def("clear_schedule", &SavedTensorPath::clear_schedule)
       .def("observe", &SavedTensorPath::observe, py::arg("ordinal"))
       .def("set_trigger_nodes", &SavedTensorPath::set_trigger_nodes, py::arg("node_to_op"))
@@ -96,6 +96,19 @@ void bind_saved_tensors(py::module_& m) {
       .def("track", [](SavedTensorPath& p, const py::handle& t) { p.track(tensor_arg(t, "SavedTensorPath.track")); },
            py::arg("tensor"))
       .def("sample", &SavedTensorPath::sample)
+      .def_property_readonly("lifetimes",
+                             [](const SavedTensorPath& p) {
+                               py::list out;
+                               for (const auto& l : p.lifetimes())
+                                 out.append(py::make_tuple(l.born, l.died == SavedTensorPath::kAliveClock ? -1 : l.died,
+                                                           l.bytes));
+                               return out;
+                             },
+                             "CPU: this step's tracked storages as (born, died or -1, bytes) on the step clock "
+                             "(Note [Measured from birth])")
+      .def("finish_step", &SavedTensorPath::finish_step,
+           "CPU: the step's peak of tracked storages, each from its birth, into peak_bytes "
+           "(Note [Measured from birth]).")
       .def("alive_bytes", &SavedTensorPath::alive_bytes)
       .def("label", [](SavedTensorPath& p, int64_t k) { return p.numbering().label(k); }, py::arg("ordinal"))
       .def_property_readonly("count", [](SavedTensorPath& p) { return p.numbering().count(); })
@@ -103,7 +116,9 @@ void bind_saved_tensors(py::module_& m) {
       .def_readwrite("diverged", &SavedTensorPath::diverged)
       .def_readwrite("check_fetched", &SavedTensorPath::check_fetched)
       .def_readwrite("need_poll", &SavedTensorPath::need_poll)
-      .def_readwrite("has_queued", &SavedTensorPath::has_queued)
+      .def_property("has_queued", [](const SavedTensorPath& p) { return p.has_queued; },
+                    &SavedTensorPath::set_has_queued,
+                    "D2H copies queued until their op has run (Note [Copies issued at the next op])")
       .def_readwrite("queued_op", &SavedTensorPath::queued_op)
       .def_readwrite("timeline", &SavedTensorPath::timeline)
       .def_readwrite("track_memory", &SavedTensorPath::track_memory)

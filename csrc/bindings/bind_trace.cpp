@@ -109,6 +109,9 @@ void bind_trace(py::module_& m) {
       .def_readwrite("producer_op", &TensorRecord::producer_op)
       .def_readwrite("uses", &TensorRecord::uses)
       .def_readwrite("freed_after_op", &TensorRecord::freed_after_op)
+      .def_readwrite("held_until_op", &TensorRecord::held_until_op,
+                     "last forward op a non-graph reference (a caller's frame) holds it; -1: none "
+                     "(Note [Held by the caller] in csrc/core/trace.h)")
       .def_property("label", text_getter(&TensorRecord::label), text_setter(&TensorRecord::label))
       .def("__repr__", [](const TensorRecord& t) {
         return "TensorRecord(id=" + std::to_string(t.id) + ", bytes=" + std::to_string(t.bytes) +
@@ -150,7 +153,7 @@ void bind_trace(py::module_& m) {
            "Append an op; returns its id. rng=None derives it from the name (dropout, bernoulli, rand...).")
       .def("add_tensor",
            [](Trace& t, py::object bytes, py::object dtype, py::object kind, py::object producer_op,
-              py::object uses, py::object freed_after_op, py::object label) {
+              py::object uses, py::object freed_after_op, py::object label, py::object held_until_op) {
              // See Note [Builder arguments name the field].
              TensorRecord r;
              r.id = static_cast<int64_t>(t.tensors.size());
@@ -163,12 +166,14 @@ void bind_trace(py::module_& m) {
              for (const auto& u : uses) r.uses.push_back(int_arg(u, "uses[]"));
              r.freed_after_op = int_arg(freed_after_op, "freed_after_op");
              r.label = str_arg(label, "label");
+             r.held_until_op = int_arg(held_until_op, "held_until_op");
              t.tensors.push_back(std::move(r));
              return t.tensors.back().id;
            },
            py::arg("bytes"), py::arg("dtype"), py::arg("kind"), py::arg("producer_op") = py::int_(kBeforeStep),
            py::arg("uses") = py::list(), py::arg("freed_after_op") = py::int_(kAfterStep),
-           py::arg("label") = py::str(""), "Append a tensor record; returns its id.")
+           py::arg("label") = py::str(""), py::arg("held_until_op") = py::int_(kNotHeld),
+           "Append a tensor record; returns its id.")
       .def("validate", &Trace::validate)
       .def("live_bytes", &Trace::live_bytes, "bytes live during each op: the memory curve")
       .def("peak_bytes", &Trace::peak_bytes)

@@ -80,6 +80,9 @@ void bind_trace_builder(py::module_& m) {
            py::arg("key"), py::arg("bytes"), py::arg("dtype"), py::arg("kind") = "temporary", py::arg("label") = "")
       .def("tensor_used", &TraceBuilder::tensor_used, py::arg("key"))
       .def("tensor_freed", &TraceBuilder::tensor_freed, py::arg("key"))
+      .def("tensor_held", &TraceBuilder::tensor_held, py::arg("key"),
+           "Something besides the step's saves holds this storage during the last op begun "
+           "(Note [Held by the caller] in csrc/core/trace.h).")
       .def("upgrade_kind",
            [](TraceBuilder& b, uint64_t key, const std::string& kind, const std::string& label) {
              b.upgrade_kind(key, tensor_kind_from_string(kind), label);

@@ -77,7 +77,7 @@ Plan VdnnPlanner::make_plan(const Trace& trace, const DeviceModel&, int64_t budg
   for (size_t k = 0; k < chosen.size(); ++k) {
     const auto& t = trace.tensors[analysis.candidates[k].tensor_id];
     for (int64_t u : t.uses) {
-      if (u >= analysis.first_backward_op) break;
+      if (u >= analysis.candidates[k].backward_start) break;
       if (is_conv_or_linear(trace.ops[u].name)) chosen[k] = true;
     }
   }

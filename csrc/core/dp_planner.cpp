@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "core/greedy_planner.h"
 #include "core/prefetch_placement.h"
 #include "core/simulator.h"
 
@@ -302,21 +303,9 @@ Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t
   }
   int64_t least_model_budget = std::numeric_limits<int64_t>::max();
   bool any_feasible = false;
-  for (const Family& family : families) {
-  for (DpCost kind : kDpCosts) {
-    const DpModel model = build_dp_model(analysis, budget_bytes, dp_costs(trace, device, analysis, kind),
-                                         family.eligible, family.force_ineligible);
-    least_model_budget = std::min(least_model_budget, model.least_budget_bytes);
-    if (!model.feasible) break;
-    any_feasible = true;
-    const DpSolution sol = solve_dp(model, analysis.candidates.size());
-    MEMSCHED_CHECK(sol.feasible, "dp: the model is feasible but the DP found no solution; internal error");
-    if (std::find(tried.begin(), tried.end(), sol.offload) != tried.end()) continue;
-    tried.push_back(sol.offload);
-    std::vector<std::pair<std::vector<bool>, bool>> sets = {{sol.offload, false}};
-    std::vector<bool> pruned = prune_with_exact_windows(analysis, model, sol.offload, budget_bytes);
-    if (pruned != sol.offload) sets.push_back({pruned, true});
-    for (const auto& [set, is_pruned] : sets) {
+  // One offload set, with prefetches by the latest-hiding rule at three slacks, judged by the
+  // simulator. Returns true when the set offloads nothing: that plan is `best` and final.
+  auto consider = [&](const std::vector<bool>& set, double objective, const std::string& objective_name) {
     const std::vector<TensorDecision> base = offload_set_decisions(analysis, set);
     int64_t set_bytes = 0;
     for (size_t k = 0; k < set.size(); ++k) set_bytes += set[k] ? analysis.candidates[k].bytes : 0;
@@ -331,9 +320,12 @@ Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t
       Plan p = keep_all_plan(analysis, budget_bytes);
       p.planner = name();
       p.decisions = std::move(d);
-      p.objective = static_cast<double>(sol.cost);
-      p.objective_name = std::string(to_string(kind)) + family.suffix + (is_pruned ? "+pruned" : "");
-      if (set_bytes == 0) return p;
+      p.objective = objective;
+      p.objective_name = objective_name;
+      if (set_bytes == 0) {
+        best = std::move(p);
+        return true;
+      }
       const double t = simulate(trace, p, device).step_time_us;
       if (t < best_time || (t == best_time && set_bytes < best_bytes)) {
         best_time = t;
@@ -341,8 +333,36 @@ Plan DpPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t
         best = std::move(p);
       }
     }
-    }
+    return false;
+  };
+  for (const Family& family : families) {
+  for (DpCost kind : kDpCosts) {
+    const DpModel model = build_dp_model(analysis, budget_bytes, dp_costs(trace, device, analysis, kind),
+                                         family.eligible, family.force_ineligible);
+    least_model_budget = std::min(least_model_budget, model.least_budget_bytes);
+    if (!model.feasible) break;
+    any_feasible = true;
+    const DpSolution sol = solve_dp(model, analysis.candidates.size());
+    MEMSCHED_CHECK(sol.feasible, "dp: the model is feasible but the DP found no solution; internal error");
+    if (std::find(tried.begin(), tried.end(), sol.offload) != tried.end()) continue;
+    tried.push_back(sol.offload);
+    const std::string cost_name = std::string(to_string(kind)) + family.suffix;
+    if (consider(sol.offload, static_cast<double>(sol.cost), cost_name)) return best;
+    std::vector<bool> pruned = prune_with_exact_windows(analysis, model, sol.offload, budget_bytes);
+    if (pruned != sol.offload && consider(pruned, static_cast<double>(sol.cost), cost_name + "+pruned")) return best;
   }
+  }
+  // Greedy's set too (Note [DP planner model], THE PLANNER): where the nested model is loose -- windows
+  // that a caller's frame stretches (Note [Held by the caller]), several micro-batches (Note
+  // [Micro-batches]) -- the DP's proxies can miss a set greedy finds; the simulator judges.
+  if (budget_bytes >= least_budget_bytes(analysis)) {
+    const std::vector<bool> greedy = greedy_offload_set(trace, device, analysis, budget_bytes);
+    if (std::find(tried.begin(), tried.end(), greedy) == tried.end()) {
+      any_feasible = true;
+      int64_t bytes = 0;
+      for (size_t k = 0; k < greedy.size(); ++k) bytes += greedy[k] ? analysis.candidates[k].bytes : 0;
+      if (consider(greedy, static_cast<double>(bytes), "offloaded_bytes+greedy_set")) return best;
+    }
   }
   if (!any_feasible) {
     throw_budget_unreachable(name(), budget_bytes, least_model_budget, least_budget_bytes(analysis),

@@ -72,7 +72,13 @@
 //   with slack factors 1, 2 and 4 on the copy time, each pulled later where
 //   the budget requires (prefetch_placement.h). Of these candidates (at most
 //   6 costs x 2 sets x 3 placements) the simulator picks the one with the
-//   least step time (ties: fewer bytes, then the order above).
+//   least step time (ties: fewer bytes, then the order above). Greedy's
+//   offload set (greedy_offload_set) is one more candidate, placed the same
+//   way ("offloaded_bytes+greedy_set"): where windows are far from nested --
+//   a caller's frame holding an activation (Note [Held by the caller] in
+//   trace.h), several micro-batches (Note [Micro-batches] in plan.h) -- the
+//   DP's proxies can miss a set greedy finds, and dp then stays never slower
+//   than greedy in simulation.
 //   Plan::objective is the chosen candidate's DP optimum and objective_name
 //   its cost ("offloaded_bytes", "copy_time_ps", ...; "+pruned" when the
 //   pruned set won, whose own cost is then at most that optimum).

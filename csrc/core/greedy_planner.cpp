@@ -9,10 +9,8 @@
 
 namespace memsched {
 
-Plan GreedyPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t budget_bytes) const {
-  const OffloadAnalysis analysis = analyze_offload(trace);
-  const int64_t least = least_budget_bytes(analysis);
-  if (budget_bytes < least) throw_budget_unreachable(name(), budget_bytes, least, least, "");
+std::vector<bool> greedy_offload_set(const Trace& trace, const DeviceModel& device, const OffloadAnalysis& analysis,
+                                     int64_t budget_bytes) {
   const auto& cands = analysis.candidates;
   const auto n = static_cast<int64_t>(cands.size());
   const std::vector<double> start = stall_free_start_us(trace, device);
@@ -62,7 +60,16 @@ Plan GreedyPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
     chosen[*it] = false;
     for (int64_t i = c.last_forward_use + 1; i < c.first_backward_use; ++i) mem[i] += c.bytes;
   }
+  return chosen;
+}
 
+Plan GreedyPlanner::make_plan(const Trace& trace, const DeviceModel& device, int64_t budget_bytes) const {
+  const OffloadAnalysis analysis = analyze_offload(trace);
+  const int64_t least = least_budget_bytes(analysis);
+  if (budget_bytes < least) throw_budget_unreachable(name(), budget_bytes, least, least, "");
+  const std::vector<bool> chosen = greedy_offload_set(trace, device, analysis, budget_bytes);
+  const auto& cands = analysis.candidates;
+  const auto n = static_cast<int64_t>(cands.size());
   std::vector<TensorDecision> d = offload_set_decisions(analysis, chosen);
   place_prefetch_latest_hiding(trace, device, analysis, d);
   const bool fits = fit_prefetches_to_budget(analysis, d, budget_bytes);

@@ -7,9 +7,17 @@
 // the copy (pulled later where the budget requires).
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "core/planner.h"
 
 namespace memsched {
+
+// The tensors greedy offloads (OffloadAnalysis order) for `budget_bytes`; the caller checks that the
+// budget is at least least_budget_bytes(analysis). dp tries this set among its own (Note [DP planner model]).
+std::vector<bool> greedy_offload_set(const Trace& trace, const DeviceModel& device, const OffloadAnalysis& analysis,
+                                     int64_t budget_bytes);
 
 class GreedyPlanner final : public Planner {
  public:

@@ -59,10 +59,10 @@ OffloadAnalysis analyze_offload(const Trace& trace) {
   trace.validate();
   OffloadAnalysis a;
   const auto n_ops = static_cast<int64_t>(trace.ops.size());
-  a.first_backward_op = n_ops;
-  for (int64_t i = 0; i < n_ops; ++i) {
-    if (trace.ops[i].phase == Phase::kBackward) { a.first_backward_op = i; break; }
-  }
+  a.next_backward_op.assign(n_ops + 1, n_ops);
+  for (int64_t i = n_ops - 1; i >= 0; --i)
+    a.next_backward_op[i] = trace.ops[i].phase == Phase::kBackward ? i : a.next_backward_op[i + 1];
+  a.first_backward_op = a.next_backward_op[0];
   a.live_bytes = trace.live_bytes();
   a.candidate_index.assign(trace.tensors.size(), -1);
   a.op_output_bytes.assign(n_ops, 0);
@@ -78,18 +78,20 @@ OffloadAnalysis analyze_offload(const Trace& trace) {
     for (const auto& t : trace.tensors)  // ascending id, so each op's list is ascending
       for (int64_t u : t.uses) a.op_inputs[fill[u]++] = t.id;
   }
-  const int64_t beta = a.first_backward_op;
   for (const auto& t : trace.tensors) {
     if (t.kind != TensorKind::kActivation || n_ops == 0) continue;
     // Held past the step (the caller's batch, a retained output): someone else keeps the device
     // copy alive, so an offload would free nothing and its fetch would add a second copy. The
     // executor keeps these on the device too (held_past_step in offload/schedule.py).
     if (t.freed_after_op == kAfterStep) continue;
-    if (t.producer_op != kBeforeStep &&
-        (t.producer_op >= beta || trace.ops[t.producer_op].phase != Phase::kForward))
-      continue;
+    if (t.producer_op != kBeforeStep && trace.ops[t.producer_op].phase != Phase::kForward) continue;
+    // Its own backward pass (Note [Micro-batches]).
+    const int64_t beta = a.next_backward_op[std::max<int64_t>(t.producer_op, 0)];
     auto it = std::lower_bound(t.uses.begin(), t.uses.end(), beta);
     if (it == t.uses.end() || trace.ops[*it].phase != Phase::kBackward) continue;
+    // Held into the backward pass by the caller (Note [Held by the caller] in trace.h): leaving the
+    // device would free nothing while it is held, and its fetch would add a second copy.
+    if (t.held_until_op >= beta) continue;
     OffloadCandidate c;
     c.tensor_id = t.id;
     c.bytes = t.bytes;
@@ -97,7 +99,9 @@ OffloadAnalysis analyze_offload(const Trace& trace) {
     c.live_end = trace.live_end(t);
     c.earliest_offload_op = std::max<int64_t>(t.producer_op, 0);
     c.last_forward_use = it == t.uses.begin() ? c.earliest_offload_op : std::max(c.earliest_offload_op, *(it - 1));
+    c.last_forward_use = std::max(c.last_forward_use, t.held_until_op);  // Note [Held by the caller]
     c.first_backward_use = *it;
+    c.backward_start = beta;
     a.candidate_index[t.id] = static_cast<int64_t>(a.candidates.size());
     a.candidates.push_back(c);
   }
@@ -151,13 +155,13 @@ void validate_plan(const Trace& trace, const OffloadAnalysis& analysis, const Pl
                    d.tensor_id, ") field 'recompute_ops' or 'recompute_at_op' is set but 'recompute' is false; "
                    "clear them (recompute_ops=[], recompute_at_op=-1) or set recompute=True");
     if (!d.offload) continue;
-    MEMSCHED_CHECK(d.offload_after_op >= c.earliest_offload_op && d.offload_after_op < analysis.first_backward_op,
+    MEMSCHED_CHECK(d.offload_after_op >= c.earliest_offload_op && d.offload_after_op < c.backward_start,
                    "plan: decisions[", k, "] (tensor ", d.tensor_id, ") field 'offload_after_op' is ",
                    d.offload_after_op, "; it must lie in [", c.earliest_offload_op, ", ",
-                   analysis.first_backward_op - 1, "] (after its producer, before the first backward op)");
-    MEMSCHED_CHECK(d.prefetch_at_op >= analysis.first_backward_op && d.prefetch_at_op <= c.first_backward_use,
+                   c.backward_start - 1, "] (after its producer, before its backward pass)");
+    MEMSCHED_CHECK(d.prefetch_at_op >= c.backward_start && d.prefetch_at_op <= c.first_backward_use,
                    "plan: decisions[", k, "] (tensor ", d.tensor_id, ") field 'prefetch_at_op' is ", d.prefetch_at_op,
-                   "; it must lie in [", analysis.first_backward_op, ", ", c.first_backward_use,
+                   "; it must lie in [", c.backward_start, ", ", c.first_backward_use,
                    "] (a backward op no later than the tensor's first backward use)");
   }
 }

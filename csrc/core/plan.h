@@ -9,19 +9,23 @@
 //
 // Note [Plan semantics]
 //   Offloadable tensor: kind activation, producer a forward op (or kBeforeStep,
-//   e.g. a model input saved for backward) and at least one use at or after the
-//   first backward op, the first such use being a backward op. Everything else
+//   e.g. a model input saved for backward) and at least one use at or after
+//   its `backward_start` -- the first backward op after its producer, See Note
+//   [Micro-batches] -- the first such use being a backward op, and not held by
+//   the caller into that backward pass (held_until_op < backward_start; Note
+//   [Held by the caller] in trace.h). Its `last_forward_use` below is its last
+//   forward use or held_until_op, whichever is later. Everything else
 //   stays on the device; a Plan has one TensorDecision per offloadable tensor,
 //   ascending tensor_id, and nothing for the other tensors.
 //   For an offloaded tensor t (offload == true):
 //   - offload: the device->host copy is issued on the D2H stream once op
 //     `offload_after_op` has finished (earliest_offload_op <= offload_after_op
-//     < first_backward_op; the copy cannot start before its producer). Its
+//     < backward_start; the copy cannot start before its producer). Its
 //     device memory is released when BOTH the copy has finished AND op
 //     `last_forward_use` has finished (eager PyTorch's forward graph may still
 //     hold the tensor).
 //   - prefetch: the host->device copy is requested when the compute stream
-//     reaches op `prefetch_at_op` (first_backward_op <= prefetch_at_op <=
+//     reaches op `prefetch_at_op` (backward_start <= prefetch_at_op <=
 //     first_backward_use), i.e. before that op waits for anything; it starts
 //     when the H2D stream is free AND the budget has room for the tensor. The
 //     tensor's first backward use waits for the copy. prefetch_at_op ==
@@ -41,6 +45,25 @@
 //   copies_on_compute_stream (offload_all_sync, i.e. torch's save_on_cpu): the
 //   same copies run on the compute stream: D2H right after op offload_after_op,
 //   H2D right before op prefetch_at_op, so the compute stream waits for them.
+//
+// Note [Micro-batches]
+//   Rationale: with gradient accumulation a step runs forward and backward
+//   once per micro-batch before the optimizer: F1 B1 F2 B2 (opt). Taking the
+//   step's first backward op as every tensor's boundary made F2's activations
+//   (produced after it) no candidates, so the second micro-batch's memory was
+//   never planned for.
+//   Approach: each tensor's boundary is its own backward pass, the first
+//   backward op after its producer (OffloadCandidate::backward_start; an
+//   activation that exists before the step takes the step's first). Its
+//   windows, checks and prefetch placement use that op instead of
+//   first_backward_op. Offload windows of different micro-batches are then
+//   disjoint; the planners' models (dp's nested windows, greedy's, the
+//   least budget) hold for any windows, and the simulator and the executor
+//   act per op and per ordinal, so nothing else changes.
+//   Limitations: dp's nested model orders candidates by first backward use,
+//   so across micro-batches it counts earlier micro-batches' tensors off the
+//   device for no ops (sound, not exact); its pruned and nested-subfamily
+//   candidates and the simulator's choice recover most of that.
 //
 // Note [Modelled memory]
 //   With instantaneous copies an offloaded tensor occupies the device during
@@ -106,12 +129,16 @@ struct OffloadCandidate {
   int64_t live_start = 0;          // first op during which it is live (Trace::live_start)
   int64_t live_end = 0;            // last op during which it is live (Trace::live_end)
   int64_t earliest_offload_op = 0; // max(producer_op, 0): the D2H copy may follow this op
-  int64_t last_forward_use = 0;    // last use before first_backward_op, or earliest_offload_op if none
-  int64_t first_backward_use = 0;  // first use at or after first_backward_op (a backward op)
+  int64_t last_forward_use = 0;    // last use before backward_start (or earliest_offload_op if none),
+                                   // or held_until_op if later (Note [Held by the caller] in trace.h)
+  int64_t first_backward_use = 0;  // first use at or after backward_start (a backward op)
+  int64_t backward_start = 0;      // first backward op after its producer: its micro-batch's backward pass
+                                   // (Note [Micro-batches])
 };
 
 struct OffloadAnalysis {
   int64_t first_backward_op = 0;            // index of the first backward op; ops.size() if none
+  std::vector<int64_t> next_backward_op;    // per op i (size ops+1): the first backward op >= i; ops.size() if none
   std::vector<OffloadCandidate> candidates; // ascending tensor_id
   std::vector<int64_t> live_bytes;          // Trace::live_bytes(): everything on the device
   std::vector<int64_t> candidate_index;     // tensor id -> index into candidates, -1 if not offloadable

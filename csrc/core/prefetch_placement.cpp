@@ -43,10 +43,10 @@ void place_prefetch_latest_hiding(const Trace& trace, const DeviceModel& device,
                                   std::vector<TensorDecision>& decisions) {
   const std::vector<double> start = stall_free_start_us(trace, device);
   const std::vector<int64_t> order = offloaded_by_first_use(analysis, decisions);
-  const int64_t beta = analysis.first_backward_op;
   double next_copy_start = start.back();
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     const auto& c = analysis.candidates[*it];
+    const int64_t beta = c.backward_start;  // Note [Micro-batches] in plan.h
     const double latest_end = std::min(start[c.first_backward_use], next_copy_start);
     const double latest_start = latest_end - h2d_time_us(device, c.bytes);
     next_copy_start = latest_start;
@@ -63,7 +63,7 @@ void place_prefetch_ops_ahead(const OffloadAnalysis& analysis, std::vector<Tenso
   for (size_t k = 0; k < decisions.size(); ++k) {
     if (!decisions[k].offload) continue;
     decisions[k].prefetch_at_op =
-        std::max(analysis.first_backward_op, analysis.candidates[k].first_backward_use - ops_ahead);
+        std::max(analysis.candidates[k].backward_start, analysis.candidates[k].first_backward_use - ops_ahead);
   }
 }
 
@@ -78,14 +78,15 @@ void place_prefetch_layer_ahead(const Trace& trace, const OffloadAnalysis& analy
   for (size_t k = 0; k < decisions.size(); ++k) {
     if (!decisions[k].offload) continue;
     const int64_t b = analysis.candidates[k].first_backward_use;
+    const int64_t own_beta = analysis.candidates[k].backward_start;  // Note [Micro-batches] in plan.h
     int64_t p;
     if (trace.ops[b].module_path.empty()) {
       p = b - 1;
     } else {
       const int64_t own = layer_start[b];
-      p = own > beta ? layer_start[own - 1] : beta;
+      p = own > own_beta ? layer_start[own - 1] : own_beta;
     }
-    decisions[k].prefetch_at_op = std::max(beta, p);
+    decisions[k].prefetch_at_op = std::max(own_beta, p);
   }
 }
 

@@ -22,8 +22,10 @@ namespace {
 void push_writers(const Trace& trace, const OffloadAnalysis& analysis, const TensorRecord& u,
                   std::vector<int64_t>& stack) {
   stack.push_back(u.producer_op);
+  // Its forward: up to its own backward pass (Note [Micro-batches] in plan.h).
+  const int64_t beta = u.producer_op == kBeforeStep ? analysis.first_backward_op : analysis.next_backward_op[u.producer_op];
   for (int64_t i : u.uses) {
-    if (i >= analysis.first_backward_op) break;
+    if (i >= beta) break;
     if (i > u.producer_op && trace.ops[i].phase == Phase::kForward && is_inplace_op_name(trace.ops[i].name))
       stack.push_back(i);
   }
@@ -60,8 +62,7 @@ RecomputeChain derive_chain(const Trace& trace, const OffloadAnalysis& analysis,
       const TensorRecord& u = trace.tensors[analysis.op_inputs[q]];
       if (u.producer_op == p || u.id == t.id || present(u)) continue;
       if (std::find(recreated.begin(), recreated.end(), u.id) != recreated.end()) continue;  // the chain writes it
-      if (u.producer_op == kBeforeStep || u.producer_op >= analysis.first_backward_op ||
-          trace.ops[u.producer_op].phase != Phase::kForward) {
+      if (u.producer_op == kBeforeStep || trace.ops[u.producer_op].phase != Phase::kForward) {
         r.ops.clear();
         r.why = "op " + std::to_string(p) + " reads tensor " + std::to_string(u.id) +
                 ", which is gone by op " + std::to_string(b) + " and has no forward producer to replay";
@@ -72,6 +73,21 @@ RecomputeChain derive_chain(const Trace& trace, const OffloadAnalysis& analysis,
     }
   }
   std::sort(r.ops.begin(), r.ops.end());
+  // An in-place op of the chain writes one of the tensors it reads, and the trace does not say which
+  // (uses are by storage, not by argument). Where it reads a tensor the chain does not recreate -- a
+  // live one the plan keeps -- the replay might write into that live tensor (ATen's LSTM cell adds
+  // the step's input gates into its hidden gates in place), so such a chain is refused.
+  for (int64_t op : r.ops) {
+    if (!is_inplace_op_name(trace.ops[op].name)) continue;
+    for (int64_t q = analysis.op_inputs_begin[op]; q < analysis.op_inputs_begin[op + 1]; ++q) {
+      const int64_t u = analysis.op_inputs[q];
+      if (std::find(recreated.begin(), recreated.end(), u) != recreated.end()) continue;
+      r.ops.clear();
+      r.why = "in-place op " + std::to_string(op) + " of its replay reads tensor " + std::to_string(u) +
+              ", which the replay does not recreate: it could write a live tensor";
+      return r;
+    }
+  }
   for (int64_t op : r.ops) r.rng = r.rng || trace.ops[op].rng;
   r.feasible = true;
   if (recreated_candidates != nullptr) {

@@ -31,7 +31,12 @@
 //   name is in-place (is_inplace_op_name: ATen's trailing underscore); a
 //   tensor the chain recreates is never an input to fetch. An in-place op writing two operands (a.mul_(b) is a writer of
 //   a only) is counted as a writer of both: the chain may be longer than
-//   needed, never shorter. The chain
+//   needed, never shorter. But replaying it writes its other operand too: an
+//   in-place op of the chain that reads a tensor the chain does not recreate
+//   (a live, kept one: ATen's LSTM cell adds the step's input gates into its
+//   hidden gates in place) could write that live tensor, so such a chain is
+//   refused (not recomputable; found by the module zoo's wrong LSTM
+//   gradients). The chain
 //   is the set of replayed ops in ascending (execution) order; each op is
 //   replayed once. A tensor is not recomputable when an absent input has no
 //   forward producer (a model input freed in forward) or the chain would

@@ -180,6 +180,15 @@ void Trace::validate() const {
                      "] field 'freed_after_op' (", t.freed_after_op, ") is before its last use (op ",
                      t.uses.back(), ")");
     }
+    if (t.held_until_op != kNotHeld) {
+      MEMSCHED_CHECK(op_in_range(t.held_until_op), "trace: tensors[", j, "] field 'held_until_op' is ",
+                     t.held_until_op, " but there are ", n_ops, " ops (use -1 for 'held by nothing but its saves')");
+      MEMSCHED_CHECK(t.producer_op == kBeforeStep || t.held_until_op >= t.producer_op, "trace: tensors[", j,
+                     "] field 'held_until_op' (", t.held_until_op, ") is before its producer op ", t.producer_op);
+      MEMSCHED_CHECK(t.freed_after_op == kAfterStep || t.held_until_op <= t.freed_after_op, "trace: tensors[", j,
+                     "] field 'held_until_op' (", t.held_until_op, ") is after its free op ", t.freed_after_op,
+                     " (a storage cannot be held after it died)");
+    }
   }
 }
 

@@ -15,6 +15,24 @@
 //   peak is max_i live_bytes[i]. Storage de-duplication happens before a
 //   TensorRecord is made: views of one storage are one record.
 //
+// Note [Held by the caller]
+//   Rationale: an activation that leaves the device (offloaded or recomputed)
+//   is released once the autograd graph lets go of it -- but only if nothing
+//   else references its storage. In eager PyTorch the caller's frame often
+//   does: `input = module(input)` in an outer nn.Sequential keeps a block's
+//   input until the inner block returns, a residual `x + f(x)` keeps x until
+//   the add. Its last use is then not when it can leave.
+//   Approach: `held_until_op` is the last forward op during which something
+//   other than the step's saved tensors (a frame, a module's attribute)
+//   references the storage, as the profiler observed it; kNotHeld (-1) when
+//   nothing but the saves (or its uses) keeps it. analyze_offload() releases
+//   a candidate no earlier than after that op (OffloadCandidate::
+//   last_forward_use), and a storage held into the backward pass is no
+//   candidate: leaving the device would free nothing while it is held.
+//   Limitations: recorded for activations only (other kinds stay on the
+//   device anyway); a save dropped during the forward (a discarded branch)
+//   can make a storage look released early.
+//
 // Note [Trace value bounds]
 //   Rationale: the derived views sum bytes (the memory curve, the peak, the
 //   bytes of a kind), the planners add and subtract those sums, and the
@@ -60,6 +78,7 @@ TensorKind tensor_kind_from_string(const std::string& text);
 
 constexpr int64_t kBeforeStep = -1;  // producer_op of a tensor that exists before the step
 constexpr int64_t kAfterStep = -1;   // freed_after_op of a tensor that outlives the step
+constexpr int64_t kNotHeld = -1;     // held_until_op: nothing but its saves and uses keeps it (Note [Held by the caller])
 constexpr int kTraceVersion = 1;
 // See Note [Trace value bounds].
 constexpr int64_t kMaxTraceBytes = int64_t{1} << 62;  // all tensors' bytes together (4 EiB)
@@ -97,6 +116,7 @@ struct TensorRecord {
   int64_t producer_op = kBeforeStep;   // op that allocates it
   std::vector<int64_t> uses;           // ops that read it, ascending
   int64_t freed_after_op = kAfterStep; // last op during which it is live
+  int64_t held_until_op = kNotHeld;    // last forward op a non-graph reference holds it (Note [Held by the caller])
   std::string label;                   // optional: "module_path:call#:shape" for matching
 };
 

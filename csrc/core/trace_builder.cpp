@@ -1,6 +1,7 @@
 // trace_builder.cpp -- see trace_builder.h and Note [Trace builder events].
 #include "core/trace_builder.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "core/check.h"
@@ -135,6 +136,11 @@ void TraceBuilder::tensor_freed(uint64_t key) {
     return;
   }
   records_[index].freed_after_op = ops_.back().id;
+}
+
+void TraceBuilder::tensor_held(uint64_t key) {
+  const int64_t index = live_record(key, "tensor_held");
+  if (!ops_.empty()) records_[index].held_until_op = std::max(records_[index].held_until_op, ops_.back().id);
 }
 
 void TraceBuilder::upgrade_kind(uint64_t key, TensorKind kind, const std::string& label) {

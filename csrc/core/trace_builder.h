@@ -21,6 +21,9 @@
 //     tensor_used(key)           read by the current op (recorded once per op)
 //     tensor_freed(key)          died after the last op begun: freed_after_op;
 //                                the key may then name a new storage
+//     tensor_held(key)           something besides the step's saves holds it
+//                                during the last op begun: held_until_op
+//                                (Note [Held by the caller] in trace.h)
 //     upgrade_kind(key, kind)    raise the kind, never lower it, in the order
 //                                temporary < activation < gradient <
 //                                optimizer_state < parameter (e.g. a temporary
@@ -68,6 +71,7 @@ class TraceBuilder {
                         const std::string& label = "");
   void tensor_used(uint64_t key);
   void tensor_freed(uint64_t key);
+  void tensor_held(uint64_t key);
   void upgrade_kind(uint64_t key, TensorKind kind, const std::string& label = "");
 
   bool is_live(uint64_t key) const { return live_.count(key) != 0; }

@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -129,6 +130,19 @@ const py::object& python_storage_key() {
   return *fn;
 }
 
+// See Note [Copies issued at the next op].
+thread_local SavedTensorPath* t_queued_path = nullptr;  // the path whose copies wait for the next op
+// An error _issue_copies raised inside the callback, which cannot raise (RecordFunction logs and drops
+// what its callbacks throw): re-raised by the step's next hook call or its end.
+thread_local std::unique_ptr<py::error_already_set> t_copy_error;
+// Raises (as a Python error) what op_starts() caught, once.
+bool raise_copy_error() {
+  if (!t_copy_error) return false;
+  std::unique_ptr<py::error_already_set> e = std::move(t_copy_error);
+  e->restore();
+  return true;
+}
+
 }  // namespace
 
 SavedTensorPath::SavedTensorPath(at::Device device, py::object owner)
@@ -176,6 +190,17 @@ PyObject* SavedTensorPath::pack(PyObject* obj) {
     // would without hooks (Note [Version checks] in executor.py).
     return kept_pack(obj);
   }
+  if (next_op_callback_ != 0 && !has_queued) disarm();
+  if (raise_copy_error()) return nullptr;  // See Note [Copies issued at the next op]
+  if (!is_cpu_ || !track_memory) return pack_saved(obj, t);
+  tick();  // See Note [Measured from birth]
+  PyObject* packed = pack_saved(obj, t);
+  if (packed != nullptr && !saved_by_its_own_node(t)) mark_inputs_saved();
+  return packed;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* SavedTensorPath::pack_saved(PyObject* obj, const at::Tensor& t) {
   // See Note [Copy after the op] (executor.py): queued copies go out at a later op's first save.
   if (has_queued && at::sequence_number::peek() != queued_op) call_owner("_issue_copies");
   if (need_poll) poll_copies();
@@ -197,7 +222,7 @@ PyObject* SavedTensorPath::pack(PyObject* obj) {
     // A tensor without a storage counts 0 bytes and is never offloaded; the step-end count is of storages.
     activations += id.key != 0;
     activation_bytes += id.nbytes;
-    if (id.nbytes > 0 && t.device() == device_) track(t);
+    if (id.nbytes > 0 && t.device() == device_ && is_cpu_ && track_memory) track_from(t, birth_of(t, k));
     if (has_schedule_ && !diverged) {
       check_label(k, id.key != 0);
       may_offload = !diverged && planned(k);
@@ -210,7 +235,6 @@ PyObject* SavedTensorPath::pack(PyObject* obj) {
   // See Notes [Packing without reference cycles], [Version checks] (executor.py), and Note [Kept
   // saves are not Python containers]: only the op's own outputs need the detached alias.
   return kept_save(k, saved_by_its_own_node(t) ? t.detach() : t, version);
-  END_HANDLE_TH_ERRORS
 }
 
 void SavedTensorPath::poll_copies() {
@@ -235,6 +259,7 @@ void SavedTensorPath::check_label(int64_t k, bool has_storage) {
 PyObject* SavedTensorPath::unpack(PyObject* packed) {
   HANDLE_TH_ERRORS
   if (THPVariable_Check(packed)) return Py_NewRef(packed);
+  if (raise_copy_error()) return nullptr;  // See Note [Copies issued at the next op]
   if (has_queued) call_owner("_issue_copies");
   if (need_poll) poll_copies();
   int64_t k = -1;
@@ -309,7 +334,67 @@ void prepare_kept_type(py::module_& m) {
   m.attr("KeptSave") = py::handle(reinterpret_cast<PyObject*>(&kept_type));
 }
 
+// Note [Copies issued at the next op]
+//   Rationale: a pack only queues its D2H copy (Note [Copy after the op] in executor.py: the op may
+//   still write what it saved), and the copy -- and with it the release of an offloaded storage --
+//   went out at the first save of a later op. An op that saves only its output (ReLU saves its
+//   result) saves after its kernel, so the storage was still alive when that op allocated its
+//   output, and one that saves nothing (an in-place add on a buffer) delayed it further: the plan
+//   releases it once its op has run, and the measured peak was 12% over the plan's (small CNN at
+//   its least budget).
+//   Approach: while copies are queued, a thread-local RecordFunction start callback (ATen's own
+//   per-op observer, in C++) watches for the next op entered at the autograd level (seqNr >= 0; ops
+//   inside a kernel run below autograd and have none): the saving op has returned by then, so the
+//   queued copies are issued there, before the next op allocates. The callback exists only while
+//   copies are queued -- between an offloaded tensor's save and the next op -- so other ops pay
+//   nothing; it is removed at the next pack or step boundary, never from inside itself. An error
+//   the copies raise there (RecordFunction drops what its callbacks throw) is kept and raised by
+//   the step's next save, unpack or end.
+//   Limitations: factory ops with no tensor argument (empty, arange) enter below autograd and do
+//   not count as the next op; the first later op that does (or a save, the end of the forward, the
+//   first unpack, as before) issues the copies.
+namespace {
+
+
+std::unique_ptr<at::ObserverContext> next_op_starts(const at::RecordFunction& fn) {
+  if (fn.seqNr() >= 0 && t_queued_path != nullptr) t_queued_path->op_starts();
+  return nullptr;
+}
+
+}  // namespace
+
+void SavedTensorPath::set_has_queued(bool queued) {
+  has_queued = queued;
+  if (!queued) {
+    if (t_queued_path == this) t_queued_path = nullptr;
+    return;
+  }
+  t_queued_path = this;
+  if (next_op_callback_ == 0) {
+    next_op_callback_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&next_op_starts).needsInputs(false).scopes({at::RecordScope::FUNCTION}));
+  }
+}
+
+void SavedTensorPath::op_starts() {
+  if (!has_queued || !step_active) return;
+  py::gil_scoped_acquire gil;
+  try {
+    call_owner("_issue_copies");
+  } catch (py::error_already_set& e) {
+    if (!t_copy_error) t_copy_error = std::make_unique<py::error_already_set>(std::move(e));
+  }
+}
+
+
+void SavedTensorPath::disarm() {
+  if (next_op_callback_ != 0) at::removeCallback(next_op_callback_);
+  next_op_callback_ = 0;
+  if (t_queued_path == this) t_queued_path = nullptr;
+}
+
 void SavedTensorPath::begin_step(double t0_s) {
+  disarm();
   numbering_.start_step();
   diverged = false;
   check_fetched = false;
@@ -327,7 +412,8 @@ void SavedTensorPath::begin_step(double t0_s) {
 }
 
 void SavedTensorPath::set_schedule(const py::dict& labels, const py::iterable& planned,
-                                   const py::dict& first_bwd_op, const py::iterable& triggers) {
+                                   const py::dict& first_bwd_op, const py::iterable& triggers,
+                                   const py::iterable& before_step) {
   clear_schedule();
   auto grow = [](auto& v, int64_t k, auto fill) {
     MEMSCHED_CHECK(k >= 0 && k < (int64_t{1} << 40), "SavedTensorPath.set_schedule: ordinal ", k, " out of range");
@@ -354,6 +440,11 @@ void SavedTensorPath::set_schedule(const py::dict& labels, const py::iterable& p
     first_bwd_op_[static_cast<size_t>(k)] = item.second.cast<int64_t>();
   }
   for (auto item : triggers) triggers_.push_back(item.cast<int64_t>());
+  for (auto item : before_step) {
+    const int64_t k = item.cast<int64_t>();
+    grow(before_step_, k, char{0});
+    before_step_[static_cast<size_t>(k)] = 1;
+  }
   std::sort(triggers_.begin(), triggers_.end());
   has_schedule_ = true;
 }
@@ -365,6 +456,7 @@ void SavedTensorPath::clear_schedule() {
   has_expected_.clear();
   planned_.clear();
   first_bwd_op_.clear();
+  before_step_.clear();
   triggers_.clear();
   trigger_nodes_.clear();
 }
@@ -454,11 +546,37 @@ void SavedTensorPath::fire_at(int64_t op, uint64_t generation) {
 // Note [CPU memory by weak references]
 //   On CPU the executor measures memory as the bytes of saved-activation storages alive (CUDA reads
 //   the allocator; the GPU path never tracks). A tracked storage gets a Python weak reference
-//   whose callback subtracts its bytes when it dies: torch keeps a storage's Python object exactly
-//   as long as its StorageImpl (Note [Free detection] in profiler/recorder.py), so the count is
-//   exact and costs O(1) per storage -- a scan of C++ weak pointers at each sample was O(n^2)
-//   per step. The callback holds a raw pointer to this object: every weak reference is owned by
-//   `tracked_` and dropped (which cancels its callback) by begin_step() and the destructor.
+//   whose callback records its death: torch keeps a storage's Python object exactly as long as
+//   its StorageImpl (Note [Free detection] in profiler/recorder.py), so the count is exact and
+//   costs O(1) per storage -- a scan of C++ weak pointers at each sample was O(n^2) per step. The
+//   callback holds a raw pointer to this object: every weak reference is owned by `tracked_` and
+//   dropped (which cancels its callback) by begin_step() and the destructor.
+//
+// Note [Measured from birth]
+//   Rationale: a storage becomes known as an activation at its first save, which may come ops after
+//   it was made: GELU's output is first saved by the next Linear, and by then GELU's input (saved,
+//   offloaded) may be gone. Counting from the first save and sampling only at hook calls never saw
+//   the two alive together, though they are (the GELU kernel writes one while reading the other),
+//   and the measured peak fell 11% under the plan's on the small transformer. Memory is what is
+//   alive, not what a hook happens to see.
+//   Approach: a step clock ticks at each event the executor sees (each pack, each tracked birth or
+//   death). Each tracked storage keeps a lifetime [born, died) on that clock, and the peak is a
+//   sweep over all lifetimes at the step's end (finish_step(): O(n log n) per step, no work per
+//   op). A storage's birth is read from autograd at its first save: the node that made it (a
+//   view's base's grad_fn) has a sequence number s; the forward's nodes are made in that order, and
+//   a node's inputs are saved before its kernel allocates the outputs. So the storage was born after
+//   node s's input saves (and whatever they released) and before anything that happened later; each
+//   new at::sequence_number::peek() value seen at an event gets a NodeMark with the clock of its
+//   first moment and of the end of its input saves, and the birth is the latter (else the former)
+//   of the mark for s + 1, or of the first later mark. A storage of no node (a leaf, a result of
+//   no_grad or of an op without a derivative) counts from its first save, except where the matched
+//   trace record says the profiled step found it existing already (the caller's batch: targets
+//   first saved by the loss, at the end of the forward): from the step's start, which is when it
+//   is alive -- the one birth autograd cannot tell. One whose node was made before the step counts
+//   from the step's start too.
+//   Limitations: an in-place op gives a storage a later grad_fn (relu_), so such a storage counts
+//   from the in-place op, not from the op that allocated it. Node marks assume the forward runs on
+//   the step's thread (saved-tensor hooks are thread-local anyway).
 namespace {
 
 PyObject* storage_died(PyObject* capsule, PyObject* ref) {
@@ -472,7 +590,37 @@ PyMethodDef storage_died_def{"memsched_storage_died", storage_died, METH_O,
 
 }  // namespace
 
+int64_t SavedTensorPath::tick() {
+  const uint64_t peek = at::sequence_number::peek();
+  if (marks_.empty() || peek > marks_.back().peek) marks_.push_back({peek, clock_++, -1});
+  return clock_++;
+}
+
+void SavedTensorPath::mark_inputs_saved() {
+  if (!marks_.empty() && marks_.back().peek == at::sequence_number::peek()) marks_.back().after_inputs = clock_++;
+}
+
+int64_t SavedTensorPath::birth_of(const at::Tensor& t, int64_t k) {
+  const at::TensorBase& base = t.is_view() ? t._base() : static_cast<const at::TensorBase&>(t);
+  const auto& fn = base.grad_fn();
+  if (!fn) {
+    const bool before = has_schedule_ && !diverged && k < static_cast<int64_t>(before_step_.size()) &&
+                        before_step_[static_cast<size_t>(k)];
+    return before ? 0 : tick();
+  }
+  const uint64_t s = fn->sequence_nr();
+  if (s < seq_base_) return 0;  // made before the step began
+  auto it = std::lower_bound(marks_.begin(), marks_.end(), s + 1,
+                             [](const NodeMark& m, uint64_t peek) { return m.peek < peek; });
+  if (it == marks_.end()) return tick();
+  return it->peek == s + 1 && it->after_inputs >= 0 ? it->after_inputs : it->first;
+}
+
 void SavedTensorPath::track(const at::Tensor& t) {
+  if (is_cpu_ && track_memory) track_from(t, tick());
+}
+
+void SavedTensorPath::track_from(const at::Tensor& t, int64_t born) {
   if (!is_cpu_ || !track_memory || !t.has_storage()) return;
   if (death_callback_.is_none()) {
     PyObject* capsule = PyCapsule_New(this, "memsched.SavedTensorPath.raw", nullptr);
@@ -488,26 +636,34 @@ void SavedTensorPath::track(const at::Tensor& t) {
   if (!obj) throw py::error_already_set();
   PyObject* ref = PyWeakref_NewRef(obj.ptr(), death_callback_.ptr());
   if (ref == nullptr) throw py::error_already_set();
-  tracked_.emplace(ref, nbytes);
+  tracked_.emplace(ref, lifetimes_.size());
+  lifetimes_.push_back({born, kAliveClock, nbytes});
   tracked_bytes_ += nbytes;
 }
 
 void SavedTensorPath::forget(PyObject* ref) {
   auto it = tracked_.find(ref);
   if (it == tracked_.end()) return;
-  tracked_bytes_ -= it->second;
+  Lifetime& life = lifetimes_[it->second];
+  life.died = tick();
+  tracked_bytes_ -= life.bytes;
   tracked_.erase(it);
   Py_DECREF(ref);
 }
 
 void SavedTensorPath::drop_tracked() {
   // Dropping a weak reference cancels its callback.
-  for (auto& [ref, nbytes] : tracked_) Py_DECREF(ref);
+  for (auto& entry : tracked_) Py_DECREF(entry.first);
   tracked_.clear();
   tracked_bytes_ = 0;
+  lifetimes_.clear();
+  marks_.clear();
+  sample_clocks_.clear();
+  clock_ = 0;
 }
 
 SavedTensorPath::~SavedTensorPath() {
+  disarm();  // a thread-local callback: Run exit drops the executor on the step's thread
   if (!tracked_.empty() && Py_IsInitialized()) {
     py::gil_scoped_acquire gil;
     drop_tracked();
@@ -517,14 +673,44 @@ SavedTensorPath::~SavedTensorPath() {
 int64_t SavedTensorPath::alive_bytes() { return tracked_bytes_; }
 
 void SavedTensorPath::sample() {
+  const bool clocked = is_cpu_ && track_memory;
   if (!timeline) {
-    peak_bytes = std::max(peak_bytes, tracked_bytes_);
+    if (!clocked) peak_bytes = std::max(peak_bytes, tracked_bytes_);
     return;
   }
   const double now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   const int64_t value = is_cpu_ ? alive_bytes() : call_owner("_memory_allocated").cast<int64_t>();
   samples.emplace_back(now - t0_s_, value);
+  if (clocked) sample_clocks_.push_back(tick());
   peak_bytes = std::max(peak_bytes, value);
+}
+
+void SavedTensorPath::finish_step() {
+  if (!has_queued) disarm();  // the step's copies are out: no op after it pays for the callback
+  if (raise_copy_error()) throw py::error_already_set();
+  if (!is_cpu_ || !track_memory) return;
+  // See Note [Measured from birth]: deaths at a clock come before births at it (key 2c vs 2c + 1).
+  std::vector<std::pair<int64_t, int64_t>> events;  // (key, +/- bytes)
+  events.reserve(2 * lifetimes_.size());
+  for (const Lifetime& life : lifetimes_) {
+    events.emplace_back(2 * life.born + 1, life.bytes);
+    if (life.died != kAliveClock) events.emplace_back(2 * life.died, -life.bytes);
+  }
+  std::sort(events.begin(), events.end());
+  int64_t alive = 0;
+  int64_t peak = 0;
+  size_t next_sample = 0;  // sample clocks ascend
+  for (size_t e = 0; e <= events.size(); ++e) {
+    const int64_t key = e < events.size() ? events[e].first : std::numeric_limits<int64_t>::max();
+    while (next_sample < std::min(sample_clocks_.size(), samples.size()) && 2 * sample_clocks_[next_sample] + 1 < key) {
+      samples[next_sample].second = alive;  // a sample sees births at its own clock: none (ticks are unique)
+      ++next_sample;
+    }
+    if (e == events.size()) break;
+    alive += events[e].second;
+    peak = std::max(peak, alive);
+  }
+  peak_bytes = peak;
 }
 
 }  // namespace memsched

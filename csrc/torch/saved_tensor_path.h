@@ -26,6 +26,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -70,7 +71,8 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   // -- step state, driven by the executor ---------------------------------------------------------
   void begin_step(double t0_s);
   void set_schedule(const pybind11::dict& labels, const pybind11::iterable& planned,
-                    const pybind11::dict& first_bwd_op, const pybind11::iterable& triggers);
+                    const pybind11::dict& first_bwd_op, const pybind11::iterable& triggers,
+                    const pybind11::iterable& before_step);
   void clear_schedule();
   void observe(int64_t ordinal);                  // an unpack of `ordinal`: fire prefetch triggers
   // Note [Backward node triggers]: trigger nodes by their sequence offset in the step -> trace op.
@@ -78,13 +80,26 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   // Hook the trigger nodes of the graph behind `roots` (a forward's outputs); returns how many.
   int64_t hook_nodes(const std::vector<at::Tensor>& roots);
   void fire_at(int64_t op, uint64_t generation);   // a trigger node starts (the engine's thread)
-  void track(const at::Tensor& device_tensor);    // CPU: count this storage's bytes while it lives
+  void track(const at::Tensor& device_tensor);    // CPU: count this storage's bytes while it lives, from now
   void sample();                                  // a memory sample (peak; timeline when enabled)
   int64_t alive_bytes();                          // CPU: tracked storages alive now
   void forget(PyObject* weak_ref);                // a tracked storage died
   // The executor's copy engine: the hooks poll its completions themselves, with no Python call
   // per saved tensor while copies are in flight.
   void set_copy_engine(std::shared_ptr<CopyEngine> engine) { engine_ = std::move(engine); }
+  // D2H copies were queued (or all issued): See Note [Copies issued at the next op].
+  void set_has_queued(bool queued);
+  void op_starts();                               // the next op starts: issue the queued copies
+  // CPU: the step's peak of tracked storages alive, each from its birth (Note [Measured from
+  // birth]) into peak_bytes, and the timeline samples' values; call once at the step's end.
+  void finish_step();
+  struct Lifetime {
+    int64_t born;   // clock
+    int64_t died;   // clock; kAliveClock while alive
+    int64_t bytes;  // storage bytes
+  };
+  static constexpr int64_t kAliveClock = std::numeric_limits<int64_t>::max();
+  const std::vector<Lifetime>& lifetimes() const { return lifetimes_; }  // this step's tracked storages
   ~SavedTensorPath();
   SavedTensorPath(const SavedTensorPath&) = delete;
   SavedTensorPath& operator=(const SavedTensorPath&) = delete;
@@ -93,7 +108,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   bool diverged = false;        // the step left the trace: nothing more is offloaded
   bool check_fetched = false;   // fetched copies exist: a save may be one of them
   bool need_poll = false;       // copies in flight: poll at each hook call
-  bool has_queued = false;      // D2H copies queued until their op has run
+  bool has_queued = false;      // D2H copies queued until their op has run (set through set_has_queued)
   uint64_t queued_op = 0;       // autograd sequence number when they were queued
   bool timeline = false;        // keep (t, bytes) samples
   bool track_memory = true;     // CPU: count saved storages alive (Note [CPU memory by weak references])
@@ -107,6 +122,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   pybind11::object owner() const;  // the executor, or None once it died
   template <typename... Args>
   pybind11::object call_owner(const char* method, Args&&... args);
+  PyObject* pack_saved(PyObject* obj, const at::Tensor& t);  // pack()'s work for a save of a step (throws)
   void check_label(int64_t ordinal, bool has_storage);
   void poll_copies();                        // need_poll: release what completed copies held
   bool planned(int64_t ordinal) const {
@@ -126,14 +142,31 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   std::vector<char> has_expected_;          // ordinal -> the trace has a label for it
   std::vector<char> planned_;               // ordinal -> the plan offloads it
   std::vector<int64_t> first_bwd_op_;       // ordinal -> its first backward op (kNoOp: none)
+  std::vector<char> before_step_;           // ordinal -> the trace saw it exist before the step (Note [Measured from birth])
   std::vector<int64_t> triggers_;           // sorted trigger ops that prefetch something (-1: backward start)
   std::unordered_map<uint64_t, int64_t> trigger_nodes_;  // node sequence offset -> trigger op
   uint64_t seq_base_ = 0;                   // this thread's autograd sequence number at the step's start
   uint64_t generation_ = 0;                 // steps begun: a hook of an older step's node does nothing
 
   void drop_tracked();
+  void disarm();                           // remove the next-op callback (never from inside it)
+  uint64_t next_op_callback_ = 0;          // at::CallbackHandle while armed, else 0
+  void track_from(const at::Tensor& t, int64_t born);
+  // See Note [Measured from birth].
+  int64_t tick();                          // a new moment on the step's clock; marks a new forward node
+  void mark_inputs_saved();                // the current node's input saves are done
+  int64_t birth_of(const at::Tensor& t, int64_t ordinal);  // the moment the storage of `t` was made
+  struct NodeMark {
+    uint64_t peek;          // at::sequence_number::peek() after the node was made: its sequence_nr + 1
+    int64_t first;          // clock of the first moment at this peek
+    int64_t after_inputs;   // clock when its input saves were done; -1: none seen
+  };
   pybind11::object death_callback_ = pybind11::none();
-  std::unordered_map<PyObject*, int64_t> tracked_;  // weak reference (owned) -> storage bytes
+  std::unordered_map<PyObject*, size_t> tracked_;  // weak reference (owned) -> index into lifetimes_
+  std::vector<Lifetime> lifetimes_;                // this step's tracked storages
+  std::vector<NodeMark> marks_;                    // ascending peek
+  std::vector<int64_t> sample_clocks_;             // timeline: the clock of each sample
+  int64_t clock_ = 0;
   int64_t tracked_bytes_ = 0;
   double t0_s_ = 0.0;
 };

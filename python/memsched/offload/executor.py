@@ -389,7 +389,7 @@ class OffloadExecutor:
             self.path.clear_schedule()
         else:
             self.path.set_schedule(schedule.labels, schedule.offload | schedule.recompute, schedule.first_bwd_op,
-                                   [q for q, ks in schedule.prefetch_at.items() if ks])
+                                   [q for q, ks in schedule.prefetch_at.items() if ks], schedule.before_step)
             self.path.set_trigger_nodes(schedule.trigger_nodes)
         self.engine.on_compute_stream = bool(schedule is not None and schedule.copies_on_compute_stream)
 
@@ -442,6 +442,7 @@ class OffloadExecutor:
         stats.recomputed, stats.recomputed_bytes, stats.replays = rs.recomputed, rs.recomputed_bytes, rs.replays
         stats.replay_s, stats.recompute_kept = rs.replay_s, rs.kept_instead
         stats.recompute_kept_reasons = dict(rs.kept_reasons or {})
+        self.path.finish_step()  # CPU: See Note [Measured from birth] (saved_tensor_path.cpp)
         stats.peak_bytes = self.path.peak_bytes
         if self.timeline:
             stats.samples = list(self.path.samples)

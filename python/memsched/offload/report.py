@@ -14,10 +14,10 @@ def planned_activation_curve(trace, plan):
     """Bytes of saved activations resident on the device during each op, if `plan` runs exactly.
 
     Kept activation: resident from its producer op to its free op. Offloaded:
-    from its producer to max(offload_after_op, last forward use), then again from
-    prefetch_at_op to its free op (Note [Tensor lifetime convention] in trace.h).
-    Recomputed: from its producer to its last forward use, then again from
-    recompute_at_op to its free op.
+    from its producer to max(offload_after_op, last forward use, held_until_op), then
+    again from prefetch_at_op to its free op (Note [Tensor lifetime convention] and
+    Note [Held by the caller] in trace.h). Recomputed: from its producer to its last
+    forward use (or held_until_op), then again from recompute_at_op to its free op.
     A planned offload of a tensor held past the step counts as kept: the executor keeps it
     (Note [Activations held past the step] in offload/schedule.py).
     This is the quantity the CPU executor measures (storages alive).
@@ -41,7 +41,7 @@ def planned_activation_curve(trace, plan):
             spans = [(start, end)]
         else:
             fwd = [u for u in rec.uses if ops[u].phase == "forward"]
-            release = max([d.offload_after_op] + fwd)
+            release = max([d.offload_after_op, rec.held_until_op] + fwd)
             back = d.recompute_at_op if getattr(d, "recompute", False) else d.prefetch_at_op
             spans = [(start, min(release, end)), (max(back, release + 1), end)]
         for a, b in spans:

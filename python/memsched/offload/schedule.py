@@ -90,6 +90,7 @@ class OffloadSchedule:
         self.recompute_ops = set() # forward trace op ids of their chains: what the forward records
         self.shared = set()        # recomputed ordinals the plan recreates inside another one's replay
         self.forward_starts = []   # trace op id where each forward of the step begins
+        self.before_step = set()   # ordinals whose storage existed before the step (the caller's batch)
 
     @classmethod
     def build(cls, trace, plan, min_bytes=0, node_of_op=None):
@@ -112,6 +113,8 @@ class OffloadSchedule:
             if rec.kind != "activation":
                 continue  # e.g. upgraded to gradient: matched by label, never offloaded
             ordinal_of_id[rec.id] = k
+            if rec.producer_op < 0:
+                s.before_step.add(k)
             if held_past_step(rec):
                 held.add(k)
             s.bytes[k] = rec.bytes

@@ -21,6 +21,29 @@ Note [Free detection]
   can hand the address to anyone else, so the key is free for reuse at once.
   Limitations: a storage freed while no op has begun yet is dropped (it was
   never live during an op).
+
+Note [Held outside the graph]
+  Rationale: an offloaded or recomputed activation leaves the device only when
+  nothing but the autograd graph references it; a caller's frame (the outer
+  nn.Sequential's `input`, a residual's x) may hold it well past its last use
+  (Note [Held by the caller] in csrc/core/trace.h). The plan must release it
+  then, not at its last use, or the executor's measured peak exceeds the plan.
+  Approach: the profiled step's pack hook keeps every activation through a
+  detached alias of its own (one TensorImpl, so one reference to the storage,
+  per save), and counts the saves of each storage. Before each forward op the
+  recorder compares, for every saved storage not yet found released, the
+  StorageImpl's use count with those saves (+1: the Python storage object that
+  free detection made; torch keeps it while the storage lives and it holds one
+  reference): more references mean something else holds it during the last op
+  begun (TraceBuilder.tensor_held -> held_until_op; a storage found released
+  was still held at the previous check, so during the op begun since: frames
+  let go after an op returns, not during it). Once only the saves hold it, it
+  leaves the set; the set is checked once more after the first backward
+  op, so a storage still held there is marked held into the backward pass.
+  Cost: one C call per held storage per forward op, in the profiled step only;
+  the set is the storages a frame holds (the batch, residuals), not all saves.
+  Limitations: a save dropped during the forward (a discarded branch) lowers
+  the count the same as a released frame reference would.
 """
 from __future__ import annotations
 
@@ -38,6 +61,7 @@ from memsched.profiler.op_timer import OpTimer
 from memsched.profiler.module_paths import ModulePathStack
 from memsched.saved_tensors import ActivationNumbering, dtype_name, storage_key
 
+_storage_use_count = torch._C._storage_Use_Count  # StorageImpl references (Note [Held outside the graph])
 _current_node = torch._C._current_autograd_node  # the node the engine runs now, or None
 _kept_pack = _C.kept_pack
 _NO_SEQUENCE = 2**64 - 1                          # sequence_nr of nodes outside the count (AccumulateGrad)
@@ -155,6 +179,10 @@ class Recorder:
         self.node_of_op: Dict[int, int] = {}
         self.backward_open = False  # a backward pass has run ops and not ended (it may have raised)
         self._watch: Dict[int, _StorageRef] = {}  # storage key -> weakref with free callback; == builder's live keys
+        # Note [Held outside the graph]: saved storage key -> saves of it (each holds one alias), and
+        # the keys that something besides those saves still held at the last check.
+        self._saves: Dict[int, int] = {}
+        self._held: Dict[int, None] = {}
         self._on_free: Callable = self._make_free_callback()
         self._stack_list = self.stack.stack if self.stack is not None else []
 
@@ -200,16 +228,23 @@ class Recorder:
         Activation, or None for a parameter or buffer (Note [Activation identity])."""
         stack = self._stack_list
         act = self.numbering.number(t, stack[-1] if stack else "")
-        if act is not None and act.is_first_pack:
+        if act is not None:
             key = storage_key(t)
             if key is not None:
-                if key not in self._watch:  # never seen made: it existed before the step
-                    self.register_existing(t, "activation")
-                self.builder.upgrade_kind(key, "activation", act.label)
+                if act.is_first_pack:
+                    if key not in self._watch:  # never seen made: it existed before the step
+                        self.register_existing(t, "activation")
+                    self.builder.upgrade_kind(key, "activation", act.label)
         return act
 
     def pack(self, t: torch.Tensor):
-        self.note_save(t)
+        act = self.note_save(t)
+        key = storage_key(t) if act is not None else None
+        if key is not None and key in self._watch and not self.closed:
+            # See Note [Held outside the graph]: one alias per save, counted.
+            self._saves[key] = self._saves.get(key, 0) + 1
+            self._held[key] = None
+            return _kept_pack(t.detach())
         # kept_pack holds the op's own outputs detached (no cycle through C++ that gc cannot see:
         # See Note [Packing without reference cycles] in offload/executor.py) and kept_unpack redoes
         # PyTorch's in-place-modification check, which saved-tensor hooks switch off -- the
@@ -241,6 +276,8 @@ class Recorder:
                     self.node_of_op[self.builder.num_ops] = seq - self.seq_base
         else:
             phase = FORWARD
+            if self._held:
+                self._check_held()
             if bmap._pending:
                 bmap.tag_pending()
             stack = self._stack_list
@@ -291,6 +328,8 @@ class Recorder:
                     bytes_written = out.nbytes if mutable else 0
             flops = flops_of(args, kwargs, out) if flops_of is not None else 0
             builder.record_op(name, path, phase, used, made, duration_us, flops, bytes_read, bytes_written)
+            if self._held and phase is BACKWARD:
+                self._check_held()  # Note [Held outside the graph]: still held at the first backward op
             if phase is FORWARD and _grad_enabled():
                 bmap._pending.append((weakref.ref(out), path))  # bmap.note_outputs((out,), path), inlined
             return out
@@ -316,9 +355,29 @@ class Recorder:
                 bytes_written += t.nbytes
         flops = flops_of(args, kwargs, out) if flops_of is not None else 0
         builder.record_op(name, path, phase, used, made, duration_us, flops, bytes_read, bytes_written)
+        if self._held and phase is BACKWARD:
+            self._check_held()  # Note [Held outside the graph]: still held at the first backward op
         if phase is FORWARD and outputs and _grad_enabled():
             bmap.note_outputs(outputs, path)
         return out
+
+    def _check_held(self):
+        """Note [Held outside the graph]: stamp held_until_op = the last op begun on every saved
+        storage that something besides its saves still references; forget the others."""
+        watch, saves, held = self._watch, self._saves, self._held
+        tensor_held = self.builder.tensor_held
+        backward = self.backward_open
+        for key in list(held):
+            if key not in watch:  # died: freed_after_op says when
+                del held[key]
+                continue
+            still = _storage_use_count(key) - 1 > saves[key]
+            if still or not backward:
+                # Held at the last check, so during the op begun since (a frame lets go after an op
+                # returns, not during it); in backward only what is still held counts.
+                tensor_held(key)
+            if backward or not still:
+                del held[key]  # released, or held into the backward pass (checked once, at its first op)
 
     def _open_backward(self):
         # The engine runs this pass's final callbacks only when it completes: a backward_open
@@ -336,6 +395,8 @@ class Recorder:
         """Stop observing: later frees are ignored; drop every weakref."""
         self.closed = True
         self._watch.clear()
+        self._held.clear()
+        self._saves.clear()
         self.backward_map.clear()
 
 

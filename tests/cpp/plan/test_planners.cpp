@@ -175,5 +175,47 @@ TEST(Planners, AnActivationHeldPastTheStepIsNeverOffloaded) {
   EXPECT_EQ(a.candidate_index[1], -1);
 }
 
+TEST(Planners, AnActivationHeldByTheCallerLeavesOnlyWhenReleased) {
+  // Note [Held by the caller]: a frame holds tensor 0 through op 3 (its last use is op 1), so an
+  // offload releases it after op 3, and the least budget counts it there; tensor 1 is held into the
+  // backward pass, so it is no candidate.
+  Trace t;
+  for (int64_t i = 0; i < 8; ++i) {
+    Op op;
+    op.id = i;
+    op.name = "op";
+    op.phase = i < 5 ? Phase::kForward : Phase::kBackward;
+    t.ops.push_back(op);
+  }
+  auto add = [&](int64_t producer, std::vector<int64_t> uses, int64_t freed, int64_t held) {
+    TensorRecord r;
+    r.id = static_cast<int64_t>(t.tensors.size());
+    r.bytes = 1024;
+    r.dtype = "float32";
+    r.kind = TensorKind::kActivation;
+    r.producer_op = producer;
+    r.uses = std::move(uses);
+    r.freed_after_op = freed;
+    r.held_until_op = held;
+    t.tensors.push_back(r);
+  };
+  add(0, {1, 7}, 7, 3);
+  add(2, {3, 6}, 6, 5);
+  add(4, {4, 5}, 5, kNotHeld);
+  const OffloadAnalysis a = analyze_offload(t);
+  ASSERT_EQ(a.candidates.size(), 2u);
+  EXPECT_EQ(a.candidates[0].tensor_id, 0);
+  EXPECT_EQ(a.candidates[0].last_forward_use, 3);
+  EXPECT_EQ(a.candidate_index[1], -1);
+  EXPECT_EQ(a.candidates[1].last_forward_use, 4);
+  // Offloading everything: tensor 0 on the device during ops 0..3, tensor 1 always, tensor 2 at 4..5.
+  std::vector<TensorDecision> d = {{0, true, 1, 7}, {2, true, 4, 5}};
+  const std::vector<int64_t> mem = modelled_memory(a, d);
+  EXPECT_EQ(mem, (std::vector<int64_t>{1024, 1024, 2048, 2048, 2048, 2048, 1024, 1024}));
+  EXPECT_EQ(least_budget_bytes(a), 2048);
+  t.tensors[0].held_until_op = 0;  // held no longer than its uses: the last use decides
+  EXPECT_EQ(analyze_offload(t).candidates[0].last_forward_use, 1);
+}
+
 }  // namespace
 }  // namespace memsched

@@ -47,6 +47,38 @@ Trace small_trace() {
 
 std::vector<TensorDecision> keep_all(const OffloadAnalysis& a) { return keep_all_plan(a, 0).decisions; }
 
+// ATen's LSTM cell, two steps: 0 addmm -> X (input gates of every step, freed in forward);
+// 1 addmm -> G1; 2 G1.add_(X); 3 addmm -> G2; 4 G2.add_(X); backward 5 reads G2, 6 reads G1.
+// Recomputing G2 needs X (gone by op 5), whose "writers" include op 2 -- which really writes G1, a
+// live tensor the replay would corrupt. See Note [Recompute model]: the chain is refused.
+TEST(Recompute, AnInPlaceOpReadingALiveTensorIsNotReplayed) {
+  Trace t;
+  const char* names[] = {"aten::addmm", "aten::addmm", "aten::add_", "aten::addmm", "aten::add_", "mm_backward",
+                         "mm_backward"};
+  for (int i = 0; i < 7; ++i) {
+    Op op;
+    op.id = i;
+    op.name = names[i];
+    op.phase = i <= 4 ? Phase::kForward : Phase::kBackward;
+    op.duration_us = 10.0;
+    t.ops.push_back(op);
+  }
+  test_traces::add_tensor(t, 960, TensorKind::kTemporary, 0, {2, 4}, 4);       // X
+  test_traces::add_tensor(t, 240, TensorKind::kActivation, 1, {2, 6}, 6);      // G1
+  test_traces::add_tensor(t, 240, TensorKind::kActivation, 3, {4, 5}, 5);      // G2
+  t.validate();
+  const OffloadAnalysis a = analyze_offload(t);
+  const RecomputeChain c = recompute_chain(t, a, a.candidate_index[2]);
+  EXPECT_FALSE(c.feasible);
+  EXPECT_NE(c.why.find("in-place op 2"), std::string::npos) << c.why;
+  EXPECT_NE(c.why.find("tensor 1"), std::string::npos) << c.why;
+  // G1 (first used at op 6, when G2 is gone too): its chain recreates G2 as well, so op 4 writes
+  // only recreated tensors and the replay is allowed.
+  const RecomputeChain g1 = recompute_chain(t, a, a.candidate_index[1]);
+  EXPECT_TRUE(g1.feasible) << g1.why;
+  EXPECT_EQ(g1.ops, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+}
+
 TEST(Recompute, ChainReplaysFromTheNearestKeptInputs) {
   const Trace t = small_trace();
   const OffloadAnalysis a = analyze_offload(t);

@@ -200,6 +200,29 @@ void expect_error(const std::function<void()>& f, const std::string& needle) {
   }
 }
 
+TEST(TraceBuilder, HeldStampsTheLastOpBegun) {
+  // Note [Held by the caller]: tensor_held raises held_until_op to the last op begun.
+  TraceBuilder b("cpu");
+  b.begin_op("aten::exp", "", Phase::kForward);
+  b.tensor_allocated(1, 64, "float32", TensorKind::kTemporary);
+  b.end_op(0, 0, 0, 64);
+  b.upgrade_kind(1, TensorKind::kActivation, "act:0::[16]:float32");
+  b.tensor_held(1);
+  b.begin_op("aten::sin", "", Phase::kForward);
+  b.tensor_used(1);
+  b.tensor_allocated(2, 64, "float32", TensorKind::kTemporary);
+  b.end_op(0, 0, 64, 64);
+  b.tensor_held(1);
+  b.begin_op("aten::mul", "", Phase::kForward);
+  b.tensor_used(2);
+  b.end_op(0, 0, 64, 0);
+  b.tensor_freed(1);
+  b.tensor_freed(2);
+  const Trace t = b.finish();
+  EXPECT_EQ(t.tensors[0].held_until_op, 1);
+  EXPECT_EQ(t.tensors[1].held_until_op, kNotHeld);
+}
+
 TEST(TraceBuilder, MisuseGivesClearErrors) {
   TraceBuilder b;
   expect_error([&] { b.end_op(0, 0, 0, 0); }, "no op is open");
