@@ -48,8 +48,13 @@ Note [Profiling with saved activations offloaded]
   from their first pack until released, and again from a fetch until they die -- what the
   executor measures on CPU for an executed step ("saved-activation storages alive"). On CUDA
   Run reads torch.cuda.max_memory_allocated for the profiled step too.
-  The one Trace field that differs from a keep-all profile is ops' duration_us (timing noise; no
-  copy is inside an op's timing, but on CUDA the copies share the compute stream between ops).
+  Kept saves go through the keep-all path (Recorder.keep), so Note [Held outside the graph] tracks
+  them as in a keep-all profile; a save on the host is checked after each recorded op by the same
+  use-count rule (OffloadingRecorder._slot_held).
+  The Trace fields that differ from a keep-all profile: ops' duration_us (timing noise; no copy is
+  inside an op's timing, but on CUDA the copies share the compute stream between ops), and a
+  saved storage's held_until_op, which can be one op later here (the check runs inside the op's
+  dispatch, before the caller's frame lets go), never earlier: plans release nothing earlier.
   Checked for MLP, CNN, transformers (with dropout) and LSTM/GRU in
   tests/python/test_profiler_offloaded_saves.py.
   Limitations: a storage is released one recorded op after its last other user lets go (the op
@@ -98,7 +103,7 @@ class ProfiledStepStats:
 class _Slot:
     """One saved storage the step may offload."""
 
-    __slots__ = ("storage", "key", "nbytes", "state", "d2h", "saves", "__weakref__")
+    __slots__ = ("storage", "key", "nbytes", "state", "d2h", "saves", "held_done", "polled", "__weakref__")
 
     def __init__(self, storage, key, nbytes):
         self.storage = storage   # its Python UntypedStorage (keeps the StorageImpl, not the memory)
@@ -107,6 +112,8 @@ class _Slot:
         self.state = _RESIDENT
         self.d2h = None          # CopyTicket of the host copy (dst: the host block)
         self.saves = []          # weakref.ref(_Save) of its packed objects
+        self.held_done = False   # Note [Held outside the graph]: checked at the first backward op
+        self.polled = False      # ... checked once after the op that saved it
 
 
 class _Save:
@@ -150,6 +157,7 @@ class OffloadedSaves:
         self.device = torch.device(device)
         self.host = host_buffers
         self.min_bytes = int(min_bytes)
+        self.on_held = None  # callback(slot, held) after each recorded op (OffloadingRecorder._slot_held)
         # The Run's host pool; the limit is checked here, per save (host.has_room).
         self.engine = _C.CopyEngine(self.device, host_buffers.pool)
         self.engine.on_compute_stream = True  # See the Note: blocks are freed in stream order
@@ -206,25 +214,25 @@ class OffloadedSaves:
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
-            return _kept_pack(t)  # no storage: nothing to offload
+            return None  # no storage: nothing to offload
         key = storage._cdata
         ref = self.slots_.get(key)
         slot = ref() if ref is not None else None
         if slot is None:
             if key in self.kept_:
-                return _kept_pack(t)
+                return None
             nbytes = storage.nbytes()
             if key not in self.resident_:
                 self._account(key, storage, first=True)
             if not self._offloadable(t, storage, nbytes):
                 self.kept_.add(key)
                 self.stats.kept += 1
-                return _kept_pack(t)
+                return None
             slot = _Slot(storage, key, nbytes)
             self.slots_[key] = weakref.ref(slot)
             self.pending_.append(weakref.ref(slot))
         elif slot.state == _STAYS:
-            return _kept_pack(t)
+            return None
         save = _Save(slot, t, self)
         slot.saves.append(weakref.ref(save))
         return save
@@ -259,7 +267,10 @@ class OffloadedSaves:
         it; True when released."""
         saves = [s for s in (r() for r in slot.saves) if s is not None]
         aliases = sum(1 for s in saves if s.alias is not None)
-        if _use_count(slot.key) != 1 + aliases:
+        held = _use_count(slot.key) != 1 + aliases
+        if self.on_held is not None:
+            self.on_held(slot, held)
+        if held:
             return False  # still used by the forward (or held by the caller)
         if not self.host.has_room(slot.nbytes):
             slot.state = _STAYS  # See Note [Host memory limit] (offload/host_buffers.py)
@@ -314,12 +325,34 @@ class OffloadingRecorder(Recorder):
     def __init__(self, *args, saves: OffloadedSaves, **kwargs):
         super().__init__(*args, **kwargs)
         self.saves = saves
+        saves.on_held = self._slot_held
+
+    def _slot_held(self, slot, held):
+        """Note [Held outside the graph], for saves on the host: the stamps the keep-all check makes,
+        so held_until_op is the keep-all profile's. This runs after each recorded op, inside its
+        dispatch (what holds the storage now held it during that op); the keep-all check runs before
+        the next forward op, after the caller's frame may have let go, and stamps the op before it
+        either way. So here: the first check after the saving op stamps it; a later one stamps its
+        op only while the storage is held; in backward one check, at its first op, stamps what is
+        still held."""
+        if self.closed or slot.held_done or slot.key not in self._watch:
+            return
+        if self.backward_open:
+            slot.held_done = True
+            if held:
+                self.builder.tensor_held(slot.key)
+        elif held or not slot.polled:
+            self.builder.tensor_held(slot.key)
+        slot.polled = True
 
     def pack(self, t):
+        if _graph_task_id() != -1:
+            return Recorder.pack(self, t)  # a save made during backward: kept, as a keep-all profile
         act = self.note_save(t)
-        if act is None or _graph_task_id() != -1:
-            return _kept_pack(t)  # a parameter or buffer, or a save made during backward
-        return self.saves.pack(t)
+        if act is None:
+            return _kept_pack(t)  # a parameter or buffer
+        packed = self.saves.pack(t)
+        return packed if packed is not None else self.keep(t, act)  # kept on the device, as keep-all
 
     def unpack(self, packed):
         if type(packed) is _Save:

@@ -238,7 +238,10 @@ class Recorder:
         return act
 
     def pack(self, t: torch.Tensor):
-        act = self.note_save(t)
+        return self.keep(t, self.note_save(t))
+
+    def keep(self, t: torch.Tensor, act):
+        """The packed object of a save kept on the device; `act`: note_save(t)."""
         key = storage_key(t) if act is not None else None
         if key is not None and key in self._watch and not self.closed:
             # See Note [Held outside the graph]: one alias per save, counted.
