@@ -18,7 +18,7 @@ from memsched.offload.host_buffers import HostBuffers
 from memsched.offload.report import planned_activation_curve
 from memsched.profiler import ProfilerSession
 from memsched.profiler.offloaded_saves import OffloadedSaves
-from trace_helpers import assert_held_no_earlier, assert_same_trace_structure
+from trace_helpers import assert_same_held, assert_same_trace_structure
 
 BATCH = 4
 
@@ -146,7 +146,7 @@ def test_offloaded_profile_records_the_keep_all_trace_with_plain_gradients(name)
     off, off_grads, off_session = _run(model, step, "offload")
 
     assert_same_trace_structure(keep, off)
-    assert_held_no_earlier(keep, off)
+    assert_same_held(keep, off)
     assert off_session.node_of_op == keep_session.node_of_op  # the executor's prefetch triggers
     assert _bitwise(plain_grads, keep_grads) and _bitwise(plain_grads, off_grads)
 
@@ -227,7 +227,7 @@ def test_a_retained_graph_unpacks_twice_with_plain_gradients():
     off, off_grads, session = _run(model, twice, "offload")
     _, plain_grads, _ = _run(model, twice, "plain")
     assert_same_trace_structure(keep, off)
-    assert_held_no_earlier(keep, off)
+    assert_same_held(keep, off)
     assert _bitwise(plain_grads, off_grads) and session.offload.stats.fetched > 0
 
 
@@ -243,7 +243,7 @@ def test_host_memory_limit_keeps_the_rest_on_the_device():
     st = session.offload.stats
     assert st.host_limited > 0 and st.kept == st.host_limited and 0 < st.offloaded_bytes <= limit
     assert_same_trace_structure(keep, off)
-    assert_held_no_earlier(keep, off)
+    assert_same_held(keep, off)
     assert _bitwise(plain_grads, off_grads)
 
 
@@ -269,7 +269,7 @@ def test_cuda_offloaded_profile_matches_keep_all_and_holds_less(name):
             saves.finish()
     (keep, keep_grads, keep_peak), (off, off_grads, off_peak) = out["keep"], out["offload"]
     assert_same_trace_structure(keep, off)
-    assert_held_no_earlier(keep, off)
+    assert_same_held(keep, off)
     assert _bitwise(keep_grads, off_grads)
     assert off_peak < keep_peak
 
@@ -303,6 +303,6 @@ def test_every_torch_nn_module_profiles_offloaded_as_kept(variant):
         results[how] = (trace, [t.detach().clone() for t in state], saves)
     (keep, keep_state, _), (off, off_state, saves) = results["keep"], results["offload"]
     assert_same_trace_structure(keep, off)
-    assert_held_no_earlier(keep, off)
+    assert_same_held(keep, off)
     assert _bitwise(keep_state, off_state)
     assert saves.stats.offloaded > 0  # every variant saves something that goes to host and back

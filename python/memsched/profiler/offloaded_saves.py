@@ -49,12 +49,10 @@ Note [Profiling with saved activations offloaded]
   executor measures on CPU for an executed step ("saved-activation storages alive"). On CUDA
   Run reads torch.cuda.max_memory_allocated for the profiled step too.
   Kept saves go through the keep-all path (Recorder.keep), so Note [Held outside the graph] tracks
-  them as in a keep-all profile; a save on the host is checked after each recorded op by the same
-  use-count rule (OffloadingRecorder._slot_held).
-  The Trace fields that differ from a keep-all profile: ops' duration_us (timing noise; no copy is
-  inside an op's timing, but on CUDA the copies share the compute stream between ops), and a
-  saved storage's held_until_op, which can be one op later here (the check runs inside the op's
-  dispatch, before the caller's frame lets go), never earlier: plans release nothing earlier.
+  them as in a keep-all profile; a storage saved on the host is checked by the same rule at the
+  same moments (OffloadingRecorder._check_slots), so held_until_op is the keep-all profile's too.
+  The one Trace field that differs from a keep-all profile is ops' duration_us (timing noise; no
+  copy is inside an op's timing, but on CUDA the copies share the compute stream between ops).
   Checked for MLP, CNN, transformers (with dropout) and LSTM/GRU in
   tests/python/test_profiler_offloaded_saves.py.
   Limitations: a storage is released one recorded op after its last other user lets go (the op
@@ -103,7 +101,7 @@ class ProfiledStepStats:
 class _Slot:
     """One saved storage the step may offload."""
 
-    __slots__ = ("storage", "key", "nbytes", "state", "d2h", "saves", "held_done", "polled", "__weakref__")
+    __slots__ = ("storage", "key", "nbytes", "state", "d2h", "saves", "__weakref__")
 
     def __init__(self, storage, key, nbytes):
         self.storage = storage   # its Python UntypedStorage (keeps the StorageImpl, not the memory)
@@ -112,8 +110,6 @@ class _Slot:
         self.state = _RESIDENT
         self.d2h = None          # CopyTicket of the host copy (dst: the host block)
         self.saves = []          # weakref.ref(_Save) of its packed objects
-        self.held_done = False   # Note [Held outside the graph]: checked at the first backward op
-        self.polled = False      # ... checked once after the op that saved it
 
 
 class _Save:
@@ -157,7 +153,7 @@ class OffloadedSaves:
         self.device = torch.device(device)
         self.host = host_buffers
         self.min_bytes = int(min_bytes)
-        self.on_held = None  # callback(slot, held) after each recorded op (OffloadingRecorder._slot_held)
+        self.on_new_slot = None  # callback(slot) at a storage's first save (OffloadingRecorder)
         # The Run's host pool; the limit is checked here, per save (host.has_room).
         self.engine = _C.CopyEngine(self.device, host_buffers.pool)
         self.engine.on_compute_stream = True  # See the Note: blocks are freed in stream order
@@ -231,6 +227,8 @@ class OffloadedSaves:
             slot = _Slot(storage, key, nbytes)
             self.slots_[key] = weakref.ref(slot)
             self.pending_.append(weakref.ref(slot))
+            if self.on_new_slot is not None:
+                self.on_new_slot(slot)
         elif slot.state == _STAYS:
             return None
         save = _Save(slot, t, self)
@@ -267,10 +265,7 @@ class OffloadedSaves:
         it; True when released."""
         saves = [s for s in (r() for r in slot.saves) if s is not None]
         aliases = sum(1 for s in saves if s.alias is not None)
-        held = _use_count(slot.key) != 1 + aliases
-        if self.on_held is not None:
-            self.on_held(slot, held)
-        if held:
+        if _use_count(slot.key) != 1 + aliases:
             return False  # still used by the forward (or held by the caller)
         if not self.host.has_room(slot.nbytes):
             slot.state = _STAYS  # See Note [Host memory limit] (offload/host_buffers.py)
@@ -325,25 +320,30 @@ class OffloadingRecorder(Recorder):
     def __init__(self, *args, saves: OffloadedSaves, **kwargs):
         super().__init__(*args, **kwargs)
         self.saves = saves
-        saves.on_held = self._slot_held
+        saves.on_new_slot = self._track_slot
+        self.held_slots_ = []  # weakref.ref(_Slot) checked before each forward op (Note [Held outside the graph])
 
-    def _slot_held(self, slot, held):
-        """Note [Held outside the graph], for saves on the host: the stamps the keep-all check makes,
-        so held_until_op is the keep-all profile's. This runs after each recorded op, inside its
-        dispatch (what holds the storage now held it during that op); the keep-all check runs before
-        the next forward op, after the caller's frame may have let go, and stamps the op before it
-        either way. So here: the first check after the saving op stamps it; a later one stamps its
-        op only while the storage is held; in backward one check, at its first op, stamps what is
-        still held."""
-        if self.closed or slot.held_done or slot.key not in self._watch:
-            return
-        if self.backward_open:
-            slot.held_done = True
-            if held:
-                self.builder.tensor_held(slot.key)
-        elif held or not slot.polled:
-            self.builder.tensor_held(slot.key)
-        slot.polled = True
+    def _track_slot(self, slot):
+        self.held_slots_.append(weakref.ref(slot))
+
+    def _check_slots(self, backward):
+        """Note [Held outside the graph] for saves on the host, with the keep-all check's timing and
+        rule (Recorder._check_held): before each forward op, every tracked storage is stamped held
+        until the last op begun, and leaves the set once nothing but its saves references it; once,
+        after the first backward op, what is still held is stamped and the set is emptied. So
+        held_until_op is the keep-all profile's."""
+        watch, tensor_held, left = self._watch, self.builder.tensor_held, []
+        for ref in self.held_slots_:
+            slot = ref()
+            if slot is None or slot.key not in watch:
+                continue
+            aliases = sum(1 for s in (r() for r in slot.saves) if s is not None and s.alias is not None)
+            still = _use_count(slot.key) != 1 + aliases
+            if still or not backward:
+                tensor_held(slot.key)
+            if still and not backward:
+                left.append(ref)
+        self.held_slots_ = left
 
     def pack(self, t):
         if _graph_task_id() != -1:
@@ -360,7 +360,11 @@ class OffloadingRecorder(Recorder):
         return _kept_unpack(packed)
 
     def on_op(self, func, info, args, kwargs):
+        if self.held_slots_ and not self.in_optimizer and _graph_task_id() == -1:
+            self._check_slots(False)  # before a forward op, as Recorder.on_op checks kept saves
         out = Recorder.on_op(self, func, info, args, kwargs)
+        if self.held_slots_ and _graph_task_id() != -1:
+            self._check_slots(True)  # after the first backward op
         if self.saves.pending_:
             self.saves.poll()
         return out
