@@ -670,6 +670,12 @@ class Run:
             return max(int((trace.peak_bytes() + extra) * float(spec[:-1]) / 100.0) - extra, 0), self.planner
         return max(resolve_budget(spec, trace) - extra, 0), self.planner
 
+    def _budget_with_state(self):
+        """The step's budget as run.report() shows it, beside planned_figures()' peak: the planner's share
+        plus the optimizer state the profiled step did not hold (Note [Optimizer state the profiled step
+        did not see])."""
+        return None if self.budget_bytes is None else self.budget_bytes + self.optimizer_state_extra_
+
     def _optimizer_state_bytes(self):
         """Bytes of the optimizer's state tensors on the Run's device (each storage once)."""
         opt = self.optimizer
@@ -816,10 +822,14 @@ class Run:
         budget_text = ""
         if self.budget_bytes is None and self.budget_spec is not None:
             budget_text = f"{self.budget_spec!r} (resolved when a step is profiled)"
-        info = dict(device=str(self.device), planner=planner, budget_bytes=self.budget_bytes,
+        info = dict(device=str(self.device), planner=planner, budget_bytes=self._budget_with_state(),
                     budget_text=budget_text, steps_profiled=self.steps_profiled, host_source=self.host.source,
                     profile="offload" if self.profile_offload else "keep")
         notes = [self._profile_note()]
+        if self.optimizer_state_extra_ and self.budget_bytes is not None:
+            notes.append(f"budget and planned peak include the {format_bytes(self.optimizer_state_extra_)} of "
+                         f"optimizer state the first optimizer.step() created (Note [Optimizer state the "
+                         f"profiled step did not see])")
         if self.mismatches:
             notes.append(f"{self.mismatches} step(s) did not match the profiled trace and ran without "
                          f"offloading from the mismatch on; {self.reprofiles} re-profile(s)")
@@ -881,7 +891,7 @@ class Run:
             line += f"; device peak of the profiled step (max_memory_allocated): {format_bytes(st.peak_bytes)}"
             # the user's budget: the planner's share plus the optimizer state the profiled step did not
             # hold yet (Note [Optimizer state the profiled step did not see])
-            budget = None if self.budget_bytes is None else self.budget_bytes + self.optimizer_state_extra_
+            budget = self._budget_with_state()
             if budget is not None and st.peak_bytes > budget:
                 line += (f", above the budget ({format_bytes(budget)})" +
                          (": what it kept on the device (parameters, gradients, optimizer state, each op's "
@@ -923,7 +933,7 @@ class Run:
         planned, _ = self._planned_timeline()
         memory_name = "device memory" if self.device.type == "cuda" else "saved activations"
         summary = dict(device=str(self.device), planner=self.planner if self.plan is not None else "keep_all",
-                       budget_bytes=self.budget_bytes, planned=self.planned_figures(),
+                       budget_bytes=self._budget_with_state(), planned=self.planned_figures(),
                        measured_step=last.mode if last is not None else None,
                        measured_memory=last.memory_source if last is not None else None)
         obj = chrome_trace.timeline_trace(self.trace, self.simulation, planned, memory_name, last, summary)

@@ -107,3 +107,18 @@ def test_a_percent_budget_below_any_plan_is_refused_in_percent():
             model(_batch(s)).pow(2).mean().backward()
             run.step()
     assert run.steps_planned == 1
+
+
+def test_report_shows_the_budget_and_the_planned_peak_both_with_the_state():
+    import io
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with memsched.optimize(model, opt, budget=0.5, planner="dp") as run:
+        for s in range(2):
+            model(_batch(s)).pow(2).mean().backward()
+            run.step()
+    r = run.report(file=io.StringIO())
+    extra = run.optimizer_state_extra_
+    assert extra > 0 and r.budget_bytes == run.budget_bytes + extra >= r.planned["peak_bytes"]
+    assert "include the" in r.table and "optimizer state the first optimizer.step() created" in r.table
