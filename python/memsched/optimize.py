@@ -149,14 +149,19 @@ Note [Optimizer state the profiled step did not see]
   holds it all: a byte budget planned on the trace alone was exceeded by the state (70% over for a
   tiny GPT-2 under AdamW), and the re-profile after a mismatch, which does see the state, then
   refused a budget the first plan had accepted.
-  Approach: the optimizer state's bytes on the Run's device are read when a profile starts and
-  after the profiled step's update; what the update created (extra) is constant over every later
-  step, so it shifts the whole memory curve by extra. Byte budgets (bytes, "6GiB", and "P%" of the
-  step's peak with the state) are planned as budget - extra on the trace, budget=None compares
-  peak + extra with the device, and the planned peak in run.report() includes extra. A fraction f
-  needs nothing: its byte budget is taken from the same trace and compares like with like. The
-  re-plan runs right after the first update; a byte budget that cannot hold the state raises
-  there, naming the least budget with the state (the first step itself was a complete plain step).
+  Approach: what the update will create (extra) is predicted when the profile closes, before the
+  update, for Adam, AdamW and SGD (their state is zeros_like each parameter with a gradient, plus a
+  step count), and checked after it against the state's bytes on the Run's device (read when the
+  profile started and after the update); another optimizer's state is measured there. extra is
+  constant over every later step, so it shifts the whole memory curve by extra. Byte budgets
+  (bytes, "6GiB", and "P%" of the step's peak with the state) are planned as budget - extra on the
+  trace, budget=None compares peak + extra with the device, and run.report() shows budget and
+  planned peak with extra. A fraction f needs nothing: its byte budget is taken from the same
+  trace and compares like with like. A byte budget that cannot hold the state is refused before
+  the first update, naming the least budget with the state; only state the prediction missed is
+  found after the update, re-planned then and refused there (the first step was then a complete
+  plain step). A refusal before the update drops the step's gradients (set to None), so a retry
+  with the named budget trains as plain PyTorch.
   Limitations: with fuse_optimizer the state is made during backward and is in the trace already;
   state made later than the first update (an optimizer that allocates at step 2) is not seen.
 
@@ -436,14 +441,19 @@ class Run:
             trace = session.stop()
             self.node_of_op_ = session.node_of_op
             self.steps_profiled += 1
-            self.optimizer_state_extra_ = 0  # this trace holds the state that existed at its start
+            # this trace holds the state that existed at its start; what the update will add is
+            # predicted for the optimizers we know (Note [Optimizer state the profiled step did not see])
+            self.optimizer_state_extra_ = self._predicted_state_bytes()
             self.profile_stats = self._profiled_step_stats(session)
             try:
                 self._adopt_trace(trace)
             except BaseException:
-                # No plan for this budget: the optimizer did not step and the gradients are as
-                # backward left them (the caller's to zero). The next step is profiled again -- and
-                # refused again -- rather than run plainly without a word.
+                # No plan for this budget: the optimizer did not step, and the step's gradients are
+                # dropped (set to None, as run.step() leaves them after every step), so a retry with
+                # the budget the error names trains as plain PyTorch would. The next step is profiled
+                # again -- and refused again -- rather than run plainly without a word.
+                if self.optimizer is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
                 self._start_profiling()
                 raise
             self.state_check_ = self.state_at_profile_
@@ -633,8 +643,9 @@ class Run:
                     raise _C.MemschedError(
                         f"budget {self.budget_spec!r}: the steps after the first need at least {least} bytes "
                         f"({format_bytes(least)}): {format_bytes(least - extra)} for the step as profiled plus "
-                        f"{format_bytes(extra)} of optimizer state that the first optimizer.step() created and "
-                        f"every later step holds; raise the budget to at least {least} bytes") from None
+                        f"{format_bytes(extra)} of optimizer state that the first optimizer.step() creates and "
+                        f"every later step holds; raise the budget to at least {least} bytes (the least budget with "
+                        f"the optimizer state)") from None
                 raise
         schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_)
         need = schedule.offloaded_bytes
@@ -676,6 +687,29 @@ class Run:
         did not see])."""
         return None if self.budget_bytes is None else self.budget_bytes + self.optimizer_state_extra_
 
+    def _predicted_state_bytes(self):
+        """Bytes of optimizer state the coming update will create on the Run's device, for the
+        optimizers whose state we know (Adam, AdamW, SGD); 0 when unknown -- then it is measured after
+        the update. See Note [Optimizer state the profiled step did not see]."""
+        opt = self.optimizer
+        if opt is None or self.fuse_optimizer or type(opt) not in (torch.optim.Adam, torch.optim.AdamW,
+                                                                   torch.optim.SGD):
+            return 0
+        total = 0
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.device != self.device or opt.state.get(p):
+                    continue  # no update (no gradient), another device, or state already there
+                nbytes = p.numel() * p.element_size()
+                if type(opt) is torch.optim.SGD:
+                    total += nbytes if group.get("momentum", 0) else 0
+                    continue
+                total += nbytes * (3 if group.get("amsgrad") else 2)  # exp_avg, exp_avg_sq(, max)
+                on_device = group.get("capturable") or group.get("fused")
+                if on_device or self.device.type == "cpu":  # the step count: a 0-dim float32 tensor
+                    total += 4
+        return total
+
     def _optimizer_state_bytes(self):
         """Bytes of the optimizer's state tensors on the Run's device (each storage once)."""
         opt = self.optimizer
@@ -699,9 +733,9 @@ class Run:
         before, self.state_check_ = self.state_check_, None
         if before is None or self.trace is None or self.fuse_optimizer:
             return
-        extra = self._optimizer_state_bytes() - before
-        if extra <= 0:
-            return
+        extra = max(self._optimizer_state_bytes() - before, 0)
+        if extra == self.optimizer_state_extra_:
+            return  # as predicted before the update (the usual case)
         self.optimizer_state_extra_ = extra
         if isinstance(self.budget_spec, float):
             return  # a fraction's byte budget comes from the same trace: unchanged

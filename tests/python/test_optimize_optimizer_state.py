@@ -47,21 +47,17 @@ def test_byte_budget_plans_with_the_adam_state_made_by_the_first_step():
     assert run.steps_planned == 2 and run.mismatches == 0
 
 
-def test_byte_budget_without_room_for_the_state_is_refused_after_the_first_step():
+def test_byte_budget_without_room_for_the_state_is_refused_before_the_first_update():
     model = _model()
     budget = _least(_model()) + _param_bytes(model) // 2  # a plan fits the trace, not the AdamW state
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with memsched.optimize(model, opt, budget=budget, planner="dp") as run:
         model(_batch(0)).pow(2).mean().backward()
-        with pytest.raises(_C.MemschedError, match=r"optimizer state that the first optimizer.step\(\) created.*"
+        with pytest.raises(_C.MemschedError, match=r"optimizer state that the first optimizer.step\(\) creates.*"
                                                     r"raise the budget to at least \d+ bytes"):
             run.step()
-        # The next step is profiled again, with the state, and refused before its update.
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        model(_batch(1)).pow(2).mean().backward()
-        with pytest.raises(_C.MemschedError, match="least budget"):
-            run.step()
-        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not opt.state
 
 
 def test_fraction_budgets_need_no_state_correction():
@@ -122,3 +118,35 @@ def test_report_shows_the_budget_and_the_planned_peak_both_with_the_state():
     extra = run.optimizer_state_extra_
     assert extra > 0 and r.budget_bytes == run.budget_bytes + extra >= r.planned["peak_bytes"]
     assert "include the" in r.table and "optimizer state the first optimizer.step() created" in r.table
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.AdamW(p, lr=1e-3),
+                                  lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
+                                  lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)],
+                         ids=["adamw", "adam-amsgrad", "sgd-momentum"])
+def test_the_state_is_predicted_before_the_first_update(make):
+    """The refusal comes before the first update (parameters unchanged, gradients dropped), and the least
+    budget it names works at once; a retry then trains as plain PyTorch."""
+    import re
+
+    model, plain = _model(), _model()
+    opt = make(model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with memsched.optimize(model, opt, budget=_least(_model()), planner="dp") as run:
+        model(_batch(0)).pow(2).mean().backward()
+        with pytest.raises(_C.MemschedError, match=r"raise the budget to at least (\d+) bytes") as e:
+            run.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+    least = int(re.search(r"at least (\d+) bytes", str(e.value)).group(1))
+    with memsched.optimize(model, opt, budget=least, planner="dp") as run:
+        for s in range(3):
+            model(_batch(s)).pow(2).mean().backward()
+            run.step()
+    assert run.steps_planned == 2 and run.optimizer_state_extra_ > 0
+    popt = make(plain.parameters())
+    for s in range(3):
+        plain(_batch(s)).pow(2).mean().backward()
+        popt.step()
+        popt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
