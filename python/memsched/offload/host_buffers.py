@@ -84,8 +84,3 @@ class HostBuffers:
     def live_bytes(self):
         """Bytes of host buffers alive now (the pool's rounded blocks)."""
         return self.pool.stats().get("allocated_bytes.all.current", 0)
-
-    def has_room(self, nbytes):
-        """Whether a buffer of nbytes stays within the limit (Note [Host memory limit]); the executor's
-        copy engine checks the same per offload, in C++."""
-        return self.limit is None or self.live_bytes() + nbytes <= self.limit

@@ -154,8 +154,9 @@ class OffloadedSaves:
         self.host = host_buffers
         self.min_bytes = int(min_bytes)
         self.on_new_slot = None  # callback(slot) at a storage's first save (OffloadingRecorder)
-        # The Run's host pool; the limit is checked here, per save (host.has_room).
+        # The Run's host pool and its limit (checked per save by the engine, as the executor's is).
         self.engine = _C.CopyEngine(self.device, host_buffers.pool)
+        host_buffers.attach(self.engine)
         self.engine.on_compute_stream = True  # See the Note: blocks are freed in stream order
         self.begin_step()
 
@@ -240,7 +241,7 @@ class OffloadedSaves:
                 and t.layout == torch.strided and type(t) is torch.Tensor
                 and not t.is_conj() and not t.is_neg() and not t.is_quantized and storage.resizable()):
             return False
-        if not self.host.has_room(nbytes):
+        if not self.engine.has_room(nbytes):
             self.stats.host_limited += 1  # See Note [Host memory limit] (offload/host_buffers.py)
             return False
         return True
@@ -267,7 +268,7 @@ class OffloadedSaves:
         aliases = sum(1 for s in saves if s.alias is not None)
         if _use_count(slot.key) != 1 + aliases:
             return False  # still used by the forward (or held by the caller)
-        if not self.host.has_room(slot.nbytes):
+        if not self.engine.has_room(slot.nbytes):
             slot.state = _STAYS  # See Note [Host memory limit] (offload/host_buffers.py)
             self.stats.kept += 1
             self.stats.host_limited += 1
