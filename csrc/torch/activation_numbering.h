@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/SmallVector.h>
 
 namespace memsched {
 
@@ -34,6 +35,26 @@ StorageIdentity storage_identity(const at::Tensor& tensor);
 // A size as Python prints it (a concrete int, or the symbolic expression).
 std::string symint_string(const c10::SymInt& size);
 
+// torch's Python spelling of a dtype ("float32", "bfloat16"), as str(dtype) minus "torch.".
+const std::string& dtype_name(at::ScalarType type);
+
+// The shape and dtype of a label (Note [Labels built on demand]): what an executed step compares
+// with the trace, without formatting a string per saved tensor.
+struct LabelShape {
+  c10::SmallVector<int64_t, 6> sizes;
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  bool concrete = false;  // false: a symbolic size; compare the label strings instead
+
+  // The storage-owning tensor's (the autograd view base when `tensor` is a view), as the label has it.
+  static LabelShape of(const at::Tensor& tensor);
+  // The `<shape>:<dtype>` tail of a label (`act:<k>:<path>:[2, 3]:float32`); concrete == false when
+  // it does not parse as concrete sizes and a dtype torch names.
+  static LabelShape parse(std::string_view label);
+  bool operator==(const LabelShape& other) const {
+    return concrete && other.concrete && dtype == other.dtype && sizes == other.sizes;
+  }
+};
+
 // `act:<ordinal>:<module_path>:<shape>:<dtype>`, shape of the storage-owning tensor (the autograd
 // view base when `tensor` is a view), dtype spelled as torch's Python name ("float32").
 std::string activation_label(int64_t ordinal, std::string_view module_path, const at::Tensor& tensor);
@@ -55,9 +76,12 @@ class ActivationNumbering {
   Result number(const at::Tensor& tensor, const StorageIdentity& id, std::string_view module_path);
   bool is_parameter(uintptr_t key) const { return key != 0 && parameter_keys_.count(key) != 0; }
 
-  int64_t count() const { return static_cast<int64_t>(labels_.size()); }
+  int64_t count() const { return static_cast<int64_t>(records_.size()); }
+  // Built at the first call for an ordinal (See Note [Labels built on demand]).
   const std::string& label(int64_t ordinal) const;
-  const std::vector<std::string>& labels() const { return labels_; }
+  std::vector<std::string> labels() const;
+  // The shape and dtype in the label of `ordinal` (concrete == false: symbolic; use label()).
+  const LabelShape& shape(int64_t ordinal) const;
 
  private:
   struct Seen {
@@ -68,8 +92,14 @@ class ActivationNumbering {
   std::vector<at::Tensor> parameters_;
   std::unordered_set<uintptr_t> parameter_keys_;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> parameter_refs_;  // keep the keys unique
+  std::vector<uintptr_t> parameter_order_;  // parameters_[i]'s storage key when the table was built
   std::unordered_map<uintptr_t, Seen> seen_;
-  std::vector<std::string> labels_;
+  struct Record {
+    LabelShape shape;
+    std::string module_path;
+    mutable std::string label;  // "" until label() builds it (an eager one when the shape is symbolic)
+  };
+  std::vector<Record> records_;
 };
 
 }  // namespace memsched

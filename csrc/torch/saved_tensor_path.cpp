@@ -71,6 +71,17 @@ bool saved_by_its_own_node(const at::Tensor& t) {
   return fn && fn->sequence_nr() + 1 >= at::sequence_number::peek();
 }
 
+// Note [Keeping an output without its history]
+//   An op's own output is kept as an alias without grad_fn (Note [Packing without reference
+//   cycles], executor.py). tensor_data() is what PyTorch's SavedVariable stores for outputs: a
+//   shallow copy of the TensorImpl sharing storage and version counter, made without a dispatcher
+//   call; detach() made the same alias through the dispatcher, a third of the hooks' cost for such
+//   a save. A tensor subclass (Python dispatch) still goes through detach(), which it may override.
+at::Tensor without_history(const at::Tensor& t) {
+  if (t.unsafeGetTensorImpl()->is_python_dispatch()) return t.detach();
+  return at::Tensor(t.tensor_data());
+}
+
 struct KeptSave {
   PyObject_HEAD
   at::Tensor tensor;
@@ -112,6 +123,16 @@ std::string without_module_path(int64_t k, const std::string& label) {
     return label;
   }
   return prefix + label.substr(shape);
+}
+
+// The shape and dtype a trace label gives ordinal k; not concrete (compare strings) unless the label
+// has the form `act:<k>:<module path>:<shape>:<dtype>` with concrete sizes.
+LabelShape expected_shape(int64_t k, const std::string& label) {
+  const std::string prefix = "act:" + std::to_string(k) + ":";
+  if (label.compare(0, prefix.size(), prefix) != 0) return LabelShape{};
+  const size_t shape = label.rfind(":[");
+  if (shape == std::string::npos || shape + 1 < prefix.size()) return LabelShape{};
+  return LabelShape::parse(std::string_view(label).substr(shape));
 }
 
 std::string shape_string(const at::Tensor& t) {
@@ -234,7 +255,7 @@ PyObject* SavedTensorPath::pack_saved(PyObject* obj, const at::Tensor& t) {
   }
   // See Notes [Packing without reference cycles], [Version checks] (executor.py), and Note [Kept
   // saves are not Python containers]: only the op's own outputs need the detached alias.
-  return kept_save(k, saved_by_its_own_node(t) ? t.detach() : t, version);
+  return kept_save(k, saved_by_its_own_node(t) ? without_history(t) : t, version);
 }
 
 void SavedTensorPath::poll_copies() {
@@ -249,10 +270,16 @@ void SavedTensorPath::poll_copies() {
 
 void SavedTensorPath::check_label(int64_t k, bool has_storage) {
   const bool known = k < static_cast<int64_t>(has_expected_.size()) && has_expected_[static_cast<size_t>(k)];
-  const std::string& label = numbering_.label(k);
-  if (known ? expected_[static_cast<size_t>(k)] == label : !has_storage) return;
+  if (known) {
+    // See Note [Labels built on demand] (activation_numbering.cpp): shapes compared, no string made.
+    const LabelShape& want = expected_shape_[static_cast<size_t>(k)];
+    const LabelShape& got = numbering_.shape(k);
+    if (want.concrete && got.concrete ? want == got : expected_[static_cast<size_t>(k)] == numbering_.label(k)) return;
+  } else if (!has_storage) {
+    return;
+  }
   py::object expected = known ? py::object(py::str(expected_full_[static_cast<size_t>(k)])) : py::object(py::none());
-  call_owner("_diverge_label", k, expected, py::str(label));
+  call_owner("_diverge_label", k, expected, py::str(numbering_.label(k)));
   diverged = true;
 }
 
@@ -311,7 +338,7 @@ PyObject* kept_pack(PyObject* obj) {
     return nullptr;
   }
   const at::Tensor& t = THPVariable_Unpack(obj);
-  return kept_save(-1, saved_by_its_own_node(t) ? t.detach() : t, t._version());
+  return kept_save(-1, saved_by_its_own_node(t) ? without_history(t) : t, t._version());
   END_HANDLE_TH_ERRORS
 }
 
@@ -422,11 +449,13 @@ void SavedTensorPath::set_schedule(const py::dict& labels, const py::iterable& p
   for (auto item : labels) {
     const int64_t k = item.first.cast<int64_t>();
     grow(expected_, k, std::string());
+    grow(expected_shape_, k, LabelShape{});
     grow(expected_full_, k, std::string());
     grow(has_expected_, k, char{0});
     const std::string label = item.second.cast<std::string>();
     expected_full_[static_cast<size_t>(k)] = label;
     expected_[static_cast<size_t>(k)] = without_module_path(k, label);
+    expected_shape_[static_cast<size_t>(k)] = expected_shape(k, label);
     has_expected_[static_cast<size_t>(k)] = 1;
   }
   for (auto item : planned) {
@@ -452,6 +481,7 @@ void SavedTensorPath::set_schedule(const py::dict& labels, const py::iterable& p
 void SavedTensorPath::clear_schedule() {
   has_schedule_ = false;
   expected_.clear();
+  expected_shape_.clear();
   expected_full_.clear();
   has_expected_.clear();
   planned_.clear();

@@ -138,6 +138,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
 
   bool has_schedule_ = false;
   std::vector<std::string> expected_;       // ordinal -> the trace's label without its module path
+  std::vector<LabelShape> expected_shape_;  // ordinal -> its shape and dtype (Note [Labels built on demand])
   std::vector<std::string> expected_full_;  // ordinal -> the trace's label (messages)
   std::vector<char> has_expected_;          // ordinal -> the trace has a label for it
   std::vector<char> planned_;               // ordinal -> the plan offloads it

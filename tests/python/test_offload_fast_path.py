@@ -31,6 +31,57 @@ def test_labels_follow_the_documented_format(make):
     assert _C.activation_label(7, "block.0.attn", t) == f"act:7:block.0.attn:{shape}:{dtype}"
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.zeros(2, 3),
+    lambda: torch.zeros(2, 3, dtype=torch.bfloat16)[1:],
+    lambda: torch.zeros((), dtype=torch.int64),
+    lambda: torch.zeros(1, 5, dtype=torch.complex64).t(),
+], ids=["f32", "bf16-view", "scalar", "c64-t"])
+def test_numbering_builds_the_same_label_on_demand(make):
+    """See Note [Labels built on demand]: the label a step's numbering gives equals activation_label."""
+    numbering = _C.ActivationNumbering()
+    numbering.start_step()
+    t = make()
+    k, first, label = numbering.number(t, "block.0")
+    assert first and label == _C.activation_label(k, "block.0", t)
+    assert numbering.labels == [label]
+
+
+class _CastsTo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.dtype = torch.float32
+
+    def forward(self, x):
+        return self.fc(x).to(self.dtype).sigmoid().float()
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_an_executed_step_whose_activation_changes_dtype_or_shape_leaves_the_plan(change):
+    """The executed step's shapes and dtypes are compared with the trace's labels without building
+    strings (Note [Labels built on demand]); a change of either is a mismatch that names both sides."""
+    torch.manual_seed(0)
+    model = _CastsTo()
+    with warnings.catch_warnings(record=True) as caught, \
+            optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=0.5,
+                     planner="offload_all_prefetch") as run:
+        warnings.simplefilter("always")
+        for step in range(3):
+            if step == 2:
+                if change == "dtype":
+                    model.dtype = torch.float64
+                x = torch.randn(2 if change == "dtype" else 3, 4)
+            else:
+                x = torch.randn(2, 4)
+            model(x).sum().backward()
+            run.step()
+    assert run.steps_planned == 1 and run.mismatches == 1
+    want, got = ("float32", "float64") if change == "dtype" else ("[2, 4]", "[3, 4]")
+    seen = [str(w.message) for w in caught if "does not match the profiled trace" in str(w.message)]
+    assert len(seen) == 1 and want in seen[0] and got in seen[0], seen
+
+
 @pytest.fixture
 def hooks():
     model = nn.Linear(4, 4)

@@ -396,7 +396,16 @@ class OffloadExecutor:
     # -- step bookkeeping -------------------------------------------------------------------------
     def _reset_step(self):
         self.stats = StepStats()
-        self.offloaded_ = weakref.WeakValueDictionary()  # ordinal -> _Offloaded; the graph owns them
+        # The step's tables, emptied rather than made anew when they exist (the executor reads them
+        # only while a step runs; nothing else holds them).
+        if getattr(self, "offloaded_", None) is None:
+            self.offloaded_ = weakref.WeakValueDictionary()  # ordinal -> _Offloaded; the graph owns them
+            self.recipes_ = weakref.WeakValueDictionary()    # recomputed ordinal -> its Recipe
+        else:
+            if self.offloaded_:
+                self.offloaded_.clear()
+            if self.recipes_:
+                self.recipes_.clear()
         self.graph_ = None          # weakref to this step's _StepGraph (None: nothing offloaded yet)
         self.dropped_ = set()       # ordinals offloaded in this step (their handles may have died)
         self.queued_ = []           # (_Offloaded, flat device bytes) whose D2H copy is not issued yet
@@ -404,7 +413,6 @@ class OffloadExecutor:
         self.t0_ = time.perf_counter()
         self._stop_recording()
         self.oplogs_ = []           # this step's ForwardOpLogs (Note [Unpack-time recompute]), one per forward
-        self.recipes_ = weakref.WeakValueDictionary()  # recomputed ordinal -> its Recipe
         self.recompute_stats = RecomputeStats()
         # counters, memory samples, the prefetch trigger and `diverged` live in self.path
         self.path.begin_step(self.t0_)
@@ -431,7 +439,8 @@ class OffloadExecutor:
         stats = self.stats
         if not self.in_step_:
             return None
-        self._issue_copies()
+        if self.queued_:
+            self._issue_copies()
         log = self.engine.end_step()
         self.path.need_poll = self.engine.pending_count() > 0
         stats.d2h_bytes, stats.h2d_bytes = log.d2h_bytes, log.h2d_bytes
