@@ -26,6 +26,7 @@ const at::Tensor& tensor_arg(const py::handle& obj, const char* where) {
 
 void bind_saved_tensors(py::module_& m) {
   prepare_kept_type(m);
+  prepare_offloaded_type(m);
   m.def("kept_pack", [](py::handle t) {
     PyObject* out = kept_pack(t.ptr());
     if (out == nullptr) throw py::error_already_set();
@@ -122,6 +123,31 @@ void bind_saved_tensors(py::module_& m) {
       .def_readwrite("queued_op", &SavedTensorPath::queued_op)
       .def_readwrite("timeline", &SavedTensorPath::timeline)
       .def_readwrite("track_memory", &SavedTensorPath::track_memory)
+      .def_readwrite("min_bytes", &SavedTensorPath::min_bytes)
+      .def_readwrite("fail_next_issue", &SavedTensorPath::fail_next_issue,
+                     "Tests: the next issue of queued copies raises this message.")
+      .def("set_prefetches", &SavedTensorPath::set_prefetches, py::arg("prefetch_at"),
+           "The plan's prefetches: {trigger op: [ordinals]} (Note [Offloaded saves in C++]).")
+      .def("set_recompute", &SavedTensorPath::set_recompute, py::arg("ordinals"),
+           "Ordinals the plan recomputes: their saves go to the executor's Python slow path.")
+      .def("issue_copies", &SavedTensorPath::issue_copies, "Issue the queued D2H copies now.")
+      .def_property_readonly("offload_counters",
+                             [](const SavedTensorPath& p) {
+                               const auto& c = p.counters;
+                               py::dict d;
+                               d["offloaded"] = c.offloaded;
+                               d["offloaded_bytes"] = c.offloaded_bytes;
+                               d["prefetched"] = c.prefetched;
+                               d["on_demand"] = c.on_demand;
+                               d["late_prefetches"] = c.late_prefetches;
+                               d["host_limited"] = c.host_limited;
+                               d["stall_s"] = c.stall_s;
+                               return d;
+                             },
+                             "This step's offload counters.")
+      .def("offloaded_sources", &SavedTensorPath::offloaded_sources,
+           "This step's offloaded storages: [(ordinal, storage key while the device storage lives, else 0)].")
+      .def("check_offload_invariants", &SavedTensorPath::check_offload_invariants)
       .def_readonly("fired_upto", &SavedTensorPath::fired_upto)
       .def_readonly("activations", &SavedTensorPath::activations)
       .def_readonly("activation_bytes", &SavedTensorPath::activation_bytes)

@@ -153,7 +153,7 @@ const py::object& python_storage_key() {
 
 // See Note [Copies issued at the next op].
 thread_local SavedTensorPath* t_queued_path = nullptr;  // the path whose copies wait for the next op
-// An error _issue_copies raised inside the callback, which cannot raise (RecordFunction logs and drops
+// An error issue_copies() raised inside the callback, which cannot raise (RecordFunction logs and drops
 // what its callbacks throw): re-raised by the step's next hook call or its end.
 thread_local std::unique_ptr<py::error_already_set> t_copy_error;
 // Raises (as a Python error) what op_starts() caught, once.
@@ -223,11 +223,10 @@ PyObject* SavedTensorPath::pack(PyObject* obj) {
 
 PyObject* SavedTensorPath::pack_saved(PyObject* obj, const at::Tensor& t) {
   // See Note [Copy after the op] (executor.py): queued copies go out at a later op's first save.
-  if (has_queued && at::sequence_number::peek() != queued_op) call_owner("_issue_copies");
+  if (has_queued && at::sequence_number::peek() != queued_op) issue_copies();
   if (need_poll) poll_copies();
   if (check_fetched) {
-    py::object packed = call_owner("_pack_fetched", py::handle(obj));
-    if (!packed.is_none()) return packed.release().ptr();
+    if (PyObject* packed = pack_fetched(t)) return packed;
   }
   const StorageIdentity id = identity_of(obj, t);
   // No module path in executed steps (docs/CONVENTIONS-activation-identity.md).
@@ -251,7 +250,10 @@ PyObject* SavedTensorPath::pack_saved(PyObject* obj, const at::Tensor& t) {
     sample();
   }
   if (planned(k)) {
-    return call_owner("_pack_slow", py::handle(obj), k, may_offload, id.nbytes).release().ptr();
+    if (k < static_cast<int64_t>(recompute_.size()) && recompute_[static_cast<size_t>(k)]) {
+      return call_owner("_pack_slow", py::handle(obj), k, may_offload, id.nbytes).release().ptr();
+    }
+    return pack_offloaded(obj, t, k, may_offload, id.nbytes, id.key);  // See Note [Offloaded saves in C++]
   }
   // See Notes [Packing without reference cycles], [Version checks] (executor.py), and Note [Kept
   // saves are not Python containers]: only the op's own outputs need the detached alias.
@@ -287,7 +289,7 @@ PyObject* SavedTensorPath::unpack(PyObject* packed) {
   HANDLE_TH_ERRORS
   if (THPVariable_Check(packed)) return Py_NewRef(packed);
   if (raise_copy_error()) return nullptr;  // See Note [Copies issued at the next op]
-  if (has_queued) call_owner("_issue_copies");
+  if (has_queued) issue_copies();
   if (need_poll) poll_copies();
   int64_t k = -1;
   uint64_t expected = 0;
@@ -308,8 +310,10 @@ PyObject* SavedTensorPath::unpack(PyObject* packed) {
       return nullptr;
     }
     t = &THPVariable_Unpack(obj);
+  } else if (is_offloaded_save(packed)) {
+    return unpack_offloaded(packed);  // See Note [Offloaded saves in C++]
   } else {
-    return PyObject_CallMethod(packed, "unpack", nullptr);  // an offloaded tensor's _View
+    return PyObject_CallMethod(packed, "unpack", nullptr);  // a recomputed save (recompute.py)
   }
   if (!version_holds(*t, expected)) return nullptr;
   if (k >= 0) observe(k);
@@ -340,6 +344,10 @@ PyObject* kept_pack(PyObject* obj) {
   const at::Tensor& t = THPVariable_Unpack(obj);
   return kept_save(-1, saved_by_its_own_node(t) ? without_history(t) : t, t._version());
   END_HANDLE_TH_ERRORS
+}
+
+PyObject* kept_alias(int64_t ordinal, const at::Tensor& t) {
+  return kept_save(ordinal, saved_by_its_own_node(t) ? without_history(t) : t, t._version());
 }
 
 PyObject* kept_unpack(PyObject* packed) {
@@ -407,9 +415,12 @@ void SavedTensorPath::op_starts() {
   if (!has_queued || !step_active) return;
   py::gil_scoped_acquire gil;
   try {
-    call_owner("_issue_copies");
-  } catch (py::error_already_set& e) {
-    if (!t_copy_error) t_copy_error = std::make_unique<py::error_already_set>(std::move(e));
+    issue_copies();
+  } catch (const std::exception& e) {
+    if (!t_copy_error) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      t_copy_error = std::make_unique<py::error_already_set>();
+    }
   }
 }
 
@@ -422,6 +433,7 @@ void SavedTensorPath::disarm() {
 
 void SavedTensorPath::begin_step(double t0_s) {
   disarm();
+  reset_offloads();
   numbering_.start_step();
   diverged = false;
   check_fetched = false;
@@ -489,6 +501,9 @@ void SavedTensorPath::clear_schedule() {
   before_step_.clear();
   triggers_.clear();
   trigger_nodes_.clear();
+  recompute_.clear();
+  recompute_planned_ = false;
+  prefetch_at_.clear();
 }
 
 void SavedTensorPath::observe(int64_t k) {
@@ -497,7 +512,7 @@ void SavedTensorPath::observe(int64_t k) {
   if (op == kNoOp || op <= fired_upto) return;
   // Python only when a trigger with prefetches lies in (fired_upto, op].
   auto next = std::upper_bound(triggers_.begin(), triggers_.end(), fired_upto);
-  if (next != triggers_.end() && *next <= op) call_owner("_fire", op, fired_upto);
+  if (next != triggers_.end() && *next <= op) fire(op, fired_upto);
   fired_upto = op;
 }
 
@@ -569,7 +584,7 @@ int64_t SavedTensorPath::hook_nodes(const std::vector<at::Tensor>& roots) {
 
 void SavedTensorPath::fire_at(int64_t op, uint64_t generation) {
   if (generation != generation_ || !has_schedule_ || diverged || op <= fired_upto) return;
-  call_owner("_fire", op, fired_upto);
+  fire(op, fired_upto);
   fired_upto = op;
 }
 

@@ -11,17 +11,18 @@
 //   here: storage identity and numbering (ActivationNumbering, shared with the profiler), the
 //   first pack's label check against the trace, the step's counters, CPU memory tracking, the
 //   kept tuple `(ordinal, detached tensor, version)` and, at unpack, the version check and the
-//   prefetch trigger test. Python (OffloadExecutor) keeps the policy and the slow path, called
-//   through a weak reference to it only when there is something to do: a tensor the plan
-//   offloads (`_pack_slow`), queued copies to issue (`_issue_copies`), a mismatch (`_diverge_label`), a prefetch trigger that fires (`_fire`), a save of a fetched
-//   copy (`_pack_fetched`), an offloaded tensor's unpack (its `_View.unpack()`).
+//   prefetch trigger test. A save the plan offloads is C++ too (saved_tensor_offload.cpp, Note
+//   [Offloaded saves in C++]): its host copy, what autograd stores, the prefetch and the unpack.
+//   Python (OffloadExecutor) keeps the policy and is called, through a weak reference to it, only
+//   for a save the plan recomputes (`_pack_slow`, RecomputedView.unpack()) and a mismatch
+//   (`_diverge_label`).
 //   Executed steps label activations without the module path, so no Python hook runs per module
 //   call (docs/CONVENTIONS-activation-identity.md).
 //   While copies are in flight every hook call polls the copy engine (csrc/torch/copy_engine.h)
 //   directly, in C++ (Note [Draining completions in order]).
-//   Limitations: the decision to offload, the host-copy handle and the fetch at unpack are still
-//   Python (`_pack_slow`, `_View.unpack()`), so an offloaded tensor costs a Python call at pack
-//   and at unpack; the copies and their events are C++.
+//   Limitations: each save still costs PyTorch's own hook call (a Python call into a C function,
+//   a Python tensor for the argument) at pack and at unpack -- about as much as identity hooks
+//   written in Python, the floor for any hook-based offloader.
 #pragma once
 
 #include <chrono>
@@ -30,6 +31,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -48,6 +50,17 @@ void prepare_kept_type(pybind11::module_& m);
 // hooks and a pass-through pair pack (new references, or nullptr with a Python error set).
 PyObject* kept_pack(PyObject* tensor);
 PyObject* kept_unpack(PyObject* packed);
+// A KeptSave of `t` at ordinal k: an op's own output without its history (Note [Keeping an output
+// without its history]), any other tensor as it is; version-checked at unpack.
+PyObject* kept_alias(int64_t ordinal, const at::Tensor& t);
+// Whether `obj` is an OffloadedSave (saved_tensor_offload.cpp).
+bool is_offloaded_save(PyObject* obj);
+
+struct OffloadHandle;  // See Note [Offloaded saves in C++] (saved_tensor_offload.cpp)
+struct StepGraph;
+
+// Registers the OffloadedSave type (what autograd stores for an offloaded save) as m.OffloadedSave.
+void prepare_offloaded_type(pybind11::module_& m);
 
 class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
  public:
@@ -89,6 +102,23 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   void set_copy_engine(std::shared_ptr<CopyEngine> engine) { engine_ = std::move(engine); }
   // D2H copies were queued (or all issued): See Note [Copies issued at the next op].
   void set_has_queued(bool queued);
+  // -- offloaded saves (saved_tensor_offload.cpp, Note [Offloaded saves in C++]) --------------------
+  // The plan's prefetches: trigger op -> the ordinals it fetches; and the ordinals it recomputes
+  // (their saves go to the executor's Python slow path).
+  void set_prefetches(const pybind11::dict& prefetch_at);
+  void set_recompute(const pybind11::iterable& ordinals);
+  void issue_copies();                            // queued D2H copies go out now
+  int64_t min_bytes = 0;                          // smaller storages are never offloaded
+  std::string fail_next_issue;                    // tests: the next issue_copies() raises this
+  struct OffloadCounters {                        // this step's; begin_step() zeroes them
+    int64_t offloaded = 0, offloaded_bytes = 0, prefetched = 0, on_demand = 0, late_prefetches = 0;
+    int64_t host_limited = 0;
+    double stall_s = 0.0;                         // CPU: on-demand copy time
+  };
+  OffloadCounters counters;
+  // This step's offloaded storages: (ordinal, storage key while the device storage lives, else 0).
+  std::vector<std::pair<int64_t, uintptr_t>> offloaded_sources() const;
+  void check_offload_invariants() const;
   void op_starts();                               // the next op starts: issue the queued copies
   // CPU: the step's peak of tracked storages alive, each from its birth (Note [Measured from
   // birth]) into peak_bytes, and the timeline samples' values; call once at the step's end.
@@ -148,6 +178,33 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   std::unordered_map<uint64_t, int64_t> trigger_nodes_;  // node sequence offset -> trigger op
   uint64_t seq_base_ = 0;                   // this thread's autograd sequence number at the step's start
   uint64_t generation_ = 0;                 // steps begun: a hook of an older step's node does nothing
+
+  // See Note [Offloaded saves in C++].
+  PyObject* pack_offloaded(PyObject* obj, const at::Tensor& t, int64_t k, bool may_offload, int64_t nbytes,
+                           uintptr_t key);
+  PyObject* unpack_offloaded(PyObject* packed);
+  PyObject* pack_fetched(const at::Tensor& t);    // nullptr: not a fetched copy
+  bool offloadable(PyObject* obj, const at::Tensor& t, int64_t nbytes);
+  std::shared_ptr<OffloadHandle> offload(int64_t k, const at::Tensor& t, int64_t nbytes);
+  std::shared_ptr<OffloadHandle> copy(int64_t k, const at::Tensor& t, int64_t nbytes);
+  std::shared_ptr<OffloadHandle> copy_for(const std::shared_ptr<OffloadHandle>& h, const at::Tensor& t);
+  void fire(int64_t op, int64_t fired_upto);
+  void materialize(OffloadHandle& h);
+  void reset_offloads();
+  friend struct StepGraph;
+  void graph_gone(uint64_t generation);
+  std::vector<char> recompute_;                                         // ordinal -> the plan recomputes it
+  std::unordered_map<int64_t, std::vector<int64_t>> prefetch_at_;       // trigger op -> ordinals
+  std::unordered_map<int64_t, std::weak_ptr<OffloadHandle>> offloaded_; // ordinal -> its first copy
+  std::unordered_set<int64_t> dropped_;                                 // ordinals offloaded this step
+  std::vector<std::pair<std::shared_ptr<OffloadHandle>, at::Tensor>> queued_;  // copies not issued yet
+  struct Fetched {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    int64_t ordinal;
+  };
+  std::unordered_map<uintptr_t, Fetched> fetched_;                      // fetched copy's storage key -> ordinal
+  std::weak_ptr<StepGraph> graph_;                                      // this step's (See StepGraph)
+  bool recompute_planned_ = false;                                      // the schedule recomputes something
 
   void drop_tracked();
   void disarm();                           // remove the next-op callback (never from inside it)

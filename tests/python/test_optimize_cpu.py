@@ -201,14 +201,14 @@ def test_bitwise_equal_to_plain_pytorch_and_storage_released(kind, standins):
         # Every offloaded storage must be gone from "device" memory by the end of forward, except
         # the ones the caller still holds: the input batch and the output.
         run.executor.check_invariants()
-        handles = run.executor.offloaded_
+        sources = run.executor.path.offloaded_sources()  # [(ordinal, storage key while alive, else 0)]
         if step == 0:
-            assert not handles, "the profiled first step offloads nothing"
+            assert not sources, "the profiled first step offloads nothing"
             return
         held = {x.untyped_storage()._cdata, out.untyped_storage()._cdata}
-        alive = [k for k, h in handles.items() if not h.source.expired() and h.source.cdata not in held]
+        alive = [k for k, key in sources if key != 0 and key not in held]
         assert not alive, f"storages of offloaded activations {alive} still alive after forward"
-        released.append(sum(1 for h in handles.values() if h.source.cdata not in held))
+        released.append(sum(1 for _, key in sources if key not in held))
 
     with optimize(model, opt, budget=1, planner="dp") as run:
         grads = _train(kind, model, opt, 3, run=run, after_forward=check_released)

@@ -72,12 +72,10 @@ Note [Version checks]
   save_on_cpu with y = x.sigmoid(); y.mul_(2)): a buggy step would silently
   get a wrong gradient. The executor restores the check: kept tensors and
   parameters are packed with their _version and compared at unpack (the
-  detached alias shares the version counter). An offloaded tensor's counter
-  is not reachable once its storage is gone, so the executor holds a weak
-  reference to the packed Python tensor and compares its _version at the end
-  of each forward and at its own unpack while that object lives; a
-  change raises at unpack. Limitation: an in-place change made only through
-  another view, after the packed tensor's Python object died, goes unseen.
+  detached alias shares the version counter). An offloaded save holds the
+  saved tensor's version counter itself (not its storage) and compares it at
+  unpack, so a change made through any alias is seen, as plain PyTorch sees it
+  (Note [Offloaded saves in C++] in csrc/torch/saved_tensor_offload.cpp).
   Limitation: a change that bumps no version (`h.data.mul_(2)`, a tensor
   aliasing the storage via set_) after the save is seen by plain PyTorch's
   backward but not by an offloaded copy taken at pack time (as with
@@ -124,7 +122,6 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from memsched import _C
@@ -227,66 +224,6 @@ def foreign_hooks_reason(check_dispatch_modes=False):
     return None
 
 
-class _Offloaded:
-    """One offloaded storage: its host copy and, during backward, its device copy."""
-
-    __slots__ = ("ordinal", "nbytes", "version", "counter", "d2h", "h2d", "device_bytes", "packs", "unpacks",
-                 "source", "tensor", "modified_to", "label", "others", "step", "__weakref__")
-
-    def __init__(self, ordinal, nbytes, version, counter, d2h, source, step):
-        self.ordinal = ordinal        # activation ordinal
-        self.nbytes = nbytes          # storage bytes
-        self.version = version        # tensor._version when copied
-        self.counter = counter        # version_counter_key of the tensor copied (0: unknown, never reused)
-        self.d2h = d2h                # CopyTicket of the host copy (dst = flat uint8 host tensor)
-        self.h2d = None               # CopyTicket of the prefetch, None until issued
-        self.device_bytes = None      # flat uint8 device tensor once fetched, until the last unpack
-        self.packs = 0                # COUNT saves referring to this storage
-        self.unpacks = 0              # COUNT unpacks so far
-        self.source = source          # StorageWeakRef of the original device storage (released in forward)
-        self.tensor = None            # weakref to the packed Python tensor: reads its _version while alive
-        self.modified_to = None       # version seen after an in-place change (See Note [Version checks])
-        self.label = ""               # activation label, for errors
-        self.others = None            # {counter: _Offloaded}: copies for saves through other counters
-        self.step = step              # the step's _StepGraph: alive while any handle of the step is
-
-    def copies(self):
-        """This copy and those of the same storage taken for saves through other version counters."""
-        return (self,) if not self.others else (self, *self.others.values())
-
-
-class _StepGraph:
-    """Referenced by every _Offloaded of one step (which the step's autograd graph owns): its death
-    tells the executor that the step's graph is gone. See Note [A step that raises]."""
-
-    __slots__ = ("__weakref__",)
-
-
-def _modified_error(what, version, expected):
-    return RuntimeError(
-        f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"{what} is at version {version}; expected version {expected} instead. (memsched checks this itself "
-        "because saved-tensor hooks turn PyTorch's own check off; plain PyTorch raises the same error.)")
-
-
-class _View:
-    """What autograd stores for an offloaded save: the storage handle plus the view geometry.
-    The C++ unpack hook calls unpack() (See Note [The saved-tensor fast path])."""
-
-    __slots__ = ("handle", "dtype", "size", "stride", "offset", "owner")
-
-    def __init__(self, handle, t, owner):
-        self.handle = handle
-        self.dtype = t.dtype
-        self.size = tuple(t.size())
-        self.stride = tuple(t.stride())
-        self.offset = t.storage_offset()
-        self.owner = owner  # the executor: a retained graph may be unpacked after the Run ended
-
-    def unpack(self):
-        return self.owner._unpack_view(self)
-
-
 class OffloadExecutor:
     """Saved-tensor hooks executing an OffloadSchedule. See the Notes above."""
 
@@ -360,9 +297,8 @@ class OffloadExecutor:
     def remove(self):
         """Remove every hook, pop our saved-tensor hooks if still pushed, wait for copies."""
         self._pop_hooks()
-        if self.queued_:
-            # A step still open (its backward may run after the Run ends): its saves need their copies.
-            self._issue_copies()
+        # A step still open (its backward may run after the Run ends): its saves need their copies.
+        self.path.issue_copies()
         if self.buried_:
             warnings.warn("memsched: the caller's saved-tensor hooks pushed after memsched's are still active "
                           "when the Run ends, so memsched's (now pass-through) pair under them cannot be popped",
@@ -391,30 +327,25 @@ class OffloadExecutor:
             self.path.set_schedule(schedule.labels, schedule.offload | schedule.recompute, schedule.first_bwd_op,
                                    [q for q, ks in schedule.prefetch_at.items() if ks], schedule.before_step)
             self.path.set_trigger_nodes(schedule.trigger_nodes)
+            self.path.set_prefetches({q: ks for q, ks in schedule.prefetch_at.items() if ks})
+            self.path.set_recompute(schedule.recompute)
+        self.path.min_bytes = self.min_bytes
         self.engine.on_compute_stream = bool(schedule is not None and schedule.copies_on_compute_stream)
 
     # -- step bookkeeping -------------------------------------------------------------------------
     def _reset_step(self):
         self.stats = StepStats()
-        # The step's tables, emptied rather than made anew when they exist (the executor reads them
-        # only while a step runs; nothing else holds them).
-        if getattr(self, "offloaded_", None) is None:
-            self.offloaded_ = weakref.WeakValueDictionary()  # ordinal -> _Offloaded; the graph owns them
+        # The offloaded saves' tables live in self.path (Note [Offloaded saves in C++]); the
+        # recomputed saves' here, emptied rather than made anew when they exist.
+        if getattr(self, "recipes_", None) is None:
             self.recipes_ = weakref.WeakValueDictionary()    # recomputed ordinal -> its Recipe
-        else:
-            if self.offloaded_:
-                self.offloaded_.clear()
-            if self.recipes_:
-                self.recipes_.clear()
-        self.graph_ = None          # weakref to this step's _StepGraph (None: nothing offloaded yet)
-        self.dropped_ = set()       # ordinals offloaded in this step (their handles may have died)
-        self.queued_ = []           # (_Offloaded, flat device bytes) whose D2H copy is not issued yet
-        self.fetched_ = {}          # storage key of a fetched copy -> (StorageWeakRef, ordinal)
+        elif self.recipes_:
+            self.recipes_.clear()
         self.t0_ = time.perf_counter()
         self._stop_recording()
         self.oplogs_ = []           # this step's ForwardOpLogs (Note [Unpack-time recompute]), one per forward
         self.recompute_stats = RecomputeStats()
-        # counters, memory samples, the prefetch trigger and `diverged` live in self.path
+        # counters, memory samples, the prefetch trigger, the offloaded saves and `diverged` live in self.path
         self.path.begin_step(self.t0_)
 
     def _begin_step(self):
@@ -439,14 +370,19 @@ class OffloadExecutor:
         stats = self.stats
         if not self.in_step_:
             return None
-        if self.queued_:
-            self._issue_copies()
+        self.path.issue_copies()
         log = self.engine.end_step()
         self.path.need_poll = self.engine.pending_count() > 0
         stats.d2h_bytes, stats.h2d_bytes = log.d2h_bytes, log.h2d_bytes
         self._sample()
         stats.activations = self.path.activations
         stats.activation_bytes = self.path.activation_bytes
+        c = self.path.offload_counters
+        stats.offloaded, stats.offloaded_bytes = c["offloaded"], c["offloaded_bytes"]
+        stats.prefetched, stats.on_demand, stats.late_prefetches = c["prefetched"], c["on_demand"], c["late_prefetches"]
+        stats.host_limited = c["host_limited"]
+        if not self.engine.is_accelerator:
+            stats.stall_s_ = c["stall_s"]
         rs = self.recompute_stats
         stats.recomputed, stats.recomputed_bytes, stats.replays = rs.recomputed, rs.recomputed_bytes, rs.replays
         stats.replay_s, stats.recompute_kept = rs.replay_s, rs.kept_instead
@@ -512,14 +448,11 @@ class OffloadExecutor:
     def _forward_post(self, module, args, output):
         self.in_forward_ = False
         self._stop_recording()
-        if self.queued_:
-            self._issue_copies()
+        self.path.issue_copies()
         if output is not None and self.in_step_ and self.schedule is not None and self.schedule.trigger_nodes:
             # See Note [Backward node triggers] (csrc/torch/saved_tensor_path.cpp)
             roots = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             self.path.hook_nodes(roots)
-        if self.in_step_:
-            self._check_versions()
         if output is None and self.in_step_:
             # always_call hook after an exception (forward returned nothing): abandon the step now,
             # holding nothing of it (See Note [A step that raises]).
@@ -590,47 +523,16 @@ class OffloadExecutor:
 
     # -- the slow path of the C++ hooks (See Note [The saved-tensor fast path]) ----------------------
     def _pack_slow(self, t, k, may_offload, nbytes):
-        """A save of ordinal k, which the plan offloads or recomputes. may_offload: its first pack,
-        matching the trace."""
+        """A save of ordinal k, which the plan recomputes (offloaded saves never reach Python: Note
+        [Offloaded saves in C++]). may_offload: its first pack, matching the trace."""
         log = self.oplog_
         if log is None:
-            return self._pack_slow_unlogged(t, k, may_offload, nbytes)
+            return self._pack_recompute(t, k, may_offload)
         log.paused += 1  # ops issued here are not the model's (Note [Unpack-time recompute])
         try:
-            return self._pack_slow_unlogged(t, k, may_offload, nbytes)
+            return self._pack_recompute(t, k, may_offload)
         finally:
             log.paused -= 1
-
-    def _pack_slow_unlogged(self, t, k, may_offload, nbytes):
-        if k in self.schedule.recompute:
-            return self._pack_recompute(t, k, may_offload)
-        h = None
-        if may_offload and self._offloadable(t, nbytes):
-            h = self._offload(k, t, nbytes)  # held here: the table's reference is weak
-        if h is None:
-            h = self.offloaded_.get(k)
-            if h is None and k in self.dropped_ and not self.diverged_ and storage_key(t) is not None:
-                # Offloaded earlier in this step, and every save of it has died since (a first
-                # micro-batch's graph): saved again, it is copied again.
-                nbytes = t.untyped_storage().nbytes()
-                if self._offloadable(t, nbytes):
-                    h = self._offload(k, t, nbytes)
-            elif h is not None:
-                h = self._copy_for(h, t)
-        if h is not None and t._version == h.version:
-            h.packs += 1
-            if h.label == "":
-                h.label = self.path.label(k)
-            return _View(h, t, self)
-        return (k, t.detach(), t._version)  # See Notes [Packing without reference cycles], [Version checks]
-
-    def _pack_fetched(self, t):
-        """A fetched copy saved again (e.g. a reentrant checkpoint's recompute): the profiled step saw
-        the original storage here, so this is a re-pack of the same ordinal. None: not a fetched copy."""
-        alias = self.fetched_.get(storage_key(t))
-        if alias is not None and not alias[0].expired():
-            return (alias[1], t.detach(), t._version)
-        return None
 
     def _diverge_label(self, k, expected, label):
         # Executed steps label without the module path (docs/CONVENTIONS-activation-identity.md): show
@@ -650,155 +552,6 @@ class OffloadExecutor:
     def _memory_allocated(self):
         return torch.cuda.memory_allocated(self.device)
 
-    def _unpack_view(self, packed):
-        """An offloaded save's unpack (the C++ hook issued queued copies and polled already)."""
-        h = packed.handle
-        self._check_version(h)
-        if h.modified_to is not None:
-            raise _modified_error(f"saved activation {h.label}", h.modified_to, h.version)
-        self.path.observe(h.ordinal)
-        if h.device_bytes is None:
-            self._materialize(h)
-        h.unpacks += 1
-        dev = h.device_bytes
-        self.fetched_[storage_key(dev)] = (StorageWeakRef(dev.untyped_storage()), h.ordinal)
-        self.path.check_fetched = True
-        if h.unpacks % h.packs == 0:
-            # Every save of it has been used once: the returned tensor owns the copy now. Another
-            # backward of a retained graph (or a later micro-batch saving it again) fetches again.
-            h.device_bytes = None
-        out = torch.empty(0, dtype=packed.dtype, device=self.device)
-        out.set_(dev.untyped_storage(), packed.offset, packed.size, packed.stride)
-        self._sample()
-        return out
-
-    # -- helpers -----------------------------------------------------------------------------------
-    def _offloadable(self, t, nbytes):
-        if not (nbytes >= self.min_bytes and nbytes > 0 and t.device == self.device
-                and t.layout == torch.strided and type(t) is torch.Tensor
-                and not t.is_conj() and not t.is_neg() and not t.is_quantized):
-            return False
-        if not self.engine.has_room(nbytes):
-            self.stats.host_limited += 1  # See Note [Host memory limit] (host_buffers.py)
-            return False
-        return True
-
-    def _offload(self, k, t, nbytes):
-        h = self._copy(k, t, nbytes)
-        self.offloaded_[k] = h   # weak: the caller holds h until a packed _View does
-        self.dropped_.add(k)
-        return h
-
-    def _copy(self, k, t, nbytes):
-        """A host copy of t's whole storage, queued until its op has run (See Note [Copy after the op])."""
-        storage = t.untyped_storage()
-        flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
-        graph = self.graph_() if self.graph_ is not None else None
-        if graph is None:
-            graph = _StepGraph()
-            self.graph_ = weakref.ref(graph, self._graph_gone)
-        h = _Offloaded(k, nbytes, t._version, _C.version_counter_key(t), None, StorageWeakRef(storage), graph)
-        h.tensor = weakref.ref(t)
-        self.queued_.append((h, flat))
-        self.path.queued_op = _C.autograd_sequence_peek()  # See Note [Copy after the op]
-        self.path.has_queued = True
-        self.stats.offloaded += 1
-        self.stats.offloaded_bytes += nbytes
-        return h
-
-    def _issue_copies(self):
-        queued, self.queued_ = self.queued_, []
-        self.path.has_queued = False
-        log = self.oplog_
-        if log is not None:
-            log.paused += 1  # ops issued here are not the model's (Note [Unpack-time recompute])
-        try:
-            tickets = self.engine.offload_many([flat for _, flat in queued])
-            for (h, _), ticket in zip(queued, tickets):
-                h.d2h = ticket
-        finally:
-            if log is not None:
-                log.paused -= 1
-        self.path.need_poll = self.engine.pending_count() > 0
-
-    def _copy_for(self, h, t):
-        """The host copy of h's storage that a later save of `t` may use, or None (keep t on the device).
-
-        See Note [What is never offloaded]: a copy serves saves through the version counter it was
-        taken from; a save through another counter gets a copy of its own, taken now.
-        """
-        counter = _C.version_counter_key(t)
-        if counter == 0:
-            return None
-        if counter == h.counter:
-            return h
-        other = h.others.get(counter) if h.others else None
-        if other is None and self._offloadable(t, h.nbytes):
-            other = self._copy(h.ordinal, t, h.nbytes)
-            if h.others is None:
-                h.others = {}
-            h.others[counter] = other
-        return other
-
-    def _graph_gone(self, ref):
-        """Every handle of the step died: its graph is gone. Inside backward that is the normal end
-        (end_step() finishes the copies); outside it the step raised (or its graph was dropped
-        unused): copies still in flight hold its memory -- wait for them and release it."""
-        if ref is not self.graph_ or torch._C._current_graph_task_id() != -1:
-            return
-        self.engine.release()
-
-    def _check_versions(self):
-        """Note in-place changes to offloaded tensors whose Python objects are still alive (O(n):
-        once per forward)."""
-        for first in list(self.offloaded_.values()):
-            for h in first.copies():
-                self._check_version(h)
-
-    @staticmethod
-    def _check_version(h):
-        t = h.tensor() if h.tensor is not None else None
-        if t is None:
-            h.tensor = None  # gone: nothing can change it from Python any more
-        elif t._version != h.version and h.modified_to is None:
-            h.modified_to = t._version
-
-    def _fire(self, op, fired_upto):
-        """An unpack reached trace op `op` (the C++ hook's observe()): issue every prefetch whose
-        trigger lies after `fired_upto` and at or before `op`."""
-        s = self.schedule
-        for q in s.triggers_through(op, fired_upto):
-            for j in s.prefetch_at[q]:
-                first = self.offloaded_.get(j)
-                for h in first.copies() if first is not None else ():
-                    if h.h2d is None and h.device_bytes is None:
-                        h.h2d = self.engine.fetch(h.d2h.dst, after=h.d2h)
-                        self.path.track(h.h2d.dst)
-                        self.stats.prefetched += 1
-        self.path.need_poll = self.engine.pending_count() > 0
-
-    def _materialize(self, h):
-        """Make h's bytes available on the compute stream: wait for its prefetch, or fetch now.
-
-        Stall accounting: on CUDA the compute stream waits on the copy's event (the host never
-        blocks); events around that wait give the time the compute stream stood still, resolved
-        at end_step(). On CPU an on-demand fetch is a synchronous copy and its duration is the stall.
-        """
-        if h.h2d is not None:
-            ticket, h.h2d = h.h2d, None
-            if not ticket.is_complete():
-                self.stats.late_prefetches += 1
-        else:
-            start = time.perf_counter()
-            ticket = self.engine.fetch(h.d2h.dst, after=h.d2h)
-            self.path.track(ticket.dst)
-            self.stats.on_demand += 1
-            self.path.need_poll = self.engine.pending_count() > 0
-            if not self.engine.is_accelerator:
-                self.stats.stall_s_ += time.perf_counter() - start
-        self.engine.wait(ticket)  # the compute stream waits (timed: the step's stall); no-op on CPU
-        h.device_bytes = ticket.dst
-
     def _diverge(self, why):
         self.path.diverged = True
         self.stats.mode = "diverged"
@@ -817,9 +570,4 @@ class OffloadExecutor:
 
     def check_invariants(self):
         self.engine.check_invariants()
-        for k, first in self.offloaded_.items():
-            for h in first.copies():
-                assert h.ordinal == k and h.unpacks <= max(h.packs, h.unpacks)
-                assert h.h2d is None or h.device_bytes is None, "a fetched tensor has no prefetch in flight"
-        if self.schedule is not None:
-            assert set(self.offloaded_) <= self.schedule.offload or self.diverged_
+        self.path.check_offload_invariants()

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 import memsched
-from memsched.offload.executor import OffloadExecutor
 
 
 def _model():
@@ -16,24 +15,15 @@ def _model():
                          nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
 
 
-def test_an_error_issuing_copies_at_the_next_op_reaches_the_caller(monkeypatch):
-    """The failing _issue_copies runs from the callback (the BatchNorm's queued copy goes out when
-    the ReLU starts); the error is raised by the step's next save."""
+def test_an_error_issuing_copies_at_the_next_op_reaches_the_caller():
+    """The failing issue runs from the callback (the BatchNorm's queued copy goes out when the ReLU
+    starts); the error is raised by the step's next save."""
     model, x = _model(), torch.randn(2, 3, 8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    issue = OffloadExecutor._issue_copies
-
-    def failing(self):
-        if self.queued_:
-            self.queued_ = []
-            self.path.has_queued = False
-            raise RuntimeError("host copy failed")
-        return issue(self)
-
     with pytest.raises(RuntimeError, match="host copy failed"):
         with memsched.optimize(model, opt, budget=1.0, planner="offload_all_prefetch") as run:
             model(x).sum().backward()
             run.step()
-            monkeypatch.setattr(OffloadExecutor, "_issue_copies", failing)
+            run.executor.path.fail_next_issue = "host copy failed"
             model(x).sum().backward()
             run.step()
