@@ -293,6 +293,35 @@ def reset_peak_stats(device=None, *, pool: Optional[Pool] = None) -> None:
         _require_installed("allocator.reset_peak_stats").memsched_reset_peak_stats(_device_index(device))
 
 
+# Note [Device memory counters under the installed allocator]
+#   torch routes CUDA allocations to memsched once install() ran, through its pluggable-allocator
+#   interface, which refuses the statistics calls (getDeviceStats, resetPeakStats): with memsched's
+#   allocator installed, torch.cuda.memory_allocated / max_memory_allocated /
+#   reset_peak_memory_stats raise. memsched's own readers of the device counters (the executor, the
+#   Run, compare) go through these three, which read memsched's pool when it is installed and
+#   torch's allocator otherwise.
+def cuda_memory_allocated(device) -> int:
+    """Bytes allocated on the CUDA `device` now (See Note [Device memory counters under the installed allocator])."""
+    if is_installed():
+        return int(memory_stats(device).get("allocated_bytes.all.current", 0))
+    return torch.cuda.memory_allocated(device)
+
+
+def cuda_max_memory_allocated(device) -> int:
+    """Peak bytes allocated on the CUDA `device` since the last reset_cuda_peak()."""
+    if is_installed():
+        return int(memory_stats(device).get("allocated_bytes.all.peak", 0))
+    return torch.cuda.max_memory_allocated(device)
+
+
+def reset_cuda_peak(device) -> None:
+    """Start a new peak on the CUDA `device` (memsched's pool when installed, else torch's)."""
+    if is_installed():
+        reset_peak_stats(device)
+    else:
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def check_invariants(device=None) -> None:
     """Check the installed device pool's invariants; raises MemschedError on a violation."""
     shim = _require_installed("allocator.check_invariants")

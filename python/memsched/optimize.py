@@ -190,7 +190,7 @@ import warnings
 
 import torch
 
-from memsched import _C
+from memsched import _C, allocator
 from memsched.copy_inert import inert_on_copy
 from memsched.device import resolve_device
 from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
@@ -558,7 +558,7 @@ class Run:
             self.profile_forwards_ = 0
             self.state_at_profile_ = self._optimizer_state_bytes()
             if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)  # the profiled step's peak
+                allocator.reset_cuda_peak(self.device)  # the profiled step's peak
             if self.profile_offload:
                 self.profile_ = start_profile(self.model, self.optimizer, self.device, offload=self._saves())
             else:
@@ -578,7 +578,7 @@ class Run:
         saves = getattr(session, "offload", None)
         stats = saves.stats if saves is not None else ProfiledStepStats(mode="keep")
         if self.device.type == "cuda":
-            stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            stats.peak_bytes = allocator.cuda_max_memory_allocated(self.device)
         return stats
 
     def _warn_not_profiled(self, why):

@@ -292,3 +292,42 @@ def test_out_of_memory_under_memsched_raises_torch_out_of_memory_error():
     """)
     assert r.returncode == 0, r.stderr
     assert "OOM True" in r.stdout and "STILL 8.0 1" in r.stdout, r.stdout
+
+
+def test_device_counters_read_memscheds_pool_when_it_is_installed(monkeypatch):
+    """See Note [Device memory counters under the installed allocator]: torch's pluggable-allocator
+    interface refuses its statistics calls, so memsched's own readers go to memsched's pool."""
+    reads, resets = [], []
+    monkeypatch.setattr(allocator, "is_installed", lambda: True)
+    monkeypatch.setattr(allocator, "memory_stats", lambda device=None, **_: reads.append(device) or
+                        {"allocated_bytes.all.current": 123, "allocated_bytes.all.peak": 456})
+    monkeypatch.setattr(allocator, "reset_peak_stats", lambda device=None, **_: resets.append(device))
+    for fn in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, fn, lambda *a, **k: pytest.fail("torch's counter was read"))
+    dev = torch.device("cuda", 0)
+    assert allocator.cuda_memory_allocated(dev) == 123
+    assert allocator.cuda_max_memory_allocated(dev) == 456
+    allocator.reset_cuda_peak(dev)
+    assert reads == [dev, dev] and resets == [dev]
+
+
+@pytest.mark.requires_cuda
+def test_optimize_trains_under_the_installed_allocator():
+    """A Run's executor and report read the device counters through memsched's pool (torch's
+    memory_allocated raises under a pluggable allocator)."""
+    r = run_python("""
+        import torch, memsched
+        memsched.allocator.install()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randn(64, 256, device="cuda")
+        with memsched.optimize(model, opt, budget=0.5, planner="offload_all_prefetch") as run:
+            for _ in range(3):
+                model(x).square().mean().backward()
+                run.step()
+            print(run.steps_planned, run.step_stats[-1].peak_bytes > 0)
+            run.report()
+    """, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[:2] == ["2", "True"], r.stdout

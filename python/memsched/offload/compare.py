@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from memsched import allocator
 from memsched.offload.report import format_table
 from memsched.units import format_bytes
 
@@ -76,10 +77,10 @@ def _compare(model_name, size, batch, steps, budget_fraction, device, planner, t
         model = copy.deepcopy(base)
         opt = make_opt(model)
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+            allocator.reset_cuda_peak(device)
         if budget == "plain":
             times = _train(model, opt, data, loss_fn, steps, device)
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            peak = allocator.cuda_max_memory_allocated(device) if device.type == "cuda" else None
             results[label] = dict(times=times, peak=peak, moved=0, stall=0.0, params=model)
             continue
         attempts = [(planner, budget)]

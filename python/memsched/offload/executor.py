@@ -124,7 +124,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_leaves
 
-from memsched import _C
+from memsched import _C, allocator
 from memsched.copy_inert import inert_on_copy
 from memsched.offload.recompute import ForwardOpLog, RecomputedView, RecomputeStats
 from memsched.saved_tensors import storage_key
@@ -354,7 +354,7 @@ class OffloadExecutor:
         self.forward_failed_ = False
         self.stats.mode = "planned" if self.schedule is not None else "plain"
         if self.is_cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            allocator.reset_cuda_peak(self.device)
         self.engine.begin_step()  # CUDA: the step's first timing mark on the compute stream
         if self.is_cuda:
             self.stats.memory_source = "torch.cuda.memory_allocated"
@@ -393,7 +393,7 @@ class OffloadExecutor:
             stats.samples = list(self.path.samples)
         if self.is_cuda:
             # the allocator's counters are the host's: final once the step's work is enqueued
-            stats.peak_bytes = max(stats.peak_bytes, torch.cuda.max_memory_allocated(self.device))
+            stats.peak_bytes = max(stats.peak_bytes, allocator.cuda_max_memory_allocated(self.device))
         elif self.timeline:
             stats.copies_ = log.host_copies()
         stats.clock_ = (self.t0_, log)
@@ -550,7 +550,7 @@ class OffloadExecutor:
             self._diverge(f"activation {k}{where}: the trace has {want}, this step has {got} (shape:dtype)")
 
     def _memory_allocated(self):
-        return torch.cuda.memory_allocated(self.device)
+        return allocator.cuda_memory_allocated(self.device)
 
     def _diverge(self, why):
         self.path.diverged = True
