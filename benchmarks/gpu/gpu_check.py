@@ -451,7 +451,9 @@ def main(argv=None):
                          {"MEMSCHED_CMAKE_ARGS": "-DMEMSCHED_BUILD_TESTS=OFF", "MAX_JOBS": str(args.jobs)}),
                         ([py, "-c", "import memsched, memsched._C as c; print('memsched._C', c.__file__)"], {})]
         elif name == "cuda_tests":
-            cmds = [([py, "-m", "pytest", "-m", "requires_cuda", "tests/python", "-q", "-p", "no:cacheprovider",
+            # -v: each test's outcome reaches the log as it ends; pytest writes the JUnit file only at the
+            # end, so a part stopped at its timeout still shows (log tail, gpu_check.log) what passed.
+            cmds = [([py, "-m", "pytest", "-m", "requires_cuda", "tests/python", "-v", "-p", "no:cacheprovider",
                       "-o", "junit_family=xunit1", f"--junitxml={result_file}"], {})]
         elif name in ("offload_gpt", "offload_resnet"):
             model = name.split("_")[1]

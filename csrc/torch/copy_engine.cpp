@@ -73,13 +73,25 @@ void StepCopyLog::mark_end(const std::shared_ptr<CopyEventPool>& pool) {
 
 bool StepCopyLog::ready() const {
   if (!compute) return true;
-  return end != nullptr && end->query();
+  if (end == nullptr || !end->query()) return false;
+  // WARNING: copies run on the copy streams, which the end mark does not wait for (a D2H copy whose
+  // tensor backward never fetched, a copy issued at end_step): each copy's own event must be done too.
+  for (const Copy& c : copies) {
+    if (c.done != nullptr && !c.done->query()) return false;
+  }
+  return true;
 }
 
 std::tuple<double, double, std::vector<CopyRow>> StepCopyLog::resolve() const {
   MEMSCHED_CHECK(compute && begin != nullptr && end != nullptr,
                  "StepCopyLog.resolve: an accelerator step's log needs mark_end() first");
-  end->synchronize();  // everything recorded before the end mark has completed too
+  // Everything recorded on the compute stream before the end mark (begin, stalls) has completed
+  // with it; the copies, on their own streams, are waited for one by one: c10::Event::elapsedTime
+  // refuses an event that has not completed ("Both events must be completed").
+  end->synchronize();
+  for (const Copy& c : copies) {
+    if (c.done != nullptr) c.done->synchronize();  // after its start event, on the same stream
+  }
   const double duration_s = begin->elapsedTime(*end) / 1e3;
   double stall_s = 0.0;
   for (const auto& [before, after] : stalls) stall_s += before->elapsedTime(*after) / 1e3;

@@ -95,9 +95,10 @@ class StepCopyLog {
 
   // Record the step's end on the compute stream (run.step() marks again after the update).
   void mark_end(const std::shared_ptr<CopyEventPool>& pool);
-  // Whether every event needed by resolve() has completed (never waits).
+  // Whether every event needed by resolve() has completed: the end mark and each timed copy's
+  // done-event (the copy streams are not ordered before the end mark). Never waits.
   bool ready() const;
-  // (duration_s, stall_s, [(kind, start_s, end_s, nbytes)]); waits for the end mark.
+  // (duration_s, stall_s, [(kind, start_s, end_s, nbytes)]); waits for the end mark and the copies.
   // Accelerator only: on CPU the executor times the step with the host clock.
   std::tuple<double, double, std::vector<std::tuple<const char*, double, double, int64_t>>> resolve() const;
   // CPU copies [(kind, issued_s, finished_s, nbytes)] relative to the step's start.

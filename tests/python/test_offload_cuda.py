@@ -36,6 +36,17 @@ def _run(model, opt, xs, run=None):
             opt.zero_grad(set_to_none=True)
 
 
+def _forward_held_bytes(model, x, run=None):
+    """(output, device bytes allocated once the forward's copies completed): what the forward leaves on
+    the device for its backward. The hooks drop a completed copy's hold at their next pack or unpack;
+    here, between forward and backward, the engine is polled directly."""
+    out = model(x)
+    torch.cuda.synchronize()
+    if run is not None:
+        run.executor.engine.poll()
+    return out, torch.cuda.memory_allocated()
+
+
 def test_cuda_offload_is_bitwise_and_lowers_forward_memory(monkeypatch):
     install_standins(monkeypatch)  # offload everything, prefetch one backward op ahead
     torch.manual_seed(0)
@@ -45,12 +56,19 @@ def test_cuda_offload_is_bitwise_and_lowers_forward_memory(monkeypatch):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
     xs = [torch.randn(512, 1024, device="cuda") for _ in range(3)]
     _run(ref, ref_opt, xs)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    _run(ref, ref_opt, xs[:1])
-    plain_peak = torch.cuda.max_memory_allocated()
+    # Not the step's peak: for this model it comes at the end of backward (8 x 4 MiB of weight
+    # gradients against 8 x 2 MiB of activations), where offloading cannot help, and the fetched
+    # copy of the input batch (the caller still holds the batch) put it 2 MiB above plain's on the H100.
+    out, plain_held = _forward_held_bytes(ref, xs[0])
+    out.sum().backward()
+    ref_opt.zero_grad(set_to_none=True)
+    del out
     with optimize(model, opt, budget=1.0, min_offload_bytes=1 << 20, timeline=True) as run:
-        _run(model, opt, xs, run=run)
+        _run(model, opt, xs[:2], run=run)
+        out, held = _forward_held_bytes(model, xs[2], run)
+        out.sum().backward()
+        run.step()
+        del out
     torch.manual_seed(0)
     check = Deep().cuda()  # the same initial weights, trained plainly on the same 3 batches
     check_opt = torch.optim.SGD(check.parameters(), lr=1e-3)
@@ -60,7 +78,8 @@ def test_cuda_offload_is_bitwise_and_lowers_forward_memory(monkeypatch):
     stats = run.step_stats[-1]
     assert stats.mode == "planned" and stats.offloaded >= 8
     assert stats.d2h_bytes == stats.offloaded_bytes and stats.h2d_bytes == stats.offloaded_bytes
-    assert stats.peak_bytes < plain_peak, (stats.peak_bytes, plain_peak)
+    # the 8 tanh outputs (2 MiB each) left the device once copied; plain keeps them for backward
+    assert held <= plain_held - 8 * (2 << 20) + (1 << 20), (held, plain_held)
     assert run.host.pinned
     kinds = {k for k, *_ in stats.copies}
     assert kinds == {"d2h", "h2d"}

@@ -296,7 +296,8 @@ class Wide(nn.Module):
 @pytest.mark.parametrize("planner", ["offload_all_prefetch", "dp"])
 @pytest.mark.parametrize("ooo", [False, True])
 def test_cuda_out_of_memory_inside_a_step_returns_the_memory_and_a_smaller_batch_trains(planner, ooo):
-    dev = torch.device("cuda")
+    # An index: set_per_process_memory_fraction raises ValueError for torch.device("cuda") (no index).
+    dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(dev).total_memory
     cap_bytes = 2 << 30  # 2 GiB for this process

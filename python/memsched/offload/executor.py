@@ -107,7 +107,8 @@ Note [No host synchronisation in a step]
   are CUDA events (the engine's StepCopyLog), read when first asked for (StepStats.resolve(); Run resolves the previous
   step's stats once its events have completed, without waiting). The peak is the allocator's
   host-side counter, final when the step's work is enqueued.
-  Limitations: reading a step's duration_s right after run.step() waits for that step.
+  Limitations: reading a step's duration_s right after run.step() waits for that step (with
+  timeline=True, for its copies too: they run on the copy streams, which the end mark does not wait for).
 
 Note [Packing without reference cycles]
   A pack hook that returns the tensor it was given (or a tuple holding it)

@@ -138,6 +138,25 @@ def test_cuda_step_log_resolves_duration_stall_and_copies_one_step_later():
 
 
 @pytest.mark.requires_cuda
+def test_cuda_step_log_waits_for_copies_the_compute_stream_never_waited_for():
+    """A D2H copy whose tensor backward never fetched (a branch outside the loss) still runs on the D2H
+    stream after the step's end mark completed: ready() is False until it is done, and resolve() waits
+    for it (c10::Event::elapsedTime refuses an event that has not completed)."""
+    engine, _ = _engine("cuda", timeline=True)
+    engine.begin_step()
+    (t,) = engine.offload_many([torch.zeros(512 << 20, dtype=torch.uint8, device="cuda")])  # ~10 ms at 50 GB/s
+    log = engine.end_step()
+    engine.mark_end(log)
+    torch.cuda.current_stream().synchronize()  # the end mark has completed; the copy has only begun
+    assert not t.is_complete() and not log.ready(), "the copy finished before the check: it proved nothing"
+    duration, stall, copies = log.resolve()
+    assert log.ready() and t.is_complete() and duration >= 0 and stall == 0
+    assert [(k, n) for k, _, _, n in copies] == [("d2h", 512 << 20)]
+    assert all(0 <= s <= e for _, s, e, _ in copies)
+    _drain(engine, "cuda")
+
+
+@pytest.mark.requires_cuda
 def test_cuda_destinations_stay_held_when_their_tickets_die_before_the_copy():
     """A step that raised drops its tickets at once: the host blocks the D2H copies still write must not
     go back to the pool (nor a fetch's device block to the allocator) before the copies complete."""
