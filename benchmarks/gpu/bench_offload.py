@@ -386,6 +386,10 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
     # TRL's offloader does not say what it moved: None ("-"), not 0.
     row["bytes_moved"] = statistics.median(moved) if moved and None not in moved else (0 if not moved else None)
     row["peak_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    if row["peak_bytes"] is not None and method.startswith(("memsched", "offload_all")):
+        # The executor starts a new peak at each step's first forward: the counter above covers the
+        # last step only, where plain rows cover every timed step; take the timed steps' own peaks too.
+        row["peak_bytes"] = max([row["peak_bytes"]] + [s.peak_bytes for s in executed])
     return row
 
 

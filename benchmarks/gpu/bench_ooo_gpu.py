@@ -138,16 +138,20 @@ def run_model(name, args, device):
         rows = {}
         ref = dict(variants[0].model.named_parameters())
         for v in variants:
-            peak = None
+            peak = step_peak = None
             if device.type == "cuda":
+                _sync(device)
+                before = torch.cuda.memory_allocated(device)  # every variant's model and optimizer state
                 torch.cuda.reset_peak_memory_stats(device)
                 v.step()
                 _sync(device)
                 peak = torch.cuda.max_memory_allocated(device)
+                step_peak = peak - before  # what this variant's step adds (the others' models excluded)
             diff = max(((p - ref[n]).abs().max().item() for n, p in v.model.named_parameters()), default=0.0)
             q = statistics.quantiles(v.times, n=4)
             rows[v.mode] = {"median_ms": statistics.median(v.times) * 1e3, "iqr_ms": (q[2] - q[0]) * 1e3,
-                            "peak_allocated_bytes": peak, "max_abs_param_diff_vs_plain": diff,
+                            "peak_allocated_bytes": peak, "step_peak_above_resident_bytes": step_peak,
+                            "max_abs_param_diff_vs_plain": diff,
                             "report": v.ooo.report() if v.ooo is not None else None}
         for m in MODES[1:]:
             rows[m]["speedup_vs_plain"] = rows["plain"]["median_ms"] / rows[m]["median_ms"]
@@ -183,12 +187,15 @@ def main(argv=None):
                 json.dump(results, f, indent=2)
             os.replace(args.out + ".tmp", args.out)
         print(f"\n{label}")
-        print(f"  {'variant':10s} {'median ms':>10s} {'IQR':>8s} {'speedup':>8s} {'peak MiB':>9s} {'max|dp|':>9s}")
+        print(f"  {'variant':10s} {'median ms':>10s} {'IQR':>8s} {'speedup':>8s} {'peak MiB':>9s} "
+              f"{'step +MiB':>9s} {'max|dp|':>9s}")
         for m in MODES:
             r = rows[m]
             peak = "-" if r["peak_allocated_bytes"] is None else f"{r['peak_allocated_bytes'] / 2**20:9.1f}"
+            above = r.get("step_peak_above_resident_bytes")
+            above = "-" if above is None else f"{above / 2**20:9.1f}"
             sp = f"x{r['speedup_vs_plain']:.3f}" if "speedup_vs_plain" in r else ""
-            print(f"  {m:10s} {r['median_ms']:10.2f} {r['iqr_ms']:8.2f} {sp:>8s} {peak:>9s} "
+            print(f"  {m:10s} {r['median_ms']:10.2f} {r['iqr_ms']:8.2f} {sp:>8s} {peak:>9s} {above:>9s} "
                   f"{r['max_abs_param_diff_vs_plain']:9.2e}", flush=True)
 
 

@@ -271,9 +271,10 @@ def ooo_md(res):
                 continue
             sp = f"{r['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in r else ""
             out.append([label, mode, f"{r['median_ms']:.2f}", f"{r['iqr_ms']:.2f}", sp,
-                        fmt_bytes(r.get("peak_allocated_bytes")), f"{r['max_abs_param_diff_vs_plain']:.2e}"])
+                        fmt_bytes(r.get("peak_allocated_bytes")), fmt_bytes(r.get("step_peak_above_resident_bytes")),
+                        f"{r['max_abs_param_diff_vs_plain']:.2e}"])
     return md_table(["model", "variant", "median ms", "IQR ms", "speedup vs plain", "peak alloc",
-                     "max abs param diff"], out)
+                     "step peak above resident", "max abs param diff"], out)
 
 
 def allocator_md(res):
