@@ -131,10 +131,17 @@ void BlockPool::recycle_block(Block* block) {
 }
 
 BlockPool::~BlockPool() {
+  // A destructor must not throw (std::terminate): a backend that fails to release an event or a
+  // segment here (a CUDA error at process exit) leaks it instead.
   for (Block* b : spare_blocks_) delete b;
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [stream, queue] : pending_) {
-    for (PendingEvent& p : queue) events_->release(p.event);
+    for (PendingEvent& p : queue) {
+      try {
+        events_->release(p.event);
+      } catch (const std::exception&) {
+      }
+    }
   }
   for (auto& [address, head] : segments_) {
     size_t total = 0;
@@ -144,7 +151,10 @@ BlockPool::~BlockPool() {
       delete b;
       b = next;
     }
-    raw_->free(reinterpret_cast<void*>(address), total);
+    try {
+      raw_->free(reinterpret_cast<void*>(address), total);
+    } catch (const std::exception&) {
+    }
   }
 }
 
