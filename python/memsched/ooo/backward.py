@@ -118,8 +118,14 @@ Note [Parameters with gradient hooks]
   plain PyTorch does. With a fused update, memsched's post-accumulate-grad hook (which may step
   the parameter) is moved behind the caller's at the start of each iteration, so the caller's
   hook sees and may change the accumulated .grad before the update.
-  Limitations: a hook registered between a forward and its backward is not seen by that
-  forward: its parameter's deferred gradient reaches the hook as None in that backward only.
+  A hook registered between a forward and its backward comes too late for that forward: the
+  layer's weight gradient was already deferred. The runtime keeps each parameter's two hook dicts
+  and, at the start of every backward pass (before any gradient or parameter changes), checks in
+  C++ the parameters that this iteration's deferred uses feed (DwRuntime.first_hooked_deferred):
+  one that now carries a caller's hook is refused with a MemschedError naming it and the fix
+  (register the hook before the forward). memsched's post-accumulate-grad hooks are moved behind
+  hooks registered since the forward at that point too (DwRuntime.post_hooks_last, also C++).
+  Limitations: a hook registered during the backward pass (from another hook) is not checked.
 
 Note [Tied parameters]
   Rationale: a parameter owned by several modules (a T5/BART shared embedding tied to the output
@@ -365,7 +371,6 @@ class OutOfOrderBackward:
         self._index: Dict[int, int] = {}
         self._frozen: List[nn.Parameter] = []  # See Note [Parameters added or unfrozen after install]
         self._patchable: Set[int] = set()  # ids of modules patched (See Note [Tied parameters])
-        self._post_hook_ids: List[int] = []  # memsched's post-accumulate-grad hook per parameter
         self._structure_changed = True
         self._deferred_only: Set[int] = set()
         self._phase = "idle"
@@ -512,7 +517,8 @@ class OutOfOrderBackward:
             self._handles.append(p.register_hook(self._rt.grad_hook(i)))
             post = p.register_post_accumulate_grad_hook(self._rt.accumulated_hook(i))
             self._handles.append(post)
-            self._post_hook_ids.append(post.id)
+            # See Note [Parameters with gradient hooks]: the runtime reads the caller's hooks there
+            self._rt.set_hook_dicts(i, p._backward_hooks, p._post_accumulate_grad_hooks, post.id)
 
     def _patch(self, m: nn.Module, me) -> None:
         had = "forward" in m.__dict__
@@ -584,6 +590,8 @@ class OutOfOrderBackward:
         if self._zero_watch is not None:
             self._zero_watch.remove()
             self._zero_watch = None
+        if self._stepper is not None:
+            self._stepper.close()
         if self._rt is not None:
             self._rt.shutdown()  # nodes recorded before now return their gradients plainly
         if self._reducer is not None and self._ddp_saved_sync is not None:
@@ -616,7 +624,7 @@ class OutOfOrderBackward:
                         f"installed, so memsched neither defers nor (fuse_optimizer) updates it. Unfreeze "
                         f"parameters before install(), or remove() and install() again after unfreezing.")
             if self._stepper is not None:
-                self._post_hooks_last()
+                self._rt.post_hooks_last()  # See Note [Parameters with gradient hooks]
             self._iter_stepped = 0  # parameters the fused update stepped in this iteration (Note [A failed backward])
             self._rt.begin_iteration(self._last_micro_step())
             if self._reducer is not None:
@@ -627,14 +635,6 @@ class OutOfOrderBackward:
             graph = _IterationGraph()
             self._graph = weakref.ref(graph, self._graph_gone)
             self._graph_obj = graph  # handed to the iteration's nodes by graph_token(), then dropped
-
-    def _post_hooks_last(self) -> None:
-        """See Note [Parameters with gradient hooks]: the caller's post-accumulate-grad hooks run
-        before memsched's, which may step the parameter and free its gradient."""
-        for p, hid in zip(self._params, self._post_hook_ids):
-            hooks = p._post_accumulate_grad_hooks
-            if len(hooks) > 1 and next(reversed(hooks)) != hid:
-                hooks[hid] = hooks.pop(hid)  # torch calls them in dict order (PyDict_Next), not move_to_end's
 
     def graph_token(self):
         """The object every Deferred* node of this iteration keeps in its ctx: it dies with the
@@ -709,13 +709,27 @@ class OutOfOrderBackward:
             self._phase = "backward"
             self._timeline.append(("backward_start", time.perf_counter()))
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            # the checks run before anything of this pass changed a gradient or a parameter
             if self._undeclared and not self._step_declared:
-                self._check_zeroing_seen()  # before anything of this pass changed a gradient
-            if self._stepper is not None and self._last_micro_step():
-                # See Note [Adam plan for the C++ update] in fused.py
-                plan = self._stepper.native_plan(self._params)
-                if plan is not None:
-                    self._rt.set_adam(*plan)
+                self._check_zeroing_seen()
+            hooked = self._rt.first_hooked_deferred()  # See Note [Parameters with gradient hooks]
+            if hooked >= 0:
+                self._refuse_hook_after_forward(hooked)
+            if self._stepper is not None:
+                self._rt.post_hooks_last()  # also those registered since the forward
+                if self._last_micro_step():
+                    # See Note [Adam plan for the C++ update] in fused.py
+                    self._stepper.install_native_plan(self._rt, self._params)
+
+    def _refuse_hook_after_forward(self, i: int) -> None:
+        raise MemschedError(
+            f"parameter {self._name(i)} got a gradient hook (register_hook or "
+            f"register_post_accumulate_grad_hook) after the forward pass that used it and before this backward "
+            f"pass: that forward already deferred its layer's weight gradient, which out-of-order backward "
+            f"computes outside autograd, so the hook would receive None (or not run) instead of the gradient. "
+            f"Nothing was changed. Register the hook before the forward pass (memsched then runs that layer "
+            f"through autograd, and the hook sees its whole gradient as in plain PyTorch), or leave the model "
+            f"out of ooo (ooo=False, fuse_optimizer=False).")
 
     def _first_deferred(self) -> None:
         """Called by the runtime (C++, the engine's thread) at the first deferred item of a backward pass."""
@@ -850,7 +864,9 @@ class OutOfOrderBackward:
     def _abandon(self) -> None:
         """Drops the running iteration after an error: queued work, pending
         sums, the scheduler's counts (a fresh scheduler, same parameters)."""
-        self._rt.abandon()  # queued items, pending sums, a fresh scheduler
+        self._rt.abandon()  # queued items, pending sums, a fresh scheduler, the C++ Adam plan
+        if self._stepper is not None:
+            self._stepper.forget_native_plan()
         self._note_native_steps()  # updates the C++ Adam path ran before the error count too
         stepped, self._iter_stepped = self._iter_stepped, 0
         if stepped:
@@ -890,7 +906,6 @@ class OutOfOrderBackward:
         finally:
             self._phase = "idle"
             rt.backward_started = False
-            rt.clear_adam()
             self._note_native_steps()
             native = rt.native_updates  # parameters stepped in C++: See Note [Adam plan for the C++ update] in fused.py
             if native != self._native_seen:
