@@ -144,7 +144,24 @@ void bind_ooo(py::module_& m) {
           "For this backward pass: the fused update of Adam/AdamW parameters runs in C++ (Note [Adam update in "
           "C++]); hypers: (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, kernel 0 single "
           "tensor / 1 foreach / 2 fused) per param group; group_of[p] < 0: p is stepped in Python.")
+      .def(
+          "set_adam_hypers",
+          [](DwRuntime& rt, const std::vector<py::tuple>& hypers) {
+            std::vector<AdamHyper> hs;
+            for (const py::tuple& t : hypers) hs.push_back(adam_hyper(t));
+            rt.set_adam_hypers(std::move(hs));
+          },
+          py::arg("hypers"), "The plan set last, with new hyper-parameters per param group (an LR scheduler stepped).")
+      .def_property_readonly("has_adam", &DwRuntime::has_adam)
       .def("clear_adam", &DwRuntime::clear_adam)
+      .def("set_hook_dicts", &DwRuntime::set_hook_dicts, py::arg("param"), py::arg("tensor_hooks"),
+           py::arg("post_hooks"), py::arg("own_post_key"),
+           "The parameter's _backward_hooks and _post_accumulate_grad_hooks, and the key of memsched's own "
+           "post-accumulate-grad hook (Note [Parameters with gradient hooks]).")
+      .def("first_hooked_deferred", &DwRuntime::first_hooked_deferred,
+           "The first parameter a deferred use of this iteration feeds that now carries a caller's hook, or -1.")
+      .def("post_hooks_last", &DwRuntime::post_hooks_last,
+           "Moves memsched's post-accumulate-grad hook behind the caller's wherever it is not last.")
       .def("take_native_stepped", &DwRuntime::take_native_stepped,
            "The parameters (indices) the C++ Adam update stepped since the last call.")
       .def("step_native", &DwRuntime::step_native, py::arg("params"))

@@ -107,8 +107,14 @@ DwRuntime::~DwRuntime() {
   if (Py_IsInitialized()) {
     py::gil_scoped_acquire gil;
     owner_ref_ = py::object();
+    hook_dicts_.clear();
   } else {
-    owner_ref_.release();  // interpreter gone: leak the reference rather than touch Python
+    owner_ref_.release();  // interpreter gone: leak the references rather than touch Python
+    for (HookDicts& d : hook_dicts_) {
+      d.tensor_hooks.release();
+      d.post_hooks.release();
+      d.own_post_key.release();
+    }
   }
 }
 
@@ -144,6 +150,8 @@ int32_t DwRuntime::add_param(const at::Tensor& param, int32_t bucket) {
   hook_expected_.push_back(0);
   seen_.emplace_back();
   stash_.emplace_back();
+  deferred_used_.push_back(0);
+  hook_dicts_.emplace_back();
   return index;
 }
 
@@ -159,6 +167,7 @@ void DwRuntime::begin_iteration(bool last_micro_step) {
   std::fill(autograd_expected_.begin(), autograd_expected_.end(), 0);
   std::fill(hook_expected_.begin(), hook_expected_.end(), 0);
   std::fill(seen_.begin(), seen_.end(), AutogradSeen{});
+  std::fill(deferred_used_.begin(), deferred_used_.end(), 0);
 }
 
 void DwRuntime::expect_contribution(int32_t param) {
@@ -400,6 +409,26 @@ void DwRuntime::set_adam(std::vector<AdamHyper> hypers, std::vector<int32_t> gro
   }
 }  // the old plan's tensors are released here, outside the lock
 
+void DwRuntime::set_adam_hypers(std::vector<AdamHyper> hypers) {
+  std::shared_ptr<const AdamPlan> old;
+  std::lock_guard<std::mutex> lock(mu_);
+  MEMSCHED_CHECK(adam_ != nullptr, "DwRuntime.set_adam_hypers: no plan was set (set_adam first)");
+  MEMSCHED_CHECK(hypers.size() == adam_->hypers.size(), "DwRuntime.set_adam_hypers: ", hypers.size(),
+                 " param groups given, the plan has ", adam_->hypers.size());
+  for (size_t g = 0; g < hypers.size(); ++g) {
+    MEMSCHED_CHECK(hypers[g].amsgrad == adam_->hypers[g].amsgrad, "DwRuntime.set_adam_hypers: group ", g,
+                   " changed amsgrad; its state differs: set_adam again");
+  }
+  auto plan = std::make_shared<AdamPlan>(*adam_);
+  plan->hypers = std::move(hypers);
+  old = std::exchange(adam_, std::move(plan));
+}  // the lock is released before the old plan
+
+bool DwRuntime::has_adam() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return adam_ != nullptr;
+}
+
 void DwRuntime::clear_adam() {
   std::shared_ptr<const AdamPlan> old;
   std::lock_guard<std::mutex> lock(mu_);
@@ -631,6 +660,7 @@ int32_t DwRuntime::note_deferred_use(int32_t weight_idx, int32_t bias_idx) {
     if (phase == 2 && sched_.received(i) > 0) return i;
     sched_.expect_contribution(i);
     expect_hook(i);
+    deferred_used_[i] = 1;
   }
   return -1;
 }
@@ -662,6 +692,11 @@ void DwRuntime::on_autograd_grad(int32_t i, const at::Tensor& grad) {
   }
   at::Tensor& g = params_[i].mutable_grad();
   bool hook_gate = false;
+  if (!backward_started) {
+    // the owner's checks run before this pass changes any gradient (also when none arrives here)
+    call_owner("_backward_started");
+    backward_started = true;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     const bool mixed = grad.defined() && autograd_expected_[i] && sched_.expected(i) > 1;
@@ -677,13 +712,7 @@ void DwRuntime::on_autograd_grad(int32_t i, const at::Tensor& grad) {
       hook_gate = true;
     }
   }
-  if (grad.defined()) {
-    if (!backward_started) {
-      call_owner("_backward_started");
-      backward_started = true;
-    }
-    return;
-  }
+  if (grad.defined()) return;
   if (hook_gate) {
     contribute(i);
     if (executor_ == Executor::kInline) {
@@ -738,6 +767,55 @@ void DwRuntime::on_autograd_accumulated(int32_t i) {
     track_locked(nbytes(g), 0);
   }
   contribute(i);
+}
+
+namespace {
+
+Py_ssize_t hooks_in(const py::object& dict) {
+  if (!dict || dict.is_none()) return 0;
+  const Py_ssize_t n = PyDict_Check(dict.ptr()) ? PyDict_Size(dict.ptr()) : PyObject_Size(dict.ptr());
+  if (n < 0) PyErr_Clear();
+  return n;
+}
+
+}  // namespace
+
+void DwRuntime::set_hook_dicts(int32_t param, py::object tensor_hooks, py::object post_hooks,
+                               py::object own_post_key) {
+  MEMSCHED_CHECK(param >= 0 && param < static_cast<int32_t>(hook_dicts_.size()), "DwRuntime.set_hook_dicts: ",
+                 "parameter ", param, " is not registered");
+  hook_dicts_[param] = HookDicts{std::move(tensor_hooks), std::move(post_hooks), std::move(own_post_key)};
+}
+
+int32_t DwRuntime::first_hooked_deferred() {
+  std::vector<char> used;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    used = deferred_used_;
+  }
+  for (size_t i = 0; i < used.size(); ++i) {
+    if (used[i] && (hooks_in(hook_dicts_[i].tensor_hooks) > 1 || hooks_in(hook_dicts_[i].post_hooks) > 1)) {
+      return static_cast<int32_t>(i);
+    }
+  }
+  return -1;
+}
+
+void DwRuntime::post_hooks_last() {
+  // torch calls post-accumulate-grad hooks in dict order (PyDict_Next): memsched's, which may step
+  // the parameter and free its gradient, goes last.
+  for (HookDicts& d : hook_dicts_) {
+    if (hooks_in(d.post_hooks) < 2 || !PyDict_Check(d.post_hooks.ptr())) continue;
+    PyObject* dict = d.post_hooks.ptr();
+    Py_ssize_t pos = 0;
+    PyObject *key = nullptr, *value = nullptr, *last = nullptr;
+    while (PyDict_Next(dict, &pos, &key, &value)) last = key;
+    const int same = last == nullptr ? 1 : PyObject_RichCompareBool(last, d.own_post_key.ptr(), Py_EQ);
+    if (same < 0) throw py::error_already_set();
+    if (same) continue;
+    py::object hook = d.post_hooks.attr("pop")(d.own_post_key);
+    d.post_hooks[d.own_post_key] = hook;
+  }
 }
 
 namespace {

@@ -168,6 +168,10 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // (group_of[p] < 0: by the owner, in Python). Cleared by clear_adam() (the owner, at the end of
   // backward) and abandon().
   void set_adam(std::vector<AdamHyper> hypers, std::vector<int32_t> group_of, std::vector<AdamSlot> slots);
+  // The plan set last, with new hyper-parameters (an LR scheduler stepped); the plan is kept from
+  // one backward pass to the next (See Note [Adam plan for the C++ update] in fused.py).
+  void set_adam_hypers(std::vector<AdamHyper> hypers);
+  bool has_adam();
   void clear_adam();
   // Steps those of `params` (final, with .grad) that the Adam plan covers, grouped by param group,
   // and frees their gradients; returns the others, in order, for the owner.
@@ -176,6 +180,18 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // The parameters updated here since the last call (the owner's bookkeeping of freed gradients).
   std::vector<int32_t> take_native_stepped();
   int64_t native_calls();    // COUNT: adam_update calls (one per param group per ready group)
+
+  // -- the caller's gradient hooks (See Note [Parameters with gradient hooks] in backward.py) --
+  // GIL held for all three. The parameter's hook dicts (p._backward_hooks and
+  // p._post_accumulate_grad_hooks, each holding memsched's own hook) and the key of memsched's
+  // post-accumulate-grad hook in the second.
+  void set_hook_dicts(int32_t param, pybind11::object tensor_hooks, pybind11::object post_hooks,
+                      pybind11::object own_post_key);
+  // The first parameter that a deferred use of this iteration feeds and that now carries a hook of
+  // the caller's (registered after that forward), or -1.
+  int32_t first_hooked_deferred();
+  // Moves memsched's post-accumulate-grad hook behind the caller's wherever it is not last.
+  void post_hooks_last();
 
   // -- gradient memory accounting (peak_grad_bytes in report()) ----------------------------
   void track_locked(int64_t delta_bytes, int64_t transient_bytes);  // the owner's updates
@@ -240,6 +256,11 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<char> hook_expected_;             // per parameter: its AccumulateGrad contribution is awaited
   std::vector<AutogradSeen> seen_;              // per parameter
   std::vector<at::Tensor> stash_;               // per parameter: the parked .grad of a mixed parameter
+  std::vector<char> deferred_used_;             // per parameter: a deferred use counted this iteration
+  struct HookDicts {                            // See set_hook_dicts(); read and released with the GIL
+    pybind11::object tensor_hooks, post_hooks, own_post_key;
+  };
+  std::vector<HookDicts> hook_dicts_;           // per parameter
   std::unordered_map<int64_t, DwItem> items_;   // queued, by scheduler id
   std::deque<std::pair<c10::Device, Side>> sides_;  // a deque: a Side& stays valid as devices are added
   bool last_micro_step_ = true;

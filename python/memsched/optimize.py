@@ -408,7 +408,7 @@ class Run:
         if self.ooo_ is not None:
             self._check_framework_accumulation()
         stats = self._finish_step()
-        if self.ooo_ is None or self.ooo_.step():
+        if self.ooo_ is None or self.ooo_._end_micro_step(False):  # the loop zeroes itself
             out = step(*args, **kwargs)
             loss = out if closure is None else loss
         # else: the fused update ran during backward (as run.step() skips optimizer.step() then)

@@ -118,8 +118,14 @@ Note [Parameters with gradient hooks]
   plain PyTorch does. With a fused update, memsched's post-accumulate-grad hook (which may step
   the parameter) is moved behind the caller's at the start of each iteration, so the caller's
   hook sees and may change the accumulated .grad before the update.
-  Limitations: a hook registered between a forward and its backward is not seen by that
-  forward: its parameter's deferred gradient reaches the hook as None in that backward only.
+  A hook registered between a forward and its backward comes too late for that forward: the
+  layer's weight gradient was already deferred. The runtime keeps each parameter's two hook dicts
+  and, at the start of every backward pass (before any gradient or parameter changes), checks in
+  C++ the parameters that this iteration's deferred uses feed (DwRuntime.first_hooked_deferred):
+  one that now carries a caller's hook is refused with a MemschedError naming it and the fix
+  (register the hook before the forward). memsched's post-accumulate-grad hooks are moved behind
+  hooks registered since the forward at that point too (DwRuntime.post_hooks_last, also C++).
+  Limitations: a hook registered during the backward pass (from another hook) is not checked.
 
 Note [Tied parameters]
   Rationale: a parameter owned by several modules (a T5/BART shared embedding tied to the output
@@ -139,19 +145,30 @@ Note [Gradients the fused update did not see]
   Rationale: plain optimizer.step() steps every parameter whose .grad is not None. A parameter
   whose gradient no backward pass delivered -- a zero tensor left by zero_grad(set_to_none=False),
   a branch or MoE expert unused this step -- is stepped by plain AdamW (its step count advances,
-  weight decay applies) but was never made final, so the fused update skipped it; and a step
-  whose gradients came from torch.autograd.grad and were set by hand had no backward pass at all,
-  so step() returned False and nothing was updated.
-  Approach: at the end of the last micro-step's backward, every parameter that still holds a
-  .grad (the fused update frees the gradients it steps) is stepped in one grouped call. A
-  parameter whose gradient the fused update freed holds a zero gradient in plain PyTorch after
-  optimizer.zero_grad(set_to_none=False): the optimizer's zero_grad is watched
-  (zero_grad_watch.py) and such a parameter, if no backward pass reached it, gets a zero .grad
-  there and is stepped with the rest. step() after no backward pass returns True, so the caller
-  (run.step()) runs optimizer.step().
-  Limitations: under DDP (memsched's bucket reducer) such parameters are not stepped; zeroing
-  through model.zero_grad(set_to_none=False) or p.grad.zero_() is not seen (the freed gradient
-  stays None, as after set_to_none=True).
+  weight decay applies) and SGD (momentum) but was never made final, so the fused update skipped
+  it; and a step whose gradients came from torch.autograd.grad and were set by hand had no backward
+  pass at all, so step() returned False and nothing was updated. What plain holds in the .grad of a
+  parameter whose gradient the fused update freed depends on how the caller zeroes: None after
+  set_to_none=True, a zero tensor after zeroing in place, the old gradient when nothing zeroes it.
+  Approach: every zero_grad of the optimizer or of a module owning the parameters is watched
+  (zero_grad_watch.py, Note [Watching zero_grad]). A parameter the fused update freed is
+  "undeclared" until such a call covers it: set_to_none=True forgets it, set_to_none=False marks
+  it zeroed. step() (OutOfOrderBackward.step, run.step()) counts as set_to_none=True for what is
+  still undeclared, unless a later zero_grad(set_to_none=False) says otherwise; memsched.optimize's
+  routing of the caller's own optimizer.step() does not (the loop zeroes after it). At the start of
+  a backward pass -- before it changes any gradient or parameter -- an undeclared parameter whose
+  .grad is still None (zeroed by hand in place, or never zeroed: memsched cannot know which) is
+  refused with a MemschedError naming the calls that fix it; one whose .grad the caller set again
+  (p.grad = torch.zeros_like(p)) is fine. At the end of the last micro-step's backward a zeroed
+  parameter no pass reached gets a zero .grad again (before DDP's buckets are reduced, so a zero
+  gradient is reduced and stepped as DDP does), and without DDP every parameter still holding a
+  .grad (the fused update frees the gradients it steps) is stepped in one grouped call; under DDP
+  memsched's bucket reducer steps them with their bucket. step() after no backward pass returns
+  True, so the caller (run.step()) runs optimizer.step().
+  Limitations: zero_grad of an optimizer or module subclass that does not call torch's is not seen
+  (the next backward is refused). Under DDP with several processes a parameter that this rank did
+  not reach and whose .grad is None is not given the other ranks' reduced gradient (plain DDP with
+  find_unused_parameters=True creates its .grad).
 
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
@@ -354,7 +371,6 @@ class OutOfOrderBackward:
         self._index: Dict[int, int] = {}
         self._frozen: List[nn.Parameter] = []  # See Note [Parameters added or unfrozen after install]
         self._patchable: Set[int] = set()  # ids of modules patched (See Note [Tied parameters])
-        self._post_hook_ids: List[int] = []  # memsched's post-accumulate-grad hook per parameter
         self._structure_changed = True
         self._deferred_only: Set[int] = set()
         self._phase = "idle"
@@ -367,8 +383,10 @@ class OutOfOrderBackward:
         self._native_seen = 0  # the runtime's native_updates at the end of the last backward
         self._native_steps = 0  # COUNT: fused updates run in C++ (See Note [Adam plan for the C++ update])
         self._iter_stepped = 0
-        self._freed: Set[int] = set()   # stepped and freed since the caller last set gradients to None
-        self._zeroed: Set[int] = set()  # of those, zeroed since (plain would hold a zero .grad)
+        # See Note [Gradients the fused update did not see]
+        self._undeclared: Set[int] = set()  # freed by the fused update; no zero_grad call covered them since
+        self._zeroed: Set[int] = set()  # freed, then zero_grad(set_to_none=False): plain holds a zero .grad
+        self._step_declared = False  # step() since the last free: _undeclared count as set to None
         self._zero_watch: Optional[ZeroGradWatch] = None
         self._last_peak_grad_bytes = 0
         self._reducer = None
@@ -470,10 +488,9 @@ class OutOfOrderBackward:
             self._stepper = ParamStepper(self.optimizer)
             grad_scaler_guard.guard(self)  # See Note [GradScaler and fused updates]
             clip_guard.guard(self)  # See Note [Clipping and fused updates]
-        if self.optimizer is not None and isinstance(self.optimizer, torch.optim.Optimizer):
-            # See Note [Gradients the fused update did not see]
-            self._zero_watch = ZeroGradWatch(self.optimizer, self._on_zero_grad)
-            self._zero_watch.install()
+        # See Note [Gradients the fused update did not see] and Note [Watching zero_grad]
+        self._zero_watch = ZeroGradWatch(self.optimizer, self._params, self._on_zero_grad)
+        self._zero_watch.install()
 
         if executor == "stream" and not any(p.is_cuda for p in self._params):
             raise MemschedError("executor='stream' needs the model on a CUDA device; use 'inline' or 'thread'")
@@ -500,7 +517,8 @@ class OutOfOrderBackward:
             self._handles.append(p.register_hook(self._rt.grad_hook(i)))
             post = p.register_post_accumulate_grad_hook(self._rt.accumulated_hook(i))
             self._handles.append(post)
-            self._post_hook_ids.append(post.id)
+            # See Note [Parameters with gradient hooks]: the runtime reads the caller's hooks there
+            self._rt.set_hook_dicts(i, p._backward_hooks, p._post_accumulate_grad_hooks, post.id)
 
     def _patch(self, m: nn.Module, me) -> None:
         had = "forward" in m.__dict__
@@ -572,6 +590,8 @@ class OutOfOrderBackward:
         if self._zero_watch is not None:
             self._zero_watch.remove()
             self._zero_watch = None
+        if self._stepper is not None:
+            self._stepper.close()
         if self._rt is not None:
             self._rt.shutdown()  # nodes recorded before now return their gradients plainly
         if self._reducer is not None and self._ddp_saved_sync is not None:
@@ -604,7 +624,7 @@ class OutOfOrderBackward:
                         f"installed, so memsched neither defers nor (fuse_optimizer) updates it. Unfreeze "
                         f"parameters before install(), or remove() and install() again after unfreezing.")
             if self._stepper is not None:
-                self._post_hooks_last()
+                self._rt.post_hooks_last()  # See Note [Parameters with gradient hooks]
             self._iter_stepped = 0  # parameters the fused update stepped in this iteration (Note [A failed backward])
             self._rt.begin_iteration(self._last_micro_step())
             if self._reducer is not None:
@@ -615,14 +635,6 @@ class OutOfOrderBackward:
             graph = _IterationGraph()
             self._graph = weakref.ref(graph, self._graph_gone)
             self._graph_obj = graph  # handed to the iteration's nodes by graph_token(), then dropped
-
-    def _post_hooks_last(self) -> None:
-        """See Note [Parameters with gradient hooks]: the caller's post-accumulate-grad hooks run
-        before memsched's, which may step the parameter and free its gradient."""
-        for p, hid in zip(self._params, self._post_hook_ids):
-            hooks = p._post_accumulate_grad_hooks
-            if len(hooks) > 1 and next(reversed(hooks)) != hid:
-                hooks[hid] = hooks.pop(hid)  # torch calls them in dict order (PyDict_Next), not move_to_end's
 
     def graph_token(self):
         """The object every Deferred* node of this iteration keeps in its ctx: it dies with the
@@ -697,11 +709,27 @@ class OutOfOrderBackward:
             self._phase = "backward"
             self._timeline.append(("backward_start", time.perf_counter()))
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            if self._stepper is not None and self._last_micro_step():
-                # See Note [Adam plan for the C++ update] in fused.py
-                plan = self._stepper.native_plan(self._params)
-                if plan is not None:
-                    self._rt.set_adam(*plan)
+            # the checks run before anything of this pass changed a gradient or a parameter
+            if self._undeclared and not self._step_declared:
+                self._check_zeroing_seen()
+            hooked = self._rt.first_hooked_deferred()  # See Note [Parameters with gradient hooks]
+            if hooked >= 0:
+                self._refuse_hook_after_forward(hooked)
+            if self._stepper is not None:
+                self._rt.post_hooks_last()  # also those registered since the forward
+                if self._last_micro_step():
+                    # See Note [Adam plan for the C++ update] in fused.py
+                    self._stepper.install_native_plan(self._rt, self._params)
+
+    def _refuse_hook_after_forward(self, i: int) -> None:
+        raise MemschedError(
+            f"parameter {self._name(i)} got a gradient hook (register_hook or "
+            f"register_post_accumulate_grad_hook) after the forward pass that used it and before this backward "
+            f"pass: that forward already deferred its layer's weight gradient, which out-of-order backward "
+            f"computes outside autograd, so the hook would receive None (or not run) instead of the gradient. "
+            f"Nothing was changed. Register the hook before the forward pass (memsched then runs that layer "
+            f"through autograd, and the hook sees its whole gradient as in plain PyTorch), or leave the model "
+            f"out of ooo (ooo=False, fuse_optimizer=False).")
 
     def _first_deferred(self) -> None:
         """Called by the runtime (C++, the engine's thread) at the first deferred item of a backward pass."""
@@ -736,44 +764,84 @@ class OutOfOrderBackward:
         self._rt.track(-nbytes)
         self._fused_steps += len(params)
         self._iter_stepped += len(params)
-        self._freed.update(idx)
+        self._mark_freed(idx)
+
+    def _mark_freed(self, idx: Sequence[int]) -> None:
+        """The fused update stepped these and freed their gradients (Note [Gradients the fused update
+        did not see]): what plain PyTorch holds in their .grad now depends on the caller's zeroing."""
+        self._undeclared.update(idx)
         self._zeroed.difference_update(idx)
+        self._step_declared = False
 
     def _note_native_steps(self) -> None:
         """Book the parameters the C++ Adam update stepped (and freed) as _step_params books its own."""
         idx = self._rt.take_native_stepped()
         if idx:
             self._iter_stepped += len(idx)
-            self._freed.update(idx)
-            self._zeroed.difference_update(idx)
+            self._mark_freed(idx)
+
+    def _restore_zeroed(self) -> None:
+        """See Note [Gradients the fused update did not see]: the zero .grad plain PyTorch holds for a
+        parameter zeroed in place after the fused update freed its gradient, where no backward pass
+        of this step reached it (end of the last micro-step's backward, before DDP's buckets are
+        reduced: a zero gradient is reduced and stepped as DDP does)."""
+        self._note_native_steps()  # stepped in C++ this pass: not left over, even with .grad now None
+        for i in self._zeroed:
+            p = self._params[i]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def _step_leftovers(self) -> None:
         """See Note [Gradients the fused update did not see]: one grouped update of every parameter
         that still has a .grad at the end of the last micro-step's backward."""
-        self._note_native_steps()  # stepped in C++ this pass: not left over, even with .grad now None
-        for i in self._zeroed:  # plain holds a zero .grad for these; no backward pass reached them
-            p = self._params[i]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        self._note_native_steps()
         left = [i for i, p in enumerate(self._params) if p.grad is not None and self._stepper.owns(p)]
         if left:
             self._stepper.step_params([self._params[i] for i in left])
             self._fused_steps += len(left)
             self._iter_stepped += len(left)
-            self._freed.update(left)
-            self._zeroed.difference_update(left)
+            self._mark_freed(left)
 
-    def _on_zero_grad(self, set_to_none: bool) -> None:
-        """The caller's optimizer.zero_grad(set_to_none) (Note [Gradients the fused update did not see])."""
+    def _on_zero_grad(self, set_to_none: bool, params) -> None:
+        """The caller's optimizer.zero_grad(set_to_none) (params None) or module.zero_grad(set_to_none)
+        (params: the module's) (Note [Gradients the fused update did not see])."""
         if not self.fuse_optimizer and self._micro_step % self.grad_accumulation_steps == 0:
             # the gradients of the backward passes so far are dropped without a step (GradScaler
             # skipped it on inf/NaN): the caller's next optimizer.step() follows the passes after this
             self._backwards_since_step = 0
+        self._note_native_steps()  # frees of the C++ update come before this call (a failed backward's too)
+        if not self._undeclared and (not set_to_none or not self._zeroed):
+            return  # nothing freed since: nothing to learn (the common case)
+        index = self._index
+        if params is None:  # the optimizer's parameters
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        idx = {index[id(p)] for p in params if id(p) in index}
         if set_to_none:
-            self._freed.clear()
-            self._zeroed.clear()
+            self._zeroed.difference_update(idx)
         else:
-            self._zeroed.update(self._freed)
+            self._zeroed.update(self._undeclared & idx)
+        self._undeclared.difference_update(idx)
+
+    def _check_zeroing_seen(self) -> None:
+        """See Note [Gradients the fused update did not see]: a parameter whose gradient the fused
+        update freed, and that no zero_grad call covered since, is fine when the caller has set its
+        .grad again (p.grad = torch.zeros_like(p)); otherwise the step is refused."""
+        params = self._params
+        self._undeclared = {i for i in self._undeclared if params[i].grad is None}
+        if not self._undeclared:
+            return
+        n = self._name(min(self._undeclared))
+        raise MemschedError(
+            f"the fused optimizer update (fuse_optimizer=True) freed the gradients of {len(self._undeclared)} "
+            f"parameter(s) ({n}, ...) at the last step, and no optimizer.zero_grad(...) or model.zero_grad(...) "
+            f"call was seen before this backward pass, so memsched cannot tell what plain PyTorch would hold in "
+            f"their .grad if this step does not reach them: a zero tensor (zeroed in place, e.g. "
+            f"zero_grad(set_to_none=False) of a subclass, or p.grad.zero_() by hand: plain optimizer.step() "
+            f"updates such a parameter -- weight decay, momentum), None (it is left alone), or the old gradient "
+            f"(never zeroed: plain adds it to this step's). Nothing was changed. Call optimizer.zero_grad() or "
+            f"model.zero_grad() (set_to_none=True or False: memsched follows either) once per optimizer step, "
+            f"or run.step() (memsched.optimize) / OutOfOrderBackward.step(), which count as "
+            f"zero_grad(set_to_none=True).")
 
     def _on_ready(self, groups: List[List[int]], ready_buckets: List[int]) -> None:
         """Called by the runtime (C++) on the last micro-step, with a fused update or DDP: step the
@@ -796,7 +864,9 @@ class OutOfOrderBackward:
     def _abandon(self) -> None:
         """Drops the running iteration after an error: queued work, pending
         sums, the scheduler's counts (a fresh scheduler, same parameters)."""
-        self._rt.abandon()  # queued items, pending sums, a fresh scheduler
+        self._rt.abandon()  # queued items, pending sums, a fresh scheduler, the C++ Adam plan
+        if self._stepper is not None:
+            self._stepper.forget_native_plan()
         self._note_native_steps()  # updates the C++ Adam path ran before the error count too
         stepped, self._iter_stepped = self._iter_stepped, 0
         if stepped:
@@ -822,6 +892,8 @@ class OutOfOrderBackward:
             rt.end_iteration(True)
             # the compute stream waits for the side stream here, where gradients are consumed
             rt.sync_streams()
+            if self._zeroed and self._last_micro_step():
+                self._restore_zeroed()
             if self._reducer is not None and self._last_micro_step():
                 self._step_params(self._reducer.poll())
                 self._step_params(self._reducer.wait_all())
@@ -834,7 +906,6 @@ class OutOfOrderBackward:
         finally:
             self._phase = "idle"
             rt.backward_started = False
-            rt.clear_adam()
             self._note_native_steps()
             native = rt.native_updates  # parameters stepped in C++: See Note [Adam plan for the C++ update] in fused.py
             if native != self._native_seen:
@@ -884,7 +955,15 @@ class OutOfOrderBackward:
         max_grad_norm set that clipping has been applied. With fuse_optimizer the
         updates already happened during backward and this returns False -- unless no
         backward pass ran since the last step() (gradients from torch.autograd.grad set by
-        hand): then it returns True, as without fusion."""
+        hand): then it returns True, as without fusion. With fuse_optimizer it also stands for
+        ``optimizer.zero_grad(set_to_none=True)`` for the gradients the update freed, unless a
+        later zero_grad(set_to_none=False) says otherwise (Note [Gradients the fused update did
+        not see])."""
+        return self._end_micro_step(True)
+
+    def _end_micro_step(self, declares_zeroing: bool) -> bool:
+        """step(); memsched.optimize's optimizer.step() routing passes declares_zeroing=False: the
+        caller's loop zeroes the gradients itself after that."""
         if self._phase == "backward" or self.__dict__.pop("_failed_backward", False):
             # The end-of-backward callback never ran: backward raised part way.
             self._abandon()
@@ -894,6 +973,8 @@ class OutOfOrderBackward:
         ran = self._backwards_since_step
         self._backwards_since_step = 0
         self._updated_since_step = False
+        if declares_zeroing:
+            self._step_declared = True
         # No backward pass since the last step(): gradients (if any) came from torch.autograd.grad and
         # the caller's own .grad assignments, which no fused update saw -- step them as plain PyTorch.
         completed = ran == 0 or (self._micro_step % self.grad_accumulation_steps == 0 and self._micro_step > 0)

@@ -1,0 +1,99 @@
+"""Parameters a step does not reach, under DistributedDataParallel with the fused update (memsched's
+bucket reducer, ooo/ddp.py; Note [Gradients the fused update did not see] in ooo/backward.py): after
+zero_grad(set_to_none=False) plain DDP (find_unused_parameters=True) reduces their zero gradient and
+optimizer.step() updates them. gloo on CPU, world size 1, in a subprocess; parameters and optimizer
+state after 4 steps bitwise equal to plain DDP's, with and without gradient accumulation."""
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from test_fused_unreached_params import OPTIMIZERS, STEPS, ZEROING, Branchy, _batch
+
+CASES = [(z, o, k) for z in ("optimizer_keyword", "model", "zeros_like_by_hand") for o in sorted(OPTIMIZERS)
+         for k in (1, 2)]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(fused, zeroing, opt_name, accumulation):
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from memsched.ooo import OutOfOrderBackward
+
+    torch.manual_seed(0)
+    model = Branchy(accumulation)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    ddp = DDP(model, find_unused_parameters=not fused, bucket_cap_mb=0.001)  # several buckets
+    opt = OPTIMIZERS[opt_name](ddp.parameters())
+    ooo = OutOfOrderBackward(ddp, opt, fuse_optimizer=True, grad_accumulation_steps=accumulation) if fused else None
+    if ooo is not None:
+        ooo.install()
+    try:
+        for s in range(STEPS * accumulation):
+            x, y = _batch(s)
+            last = (s + 1) % accumulation == 0
+            if fused or last:
+                F.cross_entropy(ddp(x), y).backward()
+            else:
+                with ddp.no_sync():
+                    F.cross_entropy(ddp(x), y).backward()
+            if ooo is not None:
+                ooo.step()
+            elif last:
+                opt.step()
+            if last:
+                ZEROING[zeroing](ddp, opt)
+    finally:
+        if ooo is not None:
+            ooo.remove()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: torch.as_tensor(v).clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    return params, state
+
+
+def _worker(rank, port, out):
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    try:
+        torch.save({case: (_train(False, *case), _train(True, *case)) for case in CASES}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ddp") / "results.pt")
+    ctx = mp.start_processes(_worker, args=(_free_port(), out), nprocs=1, join=False, start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the DDP worker did not finish within 300 s")
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("zeroing, opt_name, accumulation", CASES)
+def test_ddp_steps_unreached_parameters_as_plain_ddp(results, zeroing, opt_name, accumulation):
+    (plain_params, plain_state), (params, state) = results[(zeroing, opt_name, accumulation)]
+    for i, (a, b) in enumerate(zip(plain_params, params)):
+        assert torch.equal(a, b), f"parameter {i}: max |diff| {(a - b).abs().max().item():.3g}"
+    for sa, sb in zip(plain_state, state):
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+    assert plain_state[-3]  # `never`'s weight: plain DDP stepped it
