@@ -195,11 +195,12 @@ from memsched.copy_inert import inert_on_copy
 from memsched.device import resolve_device
 from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers, parse_host_limit
-from memsched.offload.report import build_report, planned_activation_curve, save_timeline
+from memsched.offload.report import build_report, largest_planned, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
 from memsched.planning import fraction_budget, fraction_refusal, parse_budget, planner_names, resolve_budget
 from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure, torch_optimizer
 from memsched.units import format_bytes, parse_bytes
+from memsched.wording import counted
 
 __all__ = ["optimize", "Run"]
 
@@ -300,6 +301,7 @@ class Run:
         for name, flag in (("ooo", ooo), ("fuse_optimizer", fuse_optimizer), ("timeline", timeline)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}: expected True or False, got {flag!r}")
+        _check_optimizer_owns_model(model, self.optimizer)  # Note [An optimizer over another model]
         if (ooo or fuse_optimizer) and not self.compiled_why_:
             self.ooo_ = self._make_ooo(fuse_optimizer)
         self.fuse_optimizer = bool(fuse_optimizer)
@@ -501,7 +503,7 @@ class Run:
         if self.schedule is None or stats.mode != "planned":
             return False
         if stats.activations != len(self.schedule.labels):
-            self._on_mismatch(f"the step saved {stats.activations} activations, the trace "
+            self._on_mismatch(f"the step saved {counted(stats.activations, 'activation')}, the trace "
                               f"{len(self.schedule.labels)}")
             stats.mode = "diverged"
             return True
@@ -865,15 +867,15 @@ class Run:
                          f"optimizer state the first optimizer.step() created (Note [Optimizer state the "
                          f"profiled step did not see])")
         if self.mismatches:
-            notes.append(f"{self.mismatches} step(s) did not match the profiled trace and ran without "
-                         f"offloading from the mismatch on; {self.reprofiles} re-profile(s)")
+            notes.append(f"{counted(self.mismatches, 'step')} did not match the profiled trace and ran without "
+                         f"offloading from the mismatch on; {counted(self.reprofiles, 're-profile')}")
             if self.mismatches > self.reprofiles:
                 notes.append(f"max_reprofiles ({self.max_reprofiles}) is reached: a step that does not match "
                              f"the plan is no longer re-profiled and runs plainly from its mismatch on. A forward "
                              f"whose saved tensors change from step to step (shapes, branches) cannot keep a "
                              f"plan; pass optimize(..., max_reprofiles=...) to re-profile more often")
         if self.steps_not_profiled:
-            notes.append(f"{self.steps_not_profiled} step(s) ran plainly without being profiled: "
+            notes.append(f"{counted(self.steps_not_profiled, 'step')} ran plainly without being profiled: "
                          f"{self.warned_not_profiled_why_}")
         if self.compiled_why_:
             notes.append(f"{self.compiled_why_}: every step ran plainly (compiled modules are not profiled or "
@@ -882,19 +884,20 @@ class Run:
             notes.append(self.budget_note_)
         limited = sum(s.host_limited for s in self.step_stats)
         if limited:
-            notes.append(f"{limited} offload(s) stayed on the device: host_memory_limit "
+            notes.append(f"{counted(limited, 'offload')} stayed on the device: host_memory_limit "
                          f"({format_bytes(self.host.limit)}) was reached (Note [Host memory limit])")
         kept = collections.Counter()
         for st in self.step_stats:
             kept.update(st.recompute_kept_reasons)
         if kept:
             why = ", ".join(f"{n} {reason}" for reason, n in kept.most_common())
-            notes.append(f"{sum(kept.values())} planned recompute(s) kept their tensor instead ({why}; Note "
+            notes.append(f"{counted(sum(kept.values()), 'planned recompute')} kept their tensor instead ({why}; Note "
                          f"[Unpack-time recompute]): the step may exceed the budget by their bytes")
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes,
-                         counts=(self.steps_planned, self.steps_plain + self.steps_not_profiled))
+                         counts=(self.steps_planned, self.steps_plain + self.steps_not_profiled),
+                         largest=largest_planned(self.schedule if self.plan is not None else None))
         print(r.table, file=file)
         return r
 
@@ -915,7 +918,7 @@ class Run:
         elif st is None or st.mode != "offload":
             line = f"profiled step: saved activations offloaded to host memory ({asked}); no step profiled yet"
         else:
-            line = (f"profiled step: saved activations offloaded to host memory ({asked}): {st.offloaded} storages "
+            line = (f"profiled step: saved activations offloaded to host memory ({asked}): {counted(st.offloaded, 'storage')} "
                     f"({format_bytes(st.offloaded_bytes)}) copied out, {st.fetched} fetched back in backward, "
                     f"{st.kept} kept on the device; measured saved-activation peak "
                     f"{format_bytes(st.activation_peak_bytes)}{' (plain PyTorch: ' + plain + ')' if plain else ''}")
@@ -945,13 +948,16 @@ class Run:
             raise RuntimeError("run.save_timeline(): no step has been profiled yet; call it after a few run.step()")
         if str(path).lower().endswith(".json"):
             return self._save_timeline_json(path, torch_trace, offset_us)
+        from memsched._images import image_format
+        image_format(path, "run.save_timeline: path", other="or .json for a Chrome trace (Perfetto)")
         if torch_trace is not None or offset_us is not None:
             raise ValueError(f"torch_trace / offset_us: merging with a torch.profiler trace needs a '.json' path "
                              f"(a Chrome trace), got {str(path)!r}")
         if not self.timeline:
             raise RuntimeError("run.save_timeline(): this Run recorded no timeline; pass "
                                "memsched.optimize(..., timeline=True) to record memory samples and copies per "
-                               "step (off by default: it costs a sample per saved tensor)")
+                               "step (off by default: it costs a sample per saved tensor); a '.json' path "
+                               "writes the planned step as a Chrome trace without it")
         executed = [s for s in self.step_stats if s.mode == "planned"] or self.step_stats
         last = executed[-1] if executed else None
         planned, planned_copies = self._planned_timeline()
@@ -1054,6 +1060,33 @@ def _explain_hook_refusal(exc):
                      "whole step, and torch.func transforms (or disable_saved_tensors_hooks) inside a forward "
                      "refuse any saved-tensor hooks. Apply the transform outside the module memsched wraps, or "
                      "train this model without memsched.optimize()")
+
+
+def _check_optimizer_owns_model(model, optimizer):
+    """Note [An optimizer over another model]
+      Rationale: optimize(model, optimizer) with an optimizer built over another module's parameters
+      (a copy made before the optimizer, the teacher of a distillation loop, a stale object from a
+      notebook cell) ran without a word: memsched profiled and planned `model` while every
+      optimizer.step() updated the other module, so `model` never trained.
+      Approach: refused here, before any work, when `model` has trainable parameters and none of them
+      is in the optimizer. Parameters outside `model` beside some of its own (a learned temperature
+      or loss weight used in the loss) are what plain PyTorch trains too, and are accepted: memsched
+      plans the model's activations and the optimizer steps them all. An optimizer over part of the
+      model (fine-tuning a head) is accepted as well.
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list):
+        return
+    stepped = {id(p) for g in groups if isinstance(g, dict) for p in g.get("params", ())}
+    own = [p for p in model.parameters() if p.requires_grad]
+    if not stepped or not own or any(id(p) in stepped for p in own):
+        return
+    raise ValueError(
+        f"optimizer: none of its {counted(len(stepped), 'parameter')} belongs to `model` "
+        f"({type(model).__name__}, {counted(len(own), 'trainable parameter')}), so "
+        f"optimizer.step() would never update the model memsched runs; build the optimizer from this model, "
+        f"e.g. torch.optim.AdamW(model.parameters(), ...) (extra parameters outside the model, such as a "
+        f"learned temperature, may be added beside them)")
 
 
 def compiled_module_reason(model):
