@@ -197,7 +197,8 @@ from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers, parse_host_limit
 from memsched.offload.report import build_report, largest_planned, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
-from memsched.planning import fraction_budget, fraction_refusal, parse_budget, planner_names, resolve_budget
+from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
+                               planner_least_bytes, planner_names, resolve_budget)
 from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure, torch_optimizer
 from memsched.units import format_bytes, parse_bytes
 from memsched.wording import counted
@@ -629,19 +630,30 @@ class Run:
                 self.plan = make_plan(trace, self.budget_bytes, planner, self.device_model)
             except _C.MemschedError as err:
                 if isinstance(self.budget_spec, float) and "least budget" in str(err):
-                    raise fraction_refusal(trace, self.budget_spec, err) from None
+                    raise fraction_refusal(trace, self.budget_spec, err, planner,
+                                           lambda b: make_plan(trace, b, planner, self.device_model)) from None
                 extra = self.optimizer_state_extra_
                 spec = self.budget_spec
-                if isinstance(spec, str) and "least budget" in str(err):  # "P%": answer in percent
-                    least, peak = _planner_least(err, trace) + extra, trace.peak_bytes() + extra
+                if "least budget" not in str(err) or spec is None:
+                    raise
+                # the least budget this planner accepts, checked: never one that is refused again
+                working = least_working_budget(err, trace, lambda b: make_plan(trace, b, planner, self.device_model))
+                if isinstance(spec, str):  # "P%": answer in percent
+                    least, peak = working + extra, trace.peak_bytes() + extra
                     pct = math.ceil(1000.0 * least / peak) / 10.0
                     raise _C.MemschedError(
                         f"budget {spec!r}: that share of this step's peak ({format_bytes(peak)}"
                         f"{', its optimizer state included' if extra else ''}) is {format_bytes(budget_bytes + extra)}, "
-                        f"below what any plan reaches ({format_bytes(least)}); use budget='{pct:g}%' or more") from None
-                if extra and "least budget" in str(err):
+                        f"below what the {planner} planner reaches ({format_bytes(least)}); use budget='{pct:g}%' or "
+                        f"more") from None
+                if not extra and working != planner_least_bytes(err, trace):
+                    raise _C.MemschedError(
+                        f"budget {spec!r}: the {planner} planner cannot reach {budget_bytes} bytes on this step; the "
+                        f"least budget it accepts is {working} bytes ({format_bytes(working)}): raise the budget to "
+                        f"at least {working} bytes") from None
+                if extra:
                     # See Note [Optimizer state the profiled step did not see].
-                    least = _planner_least(err, trace) + extra
+                    least = working + extra
                     raise _C.MemschedError(
                         f"budget {self.budget_spec!r}: the steps after the first need at least {least} bytes "
                         f"({format_bytes(least)}): {format_bytes(least - extra)} for the step as profiled plus "
@@ -1027,13 +1039,6 @@ def _explain_profiled_oom(exc):
 
 
 _HOOK_REFUSALS = ("don't yet support saved tensor hooks", "saved tensors default hooks are disabled")
-
-
-def _planner_least(err, trace):
-    """The least budget, bytes, that the planner's refusal `err` names for `trace` (its "raise the budget
-    to at least N bytes"), else the least any plan reaches."""
-    found = re.findall(r"raise the budget to at least (\d+) bytes", str(err))
-    return int(found[0]) if found else _C.least_budget_bytes(trace)
 
 
 def _user_stacklevel():
