@@ -285,6 +285,9 @@ def compare(trace, budget, planners="all", device=None, durations="auto"):
             p = _C.make_plan(trace, model, budget_bytes, name)
         except _C.MemschedError as e:
             row["error"] = str(e)
+            if "least budget" in str(e):  # the least this planner accepts, checked (least_working_budget)
+                row["least_budget_bytes"] = least_working_budget(
+                    e, trace, lambda b, name=name: _C.make_plan(trace, model, b, name))
             rows.append(row)
             continue
         r = _C.simulate(trace, p, model)
@@ -312,6 +315,8 @@ def format_table(rows):
         if not r["ok"]:
             msg = r["error"] or ""
             short = msg.split(":")[0] if "needs at least" not in msg else msg[msg.index("needs at least"):].split(";")[0].split(" (")[0]
+            if r.get("least_budget_bytes") is not None:
+                short = f"needs at least {r['least_budget_bytes']} bytes"
             lines.append(f"{r['planner']:<22}  infeasible: {short}")
             continue
         lines.append(f"{r['planner']:<22}{r['step_time_us'] / 1e3:>11.3f}{r['stall_us'] / 1e3:>12.3f}"

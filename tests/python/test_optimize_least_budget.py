@@ -68,3 +68,15 @@ def test_memsched_plan_names_a_fraction_the_planner_accepts():
     assert planning.plan(run.trace, budget=least, planner="vdnn", device="cpu") is not None
     with pytest.raises(memsched.MemschedError):
         planning.plan(run.trace, budget=round(least - 0.01, 2), planner="vdnn", device="cpu")
+
+
+def test_compare_and_the_plan_command_name_each_planners_own_least_budget():
+    # was: below the least any plan reaches, vdnn's row said "raise the budget to at least <that least>",
+    # which vdnn refuses too
+    trace = _train(None, "dp", steps=1).trace
+    rows = {r["planner"]: r for r in planning.compare(trace, 1000, ["dp", "vdnn"], device="cpu")}
+    least = {name: r["least_budget_bytes"] for name, r in rows.items()}
+    assert least["vdnn"] > least["dp"] == memsched._C.least_budget_bytes(trace)
+    for name in ("dp", "vdnn"):
+        assert planning.plan(trace, least[name], name, device="cpu") is not None
+    assert f"needs at least {least['vdnn']} bytes" in planning.format_table(list(rows.values()))
