@@ -241,6 +241,14 @@ def plan(trace, budget=None, planner="dp", device=None, durations="auto"):
         if isinstance(spec, float) and "least budget" in str(err):
             raise fraction_refusal(trace, spec, err, planner,
                                    lambda b: _C.make_plan(trace, model, b, planner)) from None
+        if isinstance(spec, str) and "least budget" in str(err):  # "P%": answer in percent
+            least = least_working_budget(err, trace, lambda b: _C.make_plan(trace, model, b, planner))
+            peak = trace.peak_bytes()
+            pct = math.ceil(1000.0 * least / peak) / 10.0
+            raise _C.MemschedError(
+                f"budget {budget!r}: that share of the trace's keep_all peak ({format_bytes(peak)}) is "
+                f"{format_bytes(resolve_budget(spec, trace))}, below what the {planner} planner reaches "
+                f"({format_bytes(least)}); use budget='{pct:g}%' or more") from None
         raise
 
 

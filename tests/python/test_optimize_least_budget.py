@@ -80,3 +80,14 @@ def test_compare_and_the_plan_command_name_each_planners_own_least_budget():
     for name in ("dp", "vdnn"):
         assert planning.plan(trace, least[name], name, device="cpu") is not None
     assert f"needs at least {least['vdnn']} bytes" in planning.format_table(list(rows.values()))
+
+
+@pytest.mark.parametrize("planner", ["dp", "vdnn"])
+def test_memsched_plan_answers_a_percentage_in_percent(planner):
+    # was: "budget 1571516 bytes is below the least budget ...; raise the budget to at least N bytes"
+    trace = _train(None, "dp", steps=1).trace
+    with pytest.raises(memsched.MemschedError, match=r"budget '1%': that share of the trace's keep_all peak .* "
+                                                     r"use budget='([\d.]+)%' or more") as info:
+        planning.plan(trace, budget="1%", planner=planner, device="cpu")
+    pct = re.search(r"use budget='([\d.]+%)'", str(info.value)).group(1)
+    assert planning.plan(trace, budget=pct, planner=planner, device="cpu") is not None
