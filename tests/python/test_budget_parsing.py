@@ -135,7 +135,7 @@ def test_an_unreachable_fraction_is_refused_with_the_least_fraction_that_works()
     assert run.plan is not None and run.step_stats
 
 
-@pytest.mark.parametrize("bad", ["-1", -1.0, "-0.5", 0.0])
+@pytest.mark.parametrize("bad", ["-1", -1.0, "-0.5", 0.0, "-5GiB", " -1.5 MiB"])
 def test_negative_or_zero_budgets_say_so(bad):
     with pytest.raises(ValueError, match=r"budget: must be positive|must not be negative"):
         planning.parse_budget(bad)
