@@ -79,7 +79,7 @@ def format_largest(largest, offloaded, recomputed):
     what = " and ".join(x for x in (f"{offloaded} offloaded" if offloaded else "",
                                     f"{recomputed} recomputed" if recomputed else "") if x)
     if len(largest) < offloaded + recomputed:
-        lines = [f"largest planned activations ({len(largest)} of {what}):"]
+        lines = [f"largest planned activations ({len(largest)} of {offloaded + recomputed}: {what}):"]
     else:
         lines = [f"planned activations ({what}):"]
     rows = [[a["action"], format_bytes(a["bytes"]), a["module"] or "(root)", f"{a['shape']} {a['dtype']}".strip(),
@@ -101,6 +101,8 @@ def format_table(header, rows):
 
 
 def _ms(seconds):
+    if seconds is not None and abs(seconds) < 5e-6:
+        seconds = 0.0  # the simulator's float sums may end a hair below zero: never print "-0.00 ms"
     return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
 
 

@@ -45,7 +45,7 @@ def test_largest_planned_activations_are_named_with_module_bytes_and_action():
     r = build_report(info, {"offloaded": 4, "recomputed": 2}, [], largest=largest_planned(s))
     assert [(a["ordinal"], a["action"]) for a in r.largest] == [(2, "offload"), (5, "recompute"),
                                                                  (1, "offload"), (4, "recompute"), (3, "offload")]
-    assert "largest planned activations (5 of 4 offloaded and 2 recomputed):" in r.table
+    assert "largest planned activations (5 of 6: 4 offloaded and 2 recomputed):" in r.table
     line = next(l for l in r.table.splitlines() if "enc.layers.2.mlp" in l)
     assert line.split() == ["offload", "1.00", "MiB", "enc.layers.2.mlp", "[262144]", "float32", "act", "2"]
     assert "enc.layers.0.mlp" not in r.table and "enc.layers.6.mlp" not in r.table  # the smallest are left out
@@ -68,3 +68,9 @@ def test_run_report_names_what_a_plan_offloads():
     assert all(a["action"] == "offload" and a["module"] for a in r.largest)
     assert [a["bytes"] for a in r.largest] == sorted((a["bytes"] for a in r.largest), reverse=True)
     assert "offload" in r.table and r.largest[0]["module"] in r.table
+
+
+def test_a_stall_a_hair_below_zero_prints_as_zero():
+    r = _report("cpu", {"stall_s": -1e-12, "activation_peak_bytes": 1}, [1])
+    line = next(l for l in r.table.splitlines() if l.startswith("stall time"))
+    assert "-0.00" not in line and "0.00 ms" in line
