@@ -195,6 +195,7 @@ from memsched.copy_inert import inert_on_copy
 from memsched.device import resolve_device
 from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers, parse_host_limit
+from memsched.offload.host_limit import plan_within_host_limit
 from memsched.offload.report import build_report, largest_planned, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
 from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
@@ -260,6 +261,7 @@ class Run:
         self.profile_offload = profile == "offload" or (profile == "auto" and isinstance(self.budget_spec, int))
         self.profile_stats = None                # ProfiledStepStats of the last profiled step
         self.budget_note_ = ""                   # how a fraction was resolved, when run.report() should say
+        self.host_limit_note_ = ""               # the plan run instead of the planner's, for host_memory_limit
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
         if device_model is not None:
@@ -663,14 +665,26 @@ class Run:
                 raise
         schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_)
         need = schedule.offloaded_bytes
+        self.host_limit_note_ = ""
         if self.host.limit is not None and need > self.host.limit:
-            # See Note [Host memory limit] (offload/host_buffers.py): refused before any planned step.
-            raise _C.MemschedError(
-                f"run.step(): the {planner} plan for this budget keeps {format_bytes(need)} of activations in "
-                f"host memory per step, more than memsched may use ({format_bytes(self.host.limit)}: "
-                f"{self.host.limit_text}); pass optimize(..., host_memory_limit=...) of at least "
-                f"{format_bytes(need)} (bytes, '64GiB' or a fraction of RAM) if the machine can spare it, or a "
-                f"larger budget")
+            # See Note [Host memory limit] (offload/host_buffers.py) and Note [Plans within
+            # host_memory_limit] (offload/host_limit.py): another plan that fits, or refused before any
+            # planned step naming a limit that works.
+            import memsched
+            self.plan, schedule, chosen = plan_within_host_limit(
+                trace, self.budget_bytes, planner, need, self.host.limit, self.host.limit_text,
+                make_plan=lambda name, durations: memsched.plan(trace, self.budget_bytes, name, self.device_model,
+                                                                durations=durations),
+                schedule_of=lambda plan: OffloadSchedule.build(trace, plan, self.min_offload_bytes,
+                                                               node_of_op=self.node_of_op_),
+                simulate_of=lambda plan: simulate(trace, plan, self.device_model),
+                planners=[planner] + [p for p in planner_names() if p not in (planner, "keep_all")])
+            self.host_limit_note_ = (f"host_memory_limit ({format_bytes(self.host.limit)}) is below the "
+                                     f"{format_bytes(need)} the {planner} plan keeps in host memory: ran a {chosen} "
+                                     f"plan that keeps {format_bytes(schedule.offloaded_bytes)} there instead (Note "
+                                     f"[Plans within host_memory_limit])")
+            warnings.warn(f"memsched.optimize: {self.host_limit_note_}; pass a larger host_memory_limit to run the "
+                          f"{planner} plan", RuntimeWarning, stacklevel=_user_stacklevel())
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)
@@ -784,7 +798,8 @@ class Run:
         if op_id < 0 or act_peak == 0 or act[op_id] > fraction * act_peak:
             return ""  # the budget bounds the saved activations at op_id: the fraction holds there
         op = trace.ops[op_id]
-        return (f"budget {fraction:g} of the activation memory: the step's peak lies outside the saved "
+        return (f"budget {fraction:g} (the step's peak with its saved activations held to {fraction:g} of their "
+                f"keep-all peak): the step's peak lies outside the saved "
                 f"activations, at op {op.id} {op.name} ({op.phase}, module '{op.module_path}', "
                 f"{format_bytes(budget_bytes)} live, {format_bytes(act[op_id])} of them saved activations), "
                 f"which activation offload cannot lower; the planner was asked for that peak "
@@ -894,6 +909,8 @@ class Run:
                          "offloaded; pass the module before torch.compile() to offload)")
         if self.budget_note_:
             notes.append(self.budget_note_)
+        if self.host_limit_note_:
+            notes.append(self.host_limit_note_)
         limited = sum(s.host_limited for s in self.step_stats)
         if limited:
             notes.append(f"{counted(limited, 'offload')} stayed on the device: host_memory_limit "
