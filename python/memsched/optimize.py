@@ -171,7 +171,8 @@ Note [A step with no end]
   forward and backward was recorded into one trace (RSS grew by 44 MiB over 2000 steps) and
   nothing was ever planned, without a word. After _MAX_PROFILED_FORWARDS forwards in one profiled
   step (far more micro-batches than gradient accumulation uses) the profile is dropped, the model
-  runs plainly, and one warning says how to end a step.
+  runs plainly, and one warning says how to end a step. A Run left (without an error) before its
+  first step boundary warns likewise, and run.report() says why nothing was planned.
 
 Note [Recompute decisions run]
   planner="hybrid" may recompute activations (Note [Hybrid planner] in
@@ -209,6 +210,9 @@ __all__ = ["optimize", "Run"]
 _DEFAULT_MIN_BYTES_CUDA = 1 << 20   # offloading less than 1 MiB costs more in latency than it saves
 _DEVICE_MEMORY_FRACTION = 0.9       # budget=None on a device that the step does not fit
 _MAX_PROFILED_FORWARDS = 256        # forwards one profiled step may hold (Note [A step with no end])
+_STEP_BOUNDARY_FIX = ("memsched ends a step at run.step(), or at optimizer.step() of the optimizer passed to "
+                      "optimize(optimizer=...): call run.step() where the optimizer steps (it steps the optimizer "
+                      "too), or pass the optimizer")
 
 
 # -- the pieces of other issues, behind one seam each (tests may substitute stand-ins) -----------------
@@ -343,6 +347,7 @@ class Run:
         self.optimizer_state_extra_ = 0  # bytes of optimizer state the trace lacks (Note [Optimizer state
                                          #   the profiled step did not see])
         self.in_forward_ = False     # between the root's forward pre-hook and forward hook
+        self.unfinished_forwards_ = 0  # forwards of a first profile that never reached a step boundary
         self.handles_ = []           # Run's own hooks on the root module
         self.entered_ = False
 
@@ -369,6 +374,12 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if exc_type is None and self.profile_ is not None and self.steps_profiled == 0 and self.profile_forwards_:
+            # Note [A step with no end]: the Run ends before its first step boundary; nothing was planned
+            self.unfinished_forwards_ = self.profile_forwards_
+            warnings.warn(f"memsched.optimize: the Run ended while its first step was still being profiled "
+                          f"({counted(self.profile_forwards_, 'forward')}, no step boundary), so nothing was "
+                          f"planned or offloaded. {_STEP_BOUNDARY_FIX}", RuntimeWarning, stacklevel=2)
         self._cleanup()
         return False
 
@@ -783,11 +794,10 @@ class Run:
             return
         self._abort_profile()
         self.not_profiled_why_ = ""
+        self.unfinished_forwards_ = self.profile_forwards_
         warnings.warn(
             f"memsched.optimize: {_MAX_PROFILED_FORWARDS} forward passes ran without a step boundary, so "
-            "memsched stopped profiling and runs the model plainly from here on. memsched ends a step at "
-            "run.step(), or at optimizer.step() of the optimizer passed to optimize(optimizer=...): call "
-            "run.step() after each optimizer step (it steps the optimizer too), or pass the optimizer",
+            f"memsched stopped profiling and runs the model plainly from here on. {_STEP_BOUNDARY_FIX}",
             RuntimeWarning, stacklevel=_user_stacklevel())
 
     @staticmethod
@@ -889,6 +899,9 @@ class Run:
                     budget_text=budget_text, steps_profiled=self.steps_profiled, host_source=self.host.source,
                     profile="offload" if self.profile_offload else "keep")
         notes = [self._profile_note()]
+        if self.unfinished_forwards_ and self.steps_profiled == 0:
+            notes.append(f"no step boundary was reached ({counted(self.unfinished_forwards_, 'forward')} profiled "
+                         f"without one), so nothing was planned: {_STEP_BOUNDARY_FIX}")
         if self.optimizer_state_extra_ and self.budget_bytes is not None:
             notes.append(f"budget and planned peak include the {format_bytes(self.optimizer_state_extra_)} of "
                          f"optimizer state the first optimizer.step() created (Note [Optimizer state the "
