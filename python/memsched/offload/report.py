@@ -79,7 +79,8 @@ def format_largest(largest, offloaded, recomputed):
     what = " and ".join(x for x in (f"{offloaded} offloaded" if offloaded else "",
                                     f"{recomputed} recomputed" if recomputed else "") if x)
     if len(largest) < offloaded + recomputed:
-        lines = [f"largest planned activations ({len(largest)} of {offloaded + recomputed}: {what}):"]
+        total = f"{offloaded + recomputed}: {what}" if offloaded and recomputed else what
+        lines = [f"largest planned activations ({len(largest)} of {total}):"]
     else:
         lines = [f"planned activations ({what}):"]
     rows = [[a["action"], format_bytes(a["bytes"]), a["module"] or "(root)", f"{a['shape']} {a['dtype']}".strip(),

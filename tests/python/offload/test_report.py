@@ -49,6 +49,9 @@ def test_largest_planned_activations_are_named_with_module_bytes_and_action():
     line = next(l for l in r.table.splitlines() if "enc.layers.2.mlp" in l)
     assert line.split() == ["offload", "1.00", "MiB", "enc.layers.2.mlp", "[262144]", "float32", "act", "2"]
     assert "enc.layers.0.mlp" not in r.table and "enc.layers.6.mlp" not in r.table  # the smallest are left out
+    s.recompute = set()
+    r = build_report(info, {"offloaded": 4}, [], largest=largest_planned(s, n=3))
+    assert "largest planned activations (3 of 4 offloaded):" in r.table
 
 
 def test_run_report_names_what_a_plan_offloads():
