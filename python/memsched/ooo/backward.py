@@ -148,7 +148,9 @@ Note [Gradients the fused update did not see]
   optimizer.zero_grad(set_to_none=False): the optimizer's zero_grad is watched
   (zero_grad_watch.py) and such a parameter, if no backward pass reached it, gets a zero .grad
   there and is stepped with the rest. step() after no backward pass returns True, so the caller
-  (run.step()) runs optimizer.step().
+  (run.step()) runs optimizer.step(). The optimizer's parameters outside the model (a learned
+  temperature used in the loss) that hold a .grad are stepped in the same place: they were never
+  stepped, since run.step() skips optimizer.step() after a fused update.
   Limitations: under DDP (memsched's bucket reducer) such parameters are not stepped; zeroing
   through model.zero_grad(set_to_none=False) or p.grad.zero_() is not seen (the freed gradient
   stays None, as after set_to_none=True).
@@ -762,6 +764,13 @@ class OutOfOrderBackward:
             self._iter_stepped += len(left)
             self._freed.update(left)
             self._zeroed.difference_update(left)
+        # the optimizer's parameters outside the model (a learned temperature used in the loss): plain
+        # optimizer.step() steps them too, and run.step() skips it after a fused update
+        outside = [p for g in self._stepper.optimizer.param_groups for p in g["params"]
+                   if id(p) not in self._index and p.grad is not None]
+        if outside:
+            self._stepper.step_params(outside)  # frees their gradients, as run.step()'s zero_grad would
+            self._fused_steps += len(outside)
 
     def _on_zero_grad(self, set_to_none: bool) -> None:
         """The caller's optimizer.zero_grad(set_to_none) (Note [Gradients the fused update did not see])."""
