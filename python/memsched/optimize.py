@@ -691,8 +691,8 @@ class Run:
                 simulate_of=lambda plan: simulate(trace, plan, self.device_model),
                 planners=[planner] + [p for p in planner_names() if p not in (planner, "keep_all")])
             self.host_limit_note_ = (f"host_memory_limit ({format_bytes(self.host.limit)}) is below the "
-                                     f"{format_bytes(need)} the {planner} plan keeps in host memory: ran a {chosen} "
-                                     f"plan that keeps {format_bytes(schedule.offloaded_bytes)} there instead (Note "
+                                     f"{format_bytes(need)} the {planner} plan keeps in host memory: ran the {chosen} "
+                                     f"plan, which keeps {format_bytes(schedule.offloaded_bytes)} there instead (Note "
                                      f"[Plans within host_memory_limit])")
             warnings.warn(f"memsched.optimize: {self.host_limit_note_}; pass a larger host_memory_limit to run the "
                           f"{planner} plan", RuntimeWarning, stacklevel=_user_stacklevel())

@@ -40,7 +40,8 @@ def _up(n):
 
 def plan_within_host_limit(trace, budget_bytes, planner, need, limit, limit_text, make_plan, schedule_of,
                            simulate_of, planners):
-    """The fastest plan for `budget_bytes` whose host bytes fit `limit`, as (plan, schedule, name), after
+    """The fastest plan for `budget_bytes` whose host bytes fit `limit`, as (plan, schedule, what: the planner
+    and the op times it planned with, e.g. "greedy (roofline op times)"), after
     the `planner` plan needed `need` bytes; raises MemschedError naming a limit that works where none
     fits. make_plan(name, durations) plans (durations 'measured' or 'roofline'; raises MemschedError
     where that planner cannot meet the budget), schedule_of(plan) -> OffloadSchedule, simulate_of(plan)
@@ -58,10 +59,10 @@ def plan_within_host_limit(trace, budget_bytes, planner, need, limit, limit_text
                 least = host if least is None else min(least, host)
             if host <= limit:
                 sim = simulate_of(plan)
-                fitting.append((sim.step_time_us if sim is not None else 0.0, host, name, plan, schedule))
+                fitting.append((sim.step_time_us if sim is not None else 0.0, host, name, durations, plan, schedule))
     if fitting:
-        _, _, name, plan, schedule = min(fitting, key=lambda c: c[:3])
-        return plan, schedule, name
+        _, _, name, durations, plan, schedule = min(fitting, key=lambda c: c[:4])
+        return plan, schedule, f"{name} ({durations} op times)"
     fix = (f"pass optimize(..., host_memory_limit={least}) ({_up(least)}; the least host memory of any plan for "
            f"this budget) or more if the machine can spare it, or a larger budget" if least is not None else
            "pass a larger budget")

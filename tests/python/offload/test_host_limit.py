@@ -29,6 +29,7 @@ def _choose(limit):
 def test_the_fastest_plan_within_the_limit_runs():
     assert _choose(10_000)[0] == ("dp", "measured")
     assert _choose(4000)[0] == ("greedy", "roofline")   # 11 us beats dp roofline's 12 us
+    assert _choose(4000)[2] == "greedy (roofline op times)"
     assert _choose(3000)[0] == ("dp", "roofline")
     assert _choose(2500)[0] == ("greedy", "measured")   # a measured plan may still be run when it fits
 
