@@ -960,8 +960,8 @@ class Run:
         elif st is None or st.mode != "offload":
             line = f"profiled step: saved activations offloaded to host memory ({asked}); no step profiled yet"
         else:
-            line = (f"profiled step: saved activations offloaded to host memory ({asked}): {counted(st.offloaded, 'storage')} "
-                    f"({format_bytes(st.offloaded_bytes)}) copied out, {st.fetched} fetched back in backward, "
+            line = (f"profiled step: saved activations offloaded to host memory ({asked}): "
+                    f"{counted(st.offloaded, 'storage')} ({format_bytes(st.offloaded_bytes)}) copied out, {st.fetched} fetched back in backward, "
                     f"{st.kept} kept on the device; measured saved-activation peak "
                     f"{format_bytes(st.activation_peak_bytes)}{' (plain PyTorch: ' + plain + ')' if plain else ''}")
             if st.host_limited:
