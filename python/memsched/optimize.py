@@ -961,8 +961,8 @@ class Run:
             line = f"profiled step: saved activations offloaded to host memory ({asked}); no step profiled yet"
         else:
             line = (f"profiled step: saved activations offloaded to host memory ({asked}): "
-                    f"{counted(st.offloaded, 'storage')} ({format_bytes(st.offloaded_bytes)}) copied out, {st.fetched} fetched back in backward, "
-                    f"{st.kept} kept on the device; measured saved-activation peak "
+                    f"{counted(st.offloaded, 'storage')} ({format_bytes(st.offloaded_bytes)}) copied out, "
+                    f"{st.fetched} fetched back in backward, {st.kept} kept on the device; measured saved-activation peak "
                     f"{format_bytes(st.activation_peak_bytes)}{' (plain PyTorch: ' + plain + ')' if plain else ''}")
             if st.host_limited:
                 line += f"; {st.host_limited} stayed on the device: host_memory_limit reached"
