@@ -154,7 +154,7 @@ double CopyEngine::now_s() const {
 }
 
 int64_t CopyEngine::host_live_bytes() const {
-  return static_cast<int64_t>(host_->pool().stats().allocated_bytes[kAggregatePool].current);
+  return static_cast<int64_t>(host_->pool().stats().requested_bytes[kAggregatePool].current);
 }
 
 bool CopyEngine::has_room(int64_t nbytes) const { return limit_bytes < 0 || host_live_bytes() + nbytes <= limit_bytes; }

@@ -116,8 +116,11 @@ class CopyEngine {
   bool on_compute_stream = false;
   int64_t limit_bytes;            // most host bytes alive at once; < 0: no limit
 
-  // Whether a host block of nbytes keeps the host copies within the limit.
+  // Whether a host copy of nbytes keeps the host copies within the limit.
   bool has_room(int64_t nbytes) const;
+  // Bytes of host copies alive: the pool's requested bytes, not its block sizes (rounded to 512 B,
+  // and a cached large block may carry up to 1 MiB more than asked), so the limit is compared with
+  // what the plan keeps in host memory (Note [Plans within host_memory_limit] in offload/host_limit.py).
   int64_t host_live_bytes() const;
 
   void begin_step();

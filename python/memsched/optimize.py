@@ -171,7 +171,8 @@ Note [A step with no end]
   forward and backward was recorded into one trace (RSS grew by 44 MiB over 2000 steps) and
   nothing was ever planned, without a word. After _MAX_PROFILED_FORWARDS forwards in one profiled
   step (far more micro-batches than gradient accumulation uses) the profile is dropped, the model
-  runs plainly, and one warning says how to end a step.
+  runs plainly, and one warning says how to end a step. A Run left (without an error) before its
+  first step boundary warns likewise, and run.report() says why nothing was planned.
 
 Note [Recompute decisions run]
   planner="hybrid" may recompute activations (Note [Hybrid planner] in
@@ -195,17 +196,23 @@ from memsched.copy_inert import inert_on_copy
 from memsched.device import resolve_device
 from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.host_buffers import HostBuffers, parse_host_limit
-from memsched.offload.report import build_report, planned_activation_curve, save_timeline
+from memsched.offload.host_limit import plan_within_host_limit
+from memsched.offload.report import build_report, largest_planned, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
-from memsched.planning import fraction_budget, fraction_refusal, parse_budget, planner_names, resolve_budget
+from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
+                               planner_least_bytes, planner_names, resolve_budget)
 from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure, torch_optimizer
 from memsched.units import format_bytes, parse_bytes
+from memsched.wording import counted
 
 __all__ = ["optimize", "Run"]
 
 _DEFAULT_MIN_BYTES_CUDA = 1 << 20   # offloading less than 1 MiB costs more in latency than it saves
 _DEVICE_MEMORY_FRACTION = 0.9       # budget=None on a device that the step does not fit
 _MAX_PROFILED_FORWARDS = 256        # forwards one profiled step may hold (Note [A step with no end])
+_STEP_BOUNDARY_FIX = ("memsched ends a step at run.step(), or at optimizer.step() of the optimizer passed to "
+                      "optimize(optimizer=...): call run.step() where the optimizer steps (it steps the optimizer "
+                      "too), or pass the optimizer")
 
 
 # -- the pieces of other issues, behind one seam each (tests may substitute stand-ins) -----------------
@@ -258,6 +265,7 @@ class Run:
         self.profile_offload = profile == "offload" or (profile == "auto" and isinstance(self.budget_spec, int))
         self.profile_stats = None                # ProfiledStepStats of the last profiled step
         self.budget_note_ = ""                   # how a fraction was resolved, when run.report() should say
+        self.host_limit_note_ = ""               # the plan run instead of the planner's, for host_memory_limit
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
         if device_model is not None:
@@ -300,6 +308,7 @@ class Run:
         for name, flag in (("ooo", ooo), ("fuse_optimizer", fuse_optimizer), ("timeline", timeline)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}: expected True or False, got {flag!r}")
+        _check_optimizer_owns_model(model, self.optimizer)  # Note [An optimizer over another model]
         if (ooo or fuse_optimizer) and not self.compiled_why_:
             self.ooo_ = self._make_ooo(fuse_optimizer)
         self.fuse_optimizer = bool(fuse_optimizer)
@@ -338,6 +347,7 @@ class Run:
         self.optimizer_state_extra_ = 0  # bytes of optimizer state the trace lacks (Note [Optimizer state
                                          #   the profiled step did not see])
         self.in_forward_ = False     # between the root's forward pre-hook and forward hook
+        self.unfinished_forwards_ = 0  # forwards of a first profile that never reached a step boundary
         self.handles_ = []           # Run's own hooks on the root module
         self.entered_ = False
 
@@ -364,6 +374,12 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if exc_type is None and self.profile_ is not None and self.steps_profiled == 0 and self.profile_forwards_:
+            # Note [A step with no end]: the Run ends before its first step boundary; nothing was planned
+            self.unfinished_forwards_ = self.profile_forwards_
+            warnings.warn(f"memsched.optimize: the Run ended while its first step was still being profiled "
+                          f"({counted(self.profile_forwards_, 'forward')}, no step boundary), so nothing was "
+                          f"planned or offloaded. {_STEP_BOUNDARY_FIX}", RuntimeWarning, stacklevel=2)
         self._cleanup()
         return False
 
@@ -501,7 +517,7 @@ class Run:
         if self.schedule is None or stats.mode != "planned":
             return False
         if stats.activations != len(self.schedule.labels):
-            self._on_mismatch(f"the step saved {stats.activations} activations, the trace "
+            self._on_mismatch(f"the step saved {counted(stats.activations, 'activation')}, the trace "
                               f"{len(self.schedule.labels)}")
             stats.mode = "diverged"
             return True
@@ -627,19 +643,30 @@ class Run:
                 self.plan = make_plan(trace, self.budget_bytes, planner, self.device_model)
             except _C.MemschedError as err:
                 if isinstance(self.budget_spec, float) and "least budget" in str(err):
-                    raise fraction_refusal(trace, self.budget_spec, err) from None
+                    raise fraction_refusal(trace, self.budget_spec, err, planner,
+                                           lambda b: make_plan(trace, b, planner, self.device_model)) from None
                 extra = self.optimizer_state_extra_
                 spec = self.budget_spec
-                if isinstance(spec, str) and "least budget" in str(err):  # "P%": answer in percent
-                    least, peak = _planner_least(err, trace) + extra, trace.peak_bytes() + extra
+                if "least budget" not in str(err) or spec is None:
+                    raise
+                # the least budget this planner accepts, checked: never one that is refused again
+                working = least_working_budget(err, trace, lambda b: make_plan(trace, b, planner, self.device_model))
+                if isinstance(spec, str):  # "P%": answer in percent
+                    least, peak = working + extra, trace.peak_bytes() + extra
                     pct = math.ceil(1000.0 * least / peak) / 10.0
                     raise _C.MemschedError(
                         f"budget {spec!r}: that share of this step's peak ({format_bytes(peak)}"
                         f"{', its optimizer state included' if extra else ''}) is {format_bytes(budget_bytes + extra)}, "
-                        f"below what any plan reaches ({format_bytes(least)}); use budget='{pct:g}%' or more") from None
-                if extra and "least budget" in str(err):
+                        f"below what the {planner} planner reaches ({format_bytes(least)}); use budget='{pct:g}%' or "
+                        f"more") from None
+                if not extra and working != planner_least_bytes(err, trace):
+                    raise _C.MemschedError(
+                        f"budget {spec!r}: the {planner} planner cannot reach {budget_bytes} bytes on this step; the "
+                        f"least budget it accepts is {working} bytes ({format_bytes(working)}): raise the budget to "
+                        f"at least {working} bytes") from None
+                if extra:
                     # See Note [Optimizer state the profiled step did not see].
-                    least = _planner_least(err, trace) + extra
+                    least = working + extra
                     raise _C.MemschedError(
                         f"budget {self.budget_spec!r}: the steps after the first need at least {least} bytes "
                         f"({format_bytes(least)}): {format_bytes(least - extra)} for the step as profiled plus "
@@ -649,14 +676,26 @@ class Run:
                 raise
         schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_)
         need = schedule.offloaded_bytes
+        self.host_limit_note_ = ""
         if self.host.limit is not None and need > self.host.limit:
-            # See Note [Host memory limit] (offload/host_buffers.py): refused before any planned step.
-            raise _C.MemschedError(
-                f"run.step(): the {planner} plan for this budget keeps {format_bytes(need)} of activations in "
-                f"host memory per step, more than memsched may use ({format_bytes(self.host.limit)}: "
-                f"{self.host.limit_text}); pass optimize(..., host_memory_limit=...) of at least "
-                f"{format_bytes(need)} (bytes, '64GiB' or a fraction of RAM) if the machine can spare it, or a "
-                f"larger budget")
+            # See Note [Host memory limit] (offload/host_buffers.py) and Note [Plans within
+            # host_memory_limit] (offload/host_limit.py): another plan that fits, or refused before any
+            # planned step naming a limit that works.
+            import memsched
+            self.plan, schedule, chosen = plan_within_host_limit(
+                trace, self.budget_bytes, planner, need, self.host.limit, self.host.limit_text,
+                make_plan=lambda name, durations: memsched.plan(trace, self.budget_bytes, name, self.device_model,
+                                                                durations=durations),
+                schedule_of=lambda plan: OffloadSchedule.build(trace, plan, self.min_offload_bytes,
+                                                               node_of_op=self.node_of_op_),
+                simulate_of=lambda plan: simulate(trace, plan, self.device_model),
+                planners=[planner] + [p for p in planner_names() if p not in (planner, "keep_all")])
+            self.host_limit_note_ = (f"host_memory_limit ({format_bytes(self.host.limit)}) is below the "
+                                     f"{format_bytes(need)} the {planner} plan keeps in host memory: ran the {chosen} "
+                                     f"plan, which keeps {format_bytes(schedule.offloaded_bytes)} there instead (Note "
+                                     f"[Plans within host_memory_limit])")
+            warnings.warn(f"memsched.optimize: {self.host_limit_note_}; pass a larger host_memory_limit to run the "
+                          f"{planner} plan", RuntimeWarning, stacklevel=_user_stacklevel())
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)
@@ -755,11 +794,10 @@ class Run:
             return
         self._abort_profile()
         self.not_profiled_why_ = ""
+        self.unfinished_forwards_ = self.profile_forwards_
         warnings.warn(
             f"memsched.optimize: {_MAX_PROFILED_FORWARDS} forward passes ran without a step boundary, so "
-            "memsched stopped profiling and runs the model plainly from here on. memsched ends a step at "
-            "run.step(), or at optimizer.step() of the optimizer passed to optimize(optimizer=...): call "
-            "run.step() after each optimizer step (it steps the optimizer too), or pass the optimizer",
+            f"memsched stopped profiling and runs the model plainly from here on. {_STEP_BOUNDARY_FIX}",
             RuntimeWarning, stacklevel=_user_stacklevel())
 
     @staticmethod
@@ -770,7 +808,8 @@ class Run:
         if op_id < 0 or act_peak == 0 or act[op_id] > fraction * act_peak:
             return ""  # the budget bounds the saved activations at op_id: the fraction holds there
         op = trace.ops[op_id]
-        return (f"budget {fraction:g} of the activation memory: the step's peak lies outside the saved "
+        return (f"budget {fraction:g} (the step's peak with its saved activations held to {fraction:g} of their "
+                f"keep-all peak): the step's peak lies outside the saved "
                 f"activations, at op {op.id} {op.name} ({op.phase}, module '{op.module_path}', "
                 f"{format_bytes(budget_bytes)} live, {format_bytes(act[op_id])} of them saved activations), "
                 f"which activation offload cannot lower; the planner was asked for that peak "
@@ -860,41 +899,47 @@ class Run:
                     budget_text=budget_text, steps_profiled=self.steps_profiled, host_source=self.host.source,
                     profile="offload" if self.profile_offload else "keep")
         notes = [self._profile_note()]
+        if self.unfinished_forwards_ and self.steps_profiled == 0:
+            notes.append(f"no step boundary was reached ({counted(self.unfinished_forwards_, 'forward')} profiled "
+                         f"without one), so nothing was planned: {_STEP_BOUNDARY_FIX}")
         if self.optimizer_state_extra_ and self.budget_bytes is not None:
             notes.append(f"budget and planned peak include the {format_bytes(self.optimizer_state_extra_)} of "
                          f"optimizer state the first optimizer.step() created (Note [Optimizer state the "
                          f"profiled step did not see])")
         if self.mismatches:
-            notes.append(f"{self.mismatches} step(s) did not match the profiled trace and ran without "
-                         f"offloading from the mismatch on; {self.reprofiles} re-profile(s)")
+            notes.append(f"{counted(self.mismatches, 'step')} did not match the profiled trace and ran without "
+                         f"offloading from the mismatch on; {counted(self.reprofiles, 're-profile')}")
             if self.mismatches > self.reprofiles:
                 notes.append(f"max_reprofiles ({self.max_reprofiles}) is reached: a step that does not match "
                              f"the plan is no longer re-profiled and runs plainly from its mismatch on. A forward "
                              f"whose saved tensors change from step to step (shapes, branches) cannot keep a "
                              f"plan; pass optimize(..., max_reprofiles=...) to re-profile more often")
         if self.steps_not_profiled:
-            notes.append(f"{self.steps_not_profiled} step(s) ran plainly without being profiled: "
+            notes.append(f"{counted(self.steps_not_profiled, 'step')} ran plainly without being profiled: "
                          f"{self.warned_not_profiled_why_}")
         if self.compiled_why_:
             notes.append(f"{self.compiled_why_}: every step ran plainly (compiled modules are not profiled or "
                          "offloaded; pass the module before torch.compile() to offload)")
         if self.budget_note_:
             notes.append(self.budget_note_)
+        if self.host_limit_note_:
+            notes.append(self.host_limit_note_)
         limited = sum(s.host_limited for s in self.step_stats)
         if limited:
-            notes.append(f"{limited} offload(s) stayed on the device: host_memory_limit "
+            notes.append(f"{counted(limited, 'offload')} stayed on the device: host_memory_limit "
                          f"({format_bytes(self.host.limit)}) was reached (Note [Host memory limit])")
         kept = collections.Counter()
         for st in self.step_stats:
             kept.update(st.recompute_kept_reasons)
         if kept:
             why = ", ".join(f"{n} {reason}" for reason, n in kept.most_common())
-            notes.append(f"{sum(kept.values())} planned recompute(s) kept their tensor instead ({why}; Note "
+            notes.append(f"{counted(sum(kept.values()), 'planned recompute')} kept their tensor instead ({why}; Note "
                          f"[Unpack-time recompute]): the step may exceed the budget by their bytes")
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes,
-                         counts=(self.steps_planned, self.steps_plain + self.steps_not_profiled))
+                         counts=(self.steps_planned, self.steps_plain + self.steps_not_profiled),
+                         largest=largest_planned(self.schedule if self.plan is not None else None))
         print(r.table, file=file)
         return r
 
@@ -915,9 +960,9 @@ class Run:
         elif st is None or st.mode != "offload":
             line = f"profiled step: saved activations offloaded to host memory ({asked}); no step profiled yet"
         else:
-            line = (f"profiled step: saved activations offloaded to host memory ({asked}): {st.offloaded} storages "
-                    f"({format_bytes(st.offloaded_bytes)}) copied out, {st.fetched} fetched back in backward, "
-                    f"{st.kept} kept on the device; measured saved-activation peak "
+            line = (f"profiled step: saved activations offloaded to host memory ({asked}): "
+                    f"{counted(st.offloaded, 'storage')} ({format_bytes(st.offloaded_bytes)}) copied out, "
+                    f"{st.fetched} fetched back in backward, {st.kept} kept on the device; measured saved-activation peak "
                     f"{format_bytes(st.activation_peak_bytes)}{' (plain PyTorch: ' + plain + ')' if plain else ''}")
             if st.host_limited:
                 line += f"; {st.host_limited} stayed on the device: host_memory_limit reached"
@@ -945,13 +990,16 @@ class Run:
             raise RuntimeError("run.save_timeline(): no step has been profiled yet; call it after a few run.step()")
         if str(path).lower().endswith(".json"):
             return self._save_timeline_json(path, torch_trace, offset_us)
+        from memsched._images import image_format
+        image_format(path, "run.save_timeline: path", other="or .json for a Chrome trace (Perfetto)")
         if torch_trace is not None or offset_us is not None:
             raise ValueError(f"torch_trace / offset_us: merging with a torch.profiler trace needs a '.json' path "
                              f"(a Chrome trace), got {str(path)!r}")
         if not self.timeline:
             raise RuntimeError("run.save_timeline(): this Run recorded no timeline; pass "
                                "memsched.optimize(..., timeline=True) to record memory samples and copies per "
-                               "step (off by default: it costs a sample per saved tensor)")
+                               "step (off by default: it costs a sample per saved tensor); a '.json' path "
+                               "writes the planned step as a Chrome trace without it")
         executed = [s for s in self.step_stats if s.mode == "planned"] or self.step_stats
         last = executed[-1] if executed else None
         planned, planned_copies = self._planned_timeline()
@@ -1023,13 +1071,6 @@ def _explain_profiled_oom(exc):
 _HOOK_REFUSALS = ("don't yet support saved tensor hooks", "saved tensors default hooks are disabled")
 
 
-def _planner_least(err, trace):
-    """The least budget, bytes, that the planner's refusal `err` names for `trace` (its "raise the budget
-    to at least N bytes"), else the least any plan reaches."""
-    found = re.findall(r"raise the budget to at least (\d+) bytes", str(err))
-    return int(found[0]) if found else _C.least_budget_bytes(trace)
-
-
 def _user_stacklevel():
     """warnings.warn's stacklevel for the caller's first frame outside memsched and torch: our hooks
     run inside torch's Module.__call__ or autograd, where a fixed level pointed into torch."""
@@ -1054,6 +1095,33 @@ def _explain_hook_refusal(exc):
                      "whole step, and torch.func transforms (or disable_saved_tensors_hooks) inside a forward "
                      "refuse any saved-tensor hooks. Apply the transform outside the module memsched wraps, or "
                      "train this model without memsched.optimize()")
+
+
+def _check_optimizer_owns_model(model, optimizer):
+    """Note [An optimizer over another model]
+      Rationale: optimize(model, optimizer) with an optimizer built over another module's parameters
+      (a copy made before the optimizer, the teacher of a distillation loop, a stale object from a
+      notebook cell) ran without a word: memsched profiled and planned `model` while every
+      optimizer.step() updated the other module, so `model` never trained.
+      Approach: refused here, before any work, when `model` has trainable parameters and none of them
+      is in the optimizer. Parameters outside `model` beside some of its own (a learned temperature
+      or loss weight used in the loss) are what plain PyTorch trains too, and are accepted: memsched
+      plans the model's activations and the optimizer steps them all. An optimizer over part of the
+      model (fine-tuning a head) is accepted as well.
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list):
+        return
+    stepped = {id(p) for g in groups if isinstance(g, dict) for p in g.get("params", ())}
+    own = [p for p in model.parameters() if p.requires_grad]
+    if not stepped or not own or any(id(p) in stepped for p in own):
+        return
+    raise ValueError(
+        f"optimizer: none of its {counted(len(stepped), 'parameter')} belongs to `model` "
+        f"({type(model).__name__}, {counted(len(own), 'trainable parameter')}), so "
+        f"optimizer.step() would never update the model memsched runs; build the optimizer from this model, "
+        f"e.g. torch.optim.AdamW(model.parameters(), ...) (extra parameters outside the model, such as a "
+        f"learned temperature, may be added beside them)")
 
 
 def compiled_module_reason(model):

@@ -122,10 +122,46 @@ def fraction_budget(trace, fraction):
     return best, best_op
 
 
-def least_fraction(trace):
-    """The least budget fraction (of the activation memory) that activation offload can reach on
-    `trace`, to two decimals rounded up; None when even 1.0 is below the least byte budget."""
-    least = _C.least_budget_bytes(trace)
+def planner_least_bytes(err, trace):
+    """The least budget, bytes, that a planner's refusal `err` names ("raise the budget to at least N
+    bytes": the planner's own least, e.g. vdnn's), else the least any plan reaches on `trace`."""
+    import re
+    found = re.findall(r"raise the budget to at least (\d+) bytes", str(err))
+    return int(found[0]) if found else _C.least_budget_bytes(trace)
+
+
+def least_working_budget(err, trace, try_plan):
+    """The least byte budget the planner accepts on `trace`, after it refused one with `err`:
+    try_plan(budget_bytes) plans (raising MemschedError when it cannot). Starts from the least that
+    `err` names -- below the least any plan reaches, a planner names that least, not its own (vdnn) --
+    and follows the next refusal's figure, then bisects up to the keep-all peak (0.1% precision), so
+    an error naming it never names a budget that is refused again."""
+    least = planner_least_bytes(err, trace)
+    for _ in range(4):
+        try:
+            try_plan(least)
+            return least
+        except _C.MemschedError as again:
+            named = planner_least_bytes(again, trace)
+            if named <= least:
+                break
+            least = named
+    lo, hi = least, max(least, trace.peak_bytes())  # the keep-all peak: nothing to offload
+    while hi - lo > max(1, hi // 1000):
+        mid = (lo + hi) // 2
+        try:
+            try_plan(mid)
+            hi = mid
+        except _C.MemschedError:
+            lo = mid
+    return hi
+
+
+def least_fraction(trace, least_bytes=None):
+    """The least budget fraction (of the activation memory) whose byte budget is at least `least_bytes`
+    (default: the least any plan reaches on `trace`), to two decimals rounded up; None when even 1.0 is
+    below it."""
+    least = _C.least_budget_bytes(trace) if least_bytes is None else least_bytes
     if fraction_budget(trace, 1.0)[0] < least:
         return None
     lo, hi = 0.0, 1.0  # fraction_budget grows with the fraction
@@ -135,15 +171,34 @@ def least_fraction(trace):
     return math.ceil(hi * 100) / 100
 
 
-def fraction_refusal(trace, fraction, err):
-    """A MemschedError for a fraction budget the planner refused, in the user's terms (fractions)."""
-    budget = fraction_budget(trace, fraction)[0]
-    least = least_fraction(trace)
-    fix = (f"use budget={least:g} or more" if least is not None else
-           "activation offload cannot lower this step's peak enough: the least byte budget is above the "
-           "peak with every activation kept; give a byte budget or lower the batch")
-    return _C.MemschedError(f"budget: {fraction:g} of the activation memory is {format_bytes(budget)} on this "
-                            f"step, below what any plan can reach ({err}); {fix}")
+def fraction_refusal(trace, fraction, err, planner="dp", try_plan=None):
+    """A MemschedError for a fraction budget the planner refused, in the user's terms: what the fraction
+    is of, what it came to on this step, and the least fraction that works (checked with try_plan when
+    given; See least_fraction)."""
+    from memsched.offload.report import planned_activation_curve
+    budget, op_id = fraction_budget(trace, fraction)
+    act = planned_activation_curve(trace, None)
+    act_peak = max(act, default=0)
+    least_bytes = least_working_budget(err, trace, try_plan) if try_plan else planner_least_bytes(err, trace)
+    least = least_fraction(trace, least_bytes)
+    what = (f"budget {fraction:g}: a fraction is the step's peak memory with its saved activations held to that "
+            f"share of their keep-all peak ({format_bytes(act_peak)})")
+    if 0 <= op_id < len(act):
+        saved = min(act[op_id], fraction * act_peak)
+        what += (f"; on this step that is {format_bytes(budget)} at op {op_id} ({format_bytes(saved)} of saved "
+                 f"activations plus {format_bytes(budget - saved)} of parameters, gradients and other tensors "
+                 f"live there)")
+    else:
+        what += f"; on this step that is {format_bytes(budget)}"
+    what += f", below what the {planner} planner can reach on this step"
+    if least is not None:
+        fix = (f"the least fraction that works is {least:g} ({format_bytes(fraction_budget(trace, least)[0])}): "
+               f"use budget={least:g} or more")
+    else:
+        fix = ("even budget=1.0 is below it: activation offload cannot lower this step's peak enough with this "
+               "planner; give a byte budget, another planner, or a smaller batch")
+    why = f" (planner: {err})" if "cannot meet budget" in str(err) else ""  # a planner's own limits, e.g. vdnn's
+    return _C.MemschedError(f"{what}; {fix}{why}")
 
 
 def resolve_budget(budget, trace):
@@ -184,7 +239,16 @@ def plan(trace, budget=None, planner="dp", device=None, durations="auto"):
         return _C.make_plan(trace, model, resolve_budget(spec, trace), planner)
     except _C.MemschedError as err:
         if isinstance(spec, float) and "least budget" in str(err):
-            raise fraction_refusal(trace, spec, err) from None
+            raise fraction_refusal(trace, spec, err, planner,
+                                   lambda b: _C.make_plan(trace, model, b, planner)) from None
+        if isinstance(spec, str) and "least budget" in str(err):  # "P%": answer in percent
+            least = least_working_budget(err, trace, lambda b: _C.make_plan(trace, model, b, planner))
+            peak = trace.peak_bytes()
+            pct = math.ceil(1000.0 * least / peak) / 10.0
+            raise _C.MemschedError(
+                f"budget {budget!r}: that share of the trace's keep_all peak ({format_bytes(peak)}) is "
+                f"{format_bytes(resolve_budget(spec, trace))}, below what the {planner} planner reaches "
+                f"({format_bytes(least)}); use budget='{pct:g}%' or more") from None
         raise
 
 
@@ -229,6 +293,9 @@ def compare(trace, budget, planners="all", device=None, durations="auto"):
             p = _C.make_plan(trace, model, budget_bytes, name)
         except _C.MemschedError as e:
             row["error"] = str(e)
+            if "least budget" in str(e):  # the least this planner accepts, checked (least_working_budget)
+                row["least_budget_bytes"] = least_working_budget(
+                    e, trace, lambda b, name=name: _C.make_plan(trace, model, b, name))
             rows.append(row)
             continue
         r = _C.simulate(trace, p, model)
@@ -256,6 +323,8 @@ def format_table(rows):
         if not r["ok"]:
             msg = r["error"] or ""
             short = msg.split(":")[0] if "needs at least" not in msg else msg[msg.index("needs at least"):].split(";")[0].split(" (")[0]
+            if r.get("least_budget_bytes") is not None:
+                short = f"needs at least {r['least_budget_bytes']} bytes"
             lines.append(f"{r['planner']:<22}  infeasible: {short}")
             continue
         lines.append(f"{r['planner']:<22}{r['step_time_us'] / 1e3:>11.3f}{r['stall_us'] / 1e3:>12.3f}"

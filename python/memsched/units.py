@@ -37,6 +37,8 @@ def parse_bytes(value, *, name="budget"):
     elif isinstance(value, str):
         m = _PATTERN.match(value)
         unit = m.group(2).lower() if m else None
+        if not m and _PATTERN.match(value.strip().removeprefix("-")):
+            raise ValueError(f"{name}: must not be negative, got {value!r}")
         if not m or unit not in _UNITS:
             raise ValueError(f"{name}: cannot read {value!r} as a size; {forms}")
         text = m.group(1)

@@ -118,7 +118,9 @@ def test_an_unreachable_fraction_is_refused_with_the_least_fraction_that_works()
     x = torch.randn(3, 5)
     model = make()
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(memsched.MemschedError, match=r"0.5 of the activation memory .* use budget=") as info:
+    with pytest.raises(memsched.MemschedError, match=r"budget 0.5: a fraction is the step.s peak memory with its "
+                                                     r"saved activations held to that share of their keep-all "
+                                                     r"peak .* use budget=") as info:
         with optimize(model, opt, budget=0.5, planner="dp") as run:
             model(x).sum().backward()
             run.step()
@@ -133,7 +135,7 @@ def test_an_unreachable_fraction_is_refused_with_the_least_fraction_that_works()
     assert run.plan is not None and run.step_stats
 
 
-@pytest.mark.parametrize("bad", ["-1", -1.0, "-0.5", 0.0])
+@pytest.mark.parametrize("bad", ["-1", -1.0, "-0.5", 0.0, "-5GiB", " -1.5 MiB"])
 def test_negative_or_zero_budgets_say_so(bad):
     with pytest.raises(ValueError, match=r"budget: must be positive|must not be negative"):
         planning.parse_budget(bad)

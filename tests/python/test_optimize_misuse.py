@@ -66,3 +66,41 @@ def test_out_of_order_backward_fuse_flag_must_be_a_boolean():
     model = _model()
     with pytest.raises(memsched.MemschedError, match="fuse_optimizer"):
         memsched.OutOfOrderBackward(model, torch.optim.SGD(model.parameters(), lr=0.1), fuse_optimizer="yes")
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused_before_any_work():
+    # was: accepted; memsched profiled and planned `model` while every step updated the other module
+    model, other = _model(), _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"optimizer: none of its 4 parameters belongs to `model`.*"
+                                         r"model\.parameters\(\)"):
+        optimize(model, torch.optim.SGD(other.parameters(), lr=0.1), budget=0.5)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("budget", [0.5, None])
+def test_a_learned_temperature_beside_the_models_parameters_trains_as_plain_pytorch(budget):
+    # parameters outside the model that the loss uses are what plain PyTorch trains too: accepted
+    def setup():
+        model = _model()
+        temperature = nn.Parameter(torch.tensor(1.5))
+        return model, temperature, torch.optim.SGD(list(model.parameters()) + [temperature], lr=0.1)
+
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model, temperature, opt = setup()
+    for x in xs:
+        (model(x) / temperature).logsumexp(-1).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    twin, twin_temperature, twin_opt = setup()
+    with optimize(twin, twin_opt, budget=budget) as run:
+        for x in xs:
+            (twin(x) / twin_temperature).logsumexp(-1).sum().backward()
+            run.step()
+    assert torch.equal(temperature, twin_temperature) and temperature.item() != 1.5
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_an_optimizer_over_part_of_the_model_is_accepted():
+    model = _model()
+    optimize(model, torch.optim.SGD(model[2].parameters(), lr=0.1))  # fine-tuning the head only

@@ -86,6 +86,33 @@ def test_a_loop_without_step_boundary_stops_profiling_and_says_how_to_end_a_step
     assert run.profile_ is None and run.trace is None
 
 
+def test_a_run_left_before_its_first_step_boundary_says_why_nothing_was_planned():
+    # was: silent; run.report() showed "no step planned yet" and nothing more
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match=r"ended while its first step was still being profiled \(5 forwards, "
+                                            r"no step boundary\).*run\.step\(\)"):
+        with memsched.optimize(model, budget=0.5) as run:  # no optimizer passed, and no run.step() below
+            for s in range(5):
+                model(_batch(s % 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    assert "no step boundary was reached (5 forwards profiled without one)" in run.report().table
+
+
+def test_a_run_with_step_boundaries_ends_without_that_warning():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with memsched.optimize(model, opt, budget=0.5) as run:
+            for s in range(3):
+                model(_batch(s % 4)).pow(2).mean().backward()
+                run.step()
+            model(_batch(0)).pow(2).mean().backward()  # a last, unfinished step after planning: no warning
+    assert not [w for w in caught if "step boundary" in str(w.message)] and "step boundary" not in run.report().table
+
+
 def test_a_percent_budget_below_any_plan_is_refused_in_percent():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: the percent is of the profiled peak

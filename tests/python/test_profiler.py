@@ -330,6 +330,14 @@ def test_bad_arguments():
         memsched.profile(lambda: None, model="mlp")
 
 
+def test_a_module_passed_as_step_fn_is_named():
+    # was: the module was called with no input, and its own error ("missing argument") said nothing of step_fn
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"step_fn is a module \(Linear\); pass a function that runs one training "
+                                        r"step.*model="):
+        memsched.profile(model, model=model)
+
+
 def test_free_detection_op_by_op():
     x = torch.randn(100)  # 400 bytes, exists before the step
 

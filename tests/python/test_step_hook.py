@@ -192,7 +192,7 @@ def test_lbfgs_closure_is_refused_and_one_run_per_optimizer():
     opt2 = torch.optim.SGD(model.parameters(), lr=0.1)
     with memsched.optimize(model, opt2):
         with pytest.raises(memsched.MemschedError, match="already routed through another"):
-            memsched.optimize(Net(), opt2).__enter__()
+            memsched.optimize(model, opt2).__enter__()  # (Net() here is now refused: another model)
     assert "step" not in opt2.__dict__
 
 

@@ -49,3 +49,33 @@ def test_save_timeline_paths(save, tmp_path):
     assert (tmp_path / "noext").read_bytes()[:4] == b"\x89PNG"
     call(tmp_path / "x.svg")
     assert b"<svg" in (tmp_path / "x.svg").read_bytes()[:400]
+
+
+def _run(timeline):
+    import torch
+    import torch.nn as nn
+    import memsched
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=0.5,
+                           timeline=timeline) as run:
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            run.step()
+    return run
+
+
+@pytest.mark.parametrize("timeline", [True, False])
+def test_run_save_timeline_with_an_unsupported_extension_names_png_and_json(timeline, tmp_path):
+    # was: '.txt' named only image formats (never .json), or -- without timeline=True -- only that
+    run = _run(timeline)
+    with pytest.raises(ValueError, match=r"x\.txt: '\.txt' is not supported; use \.png for an image or \.json "
+                                         r"for a Chrome trace"):
+        run.save_timeline(str(tmp_path / "x.txt"))
+    assert not (tmp_path / "x.txt").exists()
+
+
+def test_run_save_timeline_png_without_a_timeline_points_at_json(tmp_path):
+    run = _run(False)
+    with pytest.raises(RuntimeError, match=r"timeline=True.*'\.json' path writes the planned step"):
+        run.save_timeline(str(tmp_path / "x.png"))
+    assert run.save_timeline(str(tmp_path / "x.json")) == str(tmp_path / "x.json")

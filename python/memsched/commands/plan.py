@@ -60,7 +60,10 @@ def run(args):
     print(planning.format_table(rows))
     for r in rows:
         if not r["ok"]:
-            print(f"  {r['planner']}: {r['error']}")
+            least = r.get("least_budget_bytes")
+            print(f"  {r['planner']}: {r['error']}" +
+                  (f" -- {r['planner']} itself needs at least {least} bytes ({memsched.format_bytes(least)})"
+                   if least is not None and f"at least {least} bytes" not in r["error"] else ""))
     best = planning.best_row(rows)
     if best is None:
         print("no planner meets this budget", file=sys.stderr)

@@ -5,8 +5,10 @@ Note [Host memory limit]
   more than the machine can spare fails inside the driver, mid-step, or starves the rest of the
   machine.
   Approach: optimize(host_memory_limit=...) (default half of the RAM) bounds the host copies
-  alive at once. A plan whose offloaded bytes per step exceed it is refused at planning, before
-  any planned step, with a MemschedError naming the limit and how to raise it. At run time an
+  alive at once (the bytes the copies asked for, not the pool's rounded blocks). A plan whose
+  offloaded bytes per step exceed it is replaced by the fastest plan for the budget that fits, or
+  refused at planning, before any planned step, with a MemschedError naming a limit that works
+  (Note [Plans within host_memory_limit] in host_limit.py). At run time an
   offload that would cross the limit (a step saving more than its trace) keeps that tensor on
   the device and is counted (StepStats.host_limited), never a failed allocation.
   The pool caches its segments: pinned memory is allocated once and reused across steps.
@@ -82,5 +84,6 @@ class HostBuffers:
         return f"memsched HostTensorPool ({'pinned' if self.pinned else 'pageable'})"
 
     def live_bytes(self):
-        """Bytes of host buffers alive now (the pool's rounded blocks)."""
-        return self.pool.stats().get("allocated_bytes.all.current", 0)
+        """Bytes of host copies alive now (what they asked the pool for, as the copy engine counts
+        against the limit; the pool's blocks are rounded up)."""
+        return self.pool.stats().get("requested_bytes.all.current", 0)

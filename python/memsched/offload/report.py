@@ -50,6 +50,48 @@ def planned_activation_curve(trace, plan):
     return curve
 
 
+LARGEST_SHOWN = 5  # planned activations run.report() names, largest first
+
+
+def largest_planned(schedule, n=LARGEST_SHOWN):
+    """The `n` largest activations a schedule offloads or recomputes, largest first (ties: ordinal): dicts
+    with action ('offload' or 'recompute'), bytes, ordinal, module, shape, dtype and label (the trace's
+    "act:<ordinal>:<module>:<shape>:<dtype>", Note [Activation identity])."""
+    if schedule is None:
+        return []
+    acted = [(k, "offload") for k in schedule.offload] + [(k, "recompute") for k in schedule.recompute]
+    acted.sort(key=lambda ka: (-schedule.bytes[ka[0]], ka[0]))
+    out = []
+    for k, action in acted[:n]:
+        label = schedule.labels.get(k, "")
+        parts = label.split(":", 2)  # act, ordinal, "<module>:<shape>:<dtype>"
+        rest = parts[2].rsplit(":", 2) if len(parts) == 3 else []
+        module, shape, dtype = rest if len(rest) == 3 else ("", "", "")
+        out.append(dict(action=action, bytes=schedule.bytes[k], ordinal=k, module=module, shape=shape,
+                        dtype=dtype, label=label))
+    return out
+
+
+def format_largest(largest, offloaded, recomputed):
+    """run.report()'s lines for largest_planned(): one per activation, aligned; [] when there is none."""
+    if not largest:
+        return []
+    what = " and ".join(x for x in (f"{offloaded} offloaded" if offloaded else "",
+                                    f"{recomputed} recomputed" if recomputed else "") if x)
+    if len(largest) < offloaded + recomputed:
+        total = f"{offloaded + recomputed}: {what}" if offloaded and recomputed else what
+        lines = [f"largest planned activations ({len(largest)} of {total}):"]
+    else:
+        lines = [f"planned activations ({what}):"]
+    rows = [[a["action"], format_bytes(a["bytes"]), a["module"] or "(root)", f"{a['shape']} {a['dtype']}".strip(),
+             f"act {a['ordinal']}"] for a in largest]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  " + "  ".join(c.rjust(w) if i == 1 else c.ljust(w)
+                                      for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    return lines
+
+
 def format_table(header, rows):
     """Plain-text table: header is a list of column names, rows lists of strings."""
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
@@ -60,6 +102,8 @@ def format_table(header, rows):
 
 
 def _ms(seconds):
+    if seconds is not None and abs(seconds) < 5e-6:
+        seconds = 0.0  # the simulator's float sums may end a hair below zero: never print "-0.00 ms"
     return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
 
 
@@ -83,6 +127,7 @@ class RunReport:
     host_source: str = ""
     profile: str = ""                  # how the profiled step held saved activations: "offload" or "keep"
     notes: list = field(default_factory=list)
+    largest: list = field(default_factory=list)   # largest_planned(): the biggest offloaded/recomputed activations
     table: str = ""
 
     def __str__(self):
@@ -93,12 +138,13 @@ class RunReport:
                 f"measured_peak={self.measured.get('peak_bytes')})")
 
 
-def build_report(run_info, planned, step_stats, notes=(), counts=None):
+def build_report(run_info, planned, step_stats, notes=(), counts=None, largest=()):
     """RunReport from the run's settings, the planned figures and the StepStats of executed steps
     (the medians come from those; counts: (planned, plain) over the whole run when step_stats is a
-    bounded window of it)."""
+    bounded window of it; largest: largest_planned() of the schedule)."""
     r = RunReport(**run_info)
     r.notes = list(notes)
+    r.largest = list(largest)
     executed = [s for s in step_stats if s.mode == "planned"]
     r.steps_planned = len(executed)
     r.steps_plain = len(step_stats) - len(executed)
@@ -149,6 +195,7 @@ def build_report(run_info, planned, step_stats, notes=(), counts=None):
     lines = [head, format_table(["", "planned (simulated)", "measured (median)"], rows)]
     if r.memory_source:
         lines.append(f"measured memory: {r.memory_source}; host buffers: {r.host_source}")
+    lines.extend(format_largest(r.largest, p.get("offloaded", 0), p.get("recomputed", 0)))
     gap = _peak_gap_note(p, m, cuda)
     if gap:
         lines.append(gap)

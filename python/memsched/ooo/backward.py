@@ -164,11 +164,14 @@ Note [Gradients the fused update did not see]
   gradient is reduced and stepped as DDP does), and without DDP every parameter still holding a
   .grad (the fused update frees the gradients it steps) is stepped in one grouped call; under DDP
   memsched's bucket reducer steps them with their bucket. step() after no backward pass returns
-  True, so the caller (run.step()) runs optimizer.step().
+  True, so the caller (run.step()) runs optimizer.step(). The optimizer's parameters outside the
+  model (a learned temperature used in the loss) that hold a .grad are stepped in the same place:
+  run.step() skips optimizer.step() after a fused update, so they were never stepped.
   Limitations: zero_grad of an optimizer or module subclass that does not call torch's is not seen
   (the next backward is refused). Under DDP with several processes a parameter that this rank did
   not reach and whose .grad is None is not given the other ranks' reduced gradient (plain DDP with
-  find_unused_parameters=True creates its .grad).
+  find_unused_parameters=True creates its .grad). Under memsched's DDP bucket reducer the
+  optimizer's parameters outside the model are not stepped.
 
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
@@ -801,6 +804,13 @@ class OutOfOrderBackward:
             self._fused_steps += len(left)
             self._iter_stepped += len(left)
             self._mark_freed(left)
+        # the optimizer's parameters outside the model (a learned temperature used in the loss): plain
+        # optimizer.step() steps them too, and run.step() skips it after a fused update
+        outside = [p for g in self._stepper.optimizer.param_groups for p in g["params"]
+                   if id(p) not in self._index and p.grad is not None]
+        if outside:
+            self._stepper.step_params(outside)  # frees their gradients, as run.step()'s zero_grad would
+            self._fused_steps += len(outside)
 
     def _on_zero_grad(self, set_to_none: bool, params) -> None:
         """The caller's optimizer.zero_grad(set_to_none) (params None) or module.zero_grad(set_to_none)

@@ -51,6 +51,10 @@ def profile(step_fn: Callable[[], Any], model: Optional[torch.nn.Module] = None,
     """
     if not callable(step_fn):
         raise TypeError(f"memsched.profile: step_fn must be callable, got {type(step_fn).__name__}")
+    if isinstance(step_fn, torch.nn.Module):  # called with no input, the model's own error would say little
+        raise TypeError(f"memsched.profile: step_fn is a module ({type(step_fn).__name__}); pass a function that "
+                        f"runs one training step on a batch, e.g. lambda: loss_fn(model(batch)).backward(), and the "
+                        f"module as model=")
     session = ProfilerSession(model, optimizer, device).start()
     try:
         step_fn()

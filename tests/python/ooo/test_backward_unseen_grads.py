@@ -108,3 +108,35 @@ def test_autograd_grad_set_by_hand_is_stepped(flags, loop):
         for s in range(3):
             one_step(b, ob, s, run if loop == "run_step" else None)
     _assert_plain(a, oa, b, ob)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_optimizer_parameters_outside_the_model_are_stepped_by_the_fused_update(accumulation):
+    # was: a learned temperature in the optimizer but not in the model was never updated (run.step() skips
+    # optimizer.step() after a fused update, and the fused update stepped only the model's parameters)
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        temperature = nn.Parameter(torch.tensor(1.5))
+        return model, temperature, torch.optim.AdamW(list(model.parameters()) + [temperature], lr=0.1)
+
+    def loss(model, temperature, s):
+        x, y = _batch(s)
+        return F.cross_entropy(model(x) / temperature, y) / accumulation
+
+    model, temperature, opt = setup()
+    for step in range(3):
+        for micro in range(accumulation):
+            loss(model, temperature, step * accumulation + micro).backward()
+        opt.step()
+        opt.zero_grad()
+    twin, twin_temperature, twin_opt = setup()
+    with memsched.optimize(twin, twin_opt, fuse_optimizer=True, grad_accumulation_steps=accumulation) as run:
+        for step in range(3):
+            for micro in range(accumulation):
+                loss(twin, twin_temperature, step * accumulation + micro).backward()
+                run.step()
+    assert torch.equal(temperature, twin_temperature) and twin_temperature.item() != 1.5
+    assert twin_temperature.grad is None
+    _assert_plain(model, opt, twin, twin_opt)
+    assert opt.state[temperature]["step"] == twin_opt.state[twin_temperature]["step"]

@@ -1,0 +1,93 @@
+"""A refused budget names one that works, in the form it was given (optimize.py, planning.py
+least_working_budget / fraction_refusal): a retry with the figure the error names trains, for every
+planner -- never a second refusal naming another figure (the first error named the least budget any
+plan reaches, which vdnn, offloading only the inputs of linear/conv/matmul ops, cannot reach)."""
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memsched
+from memsched import planning
+from memsched.optimize import optimize
+
+
+def _model():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    return nn.Sequential(nn.Linear(8, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                         nn.Linear(32, 4))
+
+
+def _train(budget, planner, steps=2):
+    model = _model()
+    x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=budget, planner=planner) as run:
+            for _ in range(steps):
+                model(x).sum().backward()
+                run.step()
+    return run
+
+
+@pytest.mark.parametrize("planner", ["dp", "vdnn"])
+@pytest.mark.parametrize("budget,named", [(0.001, r"use budget=([0-9.]+) or more"),
+                                          ("1%", r"use budget='([0-9.]+%)' or more"),
+                                          (1000, r"raise the budget to at least (\d+) bytes")])
+def test_the_budget_a_refusal_names_trains(budget, named, planner):
+    with pytest.raises(memsched.MemschedError) as info:
+        _train(budget, planner, steps=1)
+    found = re.search(named, str(info.value))
+    assert found, str(info.value)
+    retry = found.group(1)
+    retry = float(retry) if "." in retry and not retry.endswith("%") else (int(retry) if retry.isdigit() else retry)
+    run = _train(retry, planner)
+    assert run.plan is not None and [s.mode for s in run.step_stats] == ["planned"]
+
+
+def test_a_fraction_refusal_says_what_the_fraction_is_of():
+    with pytest.raises(memsched.MemschedError) as info:
+        _train(0.001, "vdnn", steps=1)
+    text = str(info.value)
+    # was: "0.001 of the activation memory is 1.80 MiB", a figure that holds parameters and gradients too
+    assert re.search(r"budget 0.001: a fraction is the step's peak memory with its saved activations held to that "
+                     r"share of their keep-all peak \([\d.]+ \w+\); on this step that is [\d.]+ \w+ at op \d+ "
+                     r"\([\d.]+ \w+ of saved activations plus [\d.]+ \w+ of parameters, gradients and other tensors "
+                     r"live there\), below what the vdnn planner can reach", text), text
+    assert "of the activation memory is" not in text
+
+
+def test_memsched_plan_names_a_fraction_the_planner_accepts():
+    run = _train(None, "dp", steps=1)
+    with pytest.raises(memsched.MemschedError, match=r"use budget=([0-9.]+)") as info:
+        planning.plan(run.trace, budget=0.001, planner="vdnn", device="cpu")
+    least = float(re.search(r"use budget=([0-9.]+)", str(info.value)).group(1))
+    assert planning.plan(run.trace, budget=least, planner="vdnn", device="cpu") is not None
+    with pytest.raises(memsched.MemschedError):
+        planning.plan(run.trace, budget=round(least - 0.01, 2), planner="vdnn", device="cpu")
+
+
+def test_compare_and_the_plan_command_name_each_planners_own_least_budget():
+    # was: below the least any plan reaches, vdnn's row said "raise the budget to at least <that least>",
+    # which vdnn refuses too
+    trace = _train(None, "dp", steps=1).trace
+    rows = {r["planner"]: r for r in planning.compare(trace, 1000, ["dp", "vdnn"], device="cpu")}
+    least = {name: r["least_budget_bytes"] for name, r in rows.items()}
+    assert least["vdnn"] > least["dp"] == memsched._C.least_budget_bytes(trace)
+    for name in ("dp", "vdnn"):
+        assert planning.plan(trace, least[name], name, device="cpu") is not None
+    assert f"needs at least {least['vdnn']} bytes" in planning.format_table(list(rows.values()))
+
+
+@pytest.mark.parametrize("planner", ["dp", "vdnn"])
+def test_memsched_plan_answers_a_percentage_in_percent(planner):
+    # was: "budget 1571516 bytes is below the least budget ...; raise the budget to at least N bytes"
+    trace = _train(None, "dp", steps=1).trace
+    with pytest.raises(memsched.MemschedError, match=r"budget '1%': that share of the trace's keep_all peak .* "
+                                                     r"use budget='([\d.]+)%' or more") as info:
+        planning.plan(trace, budget="1%", planner=planner, device="cpu")
+    pct = re.search(r"use budget='([\d.]+%)'", str(info.value)).group(1)
+    assert planning.plan(trace, budget=pct, planner=planner, device="cpu") is not None
