@@ -986,15 +986,17 @@ class Run:
         stalls and memory, plus the measured step with timeline=True; torch_trace= merges it into
         torch.profiler's exported trace (Note [Timeline as a Chrome trace] in
         offload/chrome_trace.py). Any other path gets an image (PNG by default; needs timeline=True)."""
+        is_json = str(path).lower().endswith(".json")
+        if not is_json:  # the path's form first: a wrong one is wrong at any time
+            from memsched._images import image_format
+            image_format(path, "run.save_timeline: path", other="or .json for a Chrome trace (Perfetto)")
+            if torch_trace is not None or offset_us is not None:
+                raise ValueError(f"torch_trace / offset_us: merging with a torch.profiler trace needs a '.json' "
+                                 f"path (a Chrome trace), got {str(path)!r}")
         if self.trace is None:
             raise RuntimeError("run.save_timeline(): no step has been profiled yet; call it after a few run.step()")
-        if str(path).lower().endswith(".json"):
+        if is_json:
             return self._save_timeline_json(path, torch_trace, offset_us)
-        from memsched._images import image_format
-        image_format(path, "run.save_timeline: path", other="or .json for a Chrome trace (Perfetto)")
-        if torch_trace is not None or offset_us is not None:
-            raise ValueError(f"torch_trace / offset_us: merging with a torch.profiler trace needs a '.json' path "
-                             f"(a Chrome trace), got {str(path)!r}")
         if not self.timeline:
             raise RuntimeError("run.save_timeline(): this Run recorded no timeline; pass "
                                "memsched.optimize(..., timeline=True) to record memory samples and copies per "

@@ -79,3 +79,16 @@ def test_run_save_timeline_png_without_a_timeline_points_at_json(tmp_path):
     with pytest.raises(RuntimeError, match=r"timeline=True.*'\.json' path writes the planned step"):
         run.save_timeline(str(tmp_path / "x.png"))
     assert run.save_timeline(str(tmp_path / "x.json")) == str(tmp_path / "x.json")
+
+
+def test_run_save_timeline_names_a_wrong_extension_before_any_step(tmp_path):
+    """The path's form is checked first: before any step, '.txt' is refused for its extension (a
+    retry after the steps would fail on it again), not for the missing profile."""
+    import torch
+    import memsched
+    model = torch.nn.Linear(8, 8)
+    with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=None) as run:
+        with pytest.raises(ValueError, match=r"'\.txt' is not supported; use \.png for an image or \.json"):
+            run.save_timeline(str(tmp_path / "x.txt"))
+        with pytest.raises(RuntimeError, match="no step has been profiled yet"):
+            run.save_timeline(str(tmp_path / "x.json"))
