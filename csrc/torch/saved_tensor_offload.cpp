@@ -145,13 +145,11 @@ void SavedTensorPath::set_prefetches(const py::dict& prefetch_at) {
 
 void SavedTensorPath::set_recompute(const py::iterable& ordinals) {
   recompute_.clear();
-  recompute_planned_ = false;
   for (auto item : ordinals) {
     const int64_t k = item.cast<int64_t>();
     MEMSCHED_CHECK(k >= 0 && k < (int64_t{1} << 40), "SavedTensorPath.set_recompute: ordinal ", k, " out of range");
     if (static_cast<int64_t>(recompute_.size()) <= k) recompute_.resize(static_cast<size_t>(k) + 1, 0);
     recompute_[static_cast<size_t>(k)] = 1;
-    recompute_planned_ = true;
   }
 }
 
@@ -211,15 +209,19 @@ std::shared_ptr<OffloadHandle> SavedTensorPath::offload(int64_t k, const at::Ten
   return h;
 }
 
-std::shared_ptr<OffloadHandle> SavedTensorPath::copy_for(const std::shared_ptr<OffloadHandle>& h, const at::Tensor& t) {
+std::shared_ptr<OffloadHandle> SavedTensorPath::copy_for(PyObject* obj, const std::shared_ptr<OffloadHandle>& first,
+                                                         const at::Tensor& t) {
   // See Note [What is never offloaded]: a copy serves saves through the version counter it was
-  // taken from; a save through another counter gets a copy of its own, taken now.
+  // taken from; a save through another counter gets a copy of its own, taken now (null: kept).
   const uintptr_t counter = version_counter_key(t);
   if (counter == 0) return nullptr;
-  if (counter == h->counter_key) return h;
-  auto hit = h->others.find(counter);
-  if (hit != h->others.end()) return hit->second;
-  return nullptr;  // the caller makes one (it needs the Python object to test offloadable)
+  if (counter == first->counter_key) return first;
+  auto hit = first->others.find(counter);
+  if (hit != first->others.end()) return hit->second;
+  if (!offloadable(obj, t, first->nbytes)) return nullptr;
+  std::shared_ptr<OffloadHandle> other = copy(first->ordinal, t, first->nbytes);
+  first->others.emplace(counter, other);
+  return other;
 }
 
 PyObject* SavedTensorPath::pack_offloaded(PyObject* obj, const at::Tensor& t, int64_t k, bool may_offload,
@@ -235,12 +237,7 @@ PyObject* SavedTensorPath::pack_offloaded(PyObject* obj, const at::Tensor& t, in
       const auto whole = static_cast<int64_t>(t.storage().nbytes());
       if (offloadable(obj, t, whole)) h = offload(k, t, whole);
     } else if (h != nullptr) {
-      std::shared_ptr<OffloadHandle> first = h;
-      h = copy_for(first, t);
-      if (h == nullptr && version_counter_key(t) != 0 && offloadable(obj, t, first->nbytes)) {
-        h = copy(first->ordinal, t, first->nbytes);
-        first->others.emplace(version_counter_key(t), h);
-      }
+      h = copy_for(obj, h, t);
     }
   }
   if (h != nullptr && t._version() == h->version) {

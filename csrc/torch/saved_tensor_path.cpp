@@ -502,7 +502,6 @@ void SavedTensorPath::clear_schedule() {
   triggers_.clear();
   trigger_nodes_.clear();
   recompute_.clear();
-  recompute_planned_ = false;
   prefetch_at_.clear();
 }
 

@@ -187,7 +187,8 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   bool offloadable(PyObject* obj, const at::Tensor& t, int64_t nbytes);
   std::shared_ptr<OffloadHandle> offload(int64_t k, const at::Tensor& t, int64_t nbytes);
   std::shared_ptr<OffloadHandle> copy(int64_t k, const at::Tensor& t, int64_t nbytes);
-  std::shared_ptr<OffloadHandle> copy_for(const std::shared_ptr<OffloadHandle>& h, const at::Tensor& t);
+  std::shared_ptr<OffloadHandle> copy_for(PyObject* obj, const std::shared_ptr<OffloadHandle>& first,
+                                          const at::Tensor& t);
   void fire(int64_t op, int64_t fired_upto);
   void materialize(OffloadHandle& h);
   void reset_offloads();
@@ -204,7 +205,6 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   };
   std::unordered_map<uintptr_t, Fetched> fetched_;                      // fetched copy's storage key -> ordinal
   std::weak_ptr<StepGraph> graph_;                                      // this step's (See StepGraph)
-  bool recompute_planned_ = false;                                      // the schedule recomputes something
 
   void drop_tracked();
   void disarm();                           // remove the next-op callback (never from inside it)

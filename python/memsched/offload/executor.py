@@ -336,12 +336,8 @@ class OffloadExecutor:
     # -- step bookkeeping -------------------------------------------------------------------------
     def _reset_step(self):
         self.stats = StepStats()
-        # The offloaded saves' tables live in self.path (Note [Offloaded saves in C++]); the
-        # recomputed saves' here, emptied rather than made anew when they exist.
-        if getattr(self, "recipes_", None) is None:
-            self.recipes_ = weakref.WeakValueDictionary()    # recomputed ordinal -> its Recipe
-        elif self.recipes_:
-            self.recipes_.clear()
+        # The offloaded saves' tables live in self.path (Note [Offloaded saves in C++]).
+        self.recipes_ = weakref.WeakValueDictionary()  # recomputed ordinal -> its Recipe
         self.t0_ = time.perf_counter()
         self._stop_recording()
         self.oplogs_ = []           # this step's ForwardOpLogs (Note [Unpack-time recompute]), one per forward
