@@ -169,6 +169,28 @@ void CopyEngine::begin_step() {
   }
 }
 
+void CopyEngine::wait_for_compute(const c10::Stream& stream) {
+  const c10::Stream compute = compute_stream();  // the current stream: call before a guard sets `stream`
+  if (stream == compute) return;
+  PooledEvent mark = events_->get(/*timing=*/false);
+  mark->record(compute);
+  mark->block(stream);
+}
+
+void CopyEngine::copy_on(const c10::Stream& stream, CopyTicket& t, const at::Tensor& src) {
+  PooledEvent start;
+  if (timeline_) {
+    start = events_->get(/*timing=*/true);
+    start->record(stream);
+  }
+  t.dst.copy_(src, /*non_blocking=*/true);
+  // Timing needs a timing event at both ends; a sync event is enough otherwise.
+  t.done = events_->get(/*timing=*/timeline_);
+  t.done->record(stream);
+  (t.d2h ? log_->d2h_bytes : log_->h2d_bytes) += t.nbytes;
+  if (timeline_) log_->copies.push_back({t.d2h, t.nbytes, 0.0, 0.0, start, t.done});
+}
+
 std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vector<at::Tensor>& sources,
                                                                    bool hold) {
   MEMSCHED_CHECK(hold || on_compute_stream || !accel_,
@@ -189,30 +211,14 @@ std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vec
     }
     return tickets;
   }
-  const c10::Stream compute = compute_stream();
-  const c10::Stream stream = on_compute_stream ? compute : *d2h_stream_;
-  PooledEvent produced;
-  if (stream != compute) {
-    produced = events_->get(/*timing=*/false);
-    produced->record(compute);  // one event for every save issued together
-  }
+  const c10::Stream stream = on_compute_stream ? compute_stream() : *d2h_stream_;
+  wait_for_compute(stream);  // one event for every save issued together
   c10::StreamGuard guard(stream);
-  if (produced != nullptr) produced->block(stream);
   for (const at::Tensor& src : sources) {
     auto t = std::make_shared<CopyTicket>();
     t->nbytes = src.numel();
     t->dst = host_->empty_bytes(t->nbytes);
-    PooledEvent start;
-    if (timeline_) {
-      start = events_->get(/*timing=*/true);
-      start->record(stream);
-    }
-    t->dst.copy_(src, /*non_blocking=*/true);
-    // Timing needs a timing event at both ends; a sync event is enough otherwise.
-    t->done = events_->get(/*timing=*/timeline_);
-    t->done->record(stream);
-    log_->d2h_bytes += t->nbytes;
-    if (timeline_) log_->copies.push_back({true, t->nbytes, 0.0, 0.0, start, t->done});
+    copy_on(stream, *t, src);
     // WARNING: src is read on the D2H stream: keep it until `done` (Note [Offload copy ordering]).
     d2h_pending_.push_back({t, hold ? src : at::Tensor(), t->dst});
     tickets.push_back(std::move(t));
@@ -239,26 +245,11 @@ std::shared_ptr<CopyTicket> CopyEngine::fetch_into(const at::Tensor& dst, const 
     if (timeline_) log_->copies.push_back({false, t->nbytes, issued, now_s(), nullptr, nullptr});
     return t;
   }
-  const c10::Stream compute = compute_stream();
-  const c10::Stream stream = on_compute_stream ? compute : *h2d_stream_;
-  PooledEvent allocated;
-  if (stream != compute) {
-    allocated = events_->get(/*timing=*/false);
-    allocated->record(compute);
-  }
+  const c10::Stream stream = on_compute_stream ? compute_stream() : *h2d_stream_;
+  wait_for_compute(stream);  // dst was allocated on the compute stream
   c10::StreamGuard guard(stream);
-  if (allocated != nullptr) allocated->block(stream);
   if (after != nullptr && after->done != nullptr) after->done->block(stream);
-  PooledEvent start;
-  if (timeline_) {
-    start = events_->get(/*timing=*/true);
-    start->record(stream);
-  }
-  t->dst.copy_(host, /*non_blocking=*/true);
-  t->done = events_->get(/*timing=*/timeline_);
-  t->done->record(stream);
-  log_->h2d_bytes += t->nbytes;
-  if (timeline_) log_->copies.push_back({false, t->nbytes, 0.0, 0.0, start, t->done});
+  copy_on(stream, *t, host);
   // WARNING: host is read on the H2D stream: keep it until `done`.
   h2d_pending_.push_back({t, host, t->dst});
   return t;

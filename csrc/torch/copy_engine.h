@@ -154,6 +154,12 @@ class CopyEngine {
   };
   c10::Stream compute_stream() const;
   double now_s() const;
+  // `stream` (a side stream) waits for what the compute (current) stream has queued so far; no-op
+  // on it. Call it before a StreamGuard makes `stream` current.
+  void wait_for_compute(const c10::Stream& stream);
+  // t.dst <- src on `stream` (the current stream), with t.done recorded after it and the step's log
+  // updated (a timed start event too with timeline).
+  void copy_on(const c10::Stream& stream, CopyTicket& t, const at::Tensor& src);
 
   at::Device device_;
   bool accel_;
