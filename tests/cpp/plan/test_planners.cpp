@@ -11,6 +11,7 @@
 #include "core/prefetch_placement.h"
 #include "core/simulator.h"
 #include "core/synthetic_trace.h"
+#include "trace_fixtures.h"
 
 namespace memsched {
 namespace {
@@ -147,23 +148,9 @@ TEST(Planners, AnActivationHeldPastTheStepIsNeverOffloaded) {
   // The caller's batch (exists before the step, outlives it) and a saved forward output that
   // outlives the step: offloading either frees nothing, so neither is a candidate.
   Trace t;
-  for (int64_t i = 0; i < 4; ++i) {
-    Op op;
-    op.id = i;
-    op.name = "op";
-    op.phase = i < 2 ? Phase::kForward : Phase::kBackward;
-    t.ops.push_back(op);
-  }
+  test_traces::add_ops(t, std::vector<std::string>(4, "op"), 2);
   auto add = [&](int64_t producer, std::vector<int64_t> uses, int64_t freed) {
-    TensorRecord r;
-    r.id = static_cast<int64_t>(t.tensors.size());
-    r.bytes = 1024;
-    r.dtype = "float32";
-    r.kind = TensorKind::kActivation;
-    r.producer_op = producer;
-    r.uses = std::move(uses);
-    r.freed_after_op = freed;
-    t.tensors.push_back(r);
+    test_traces::add_tensor(t, 1024, TensorKind::kActivation, producer, std::move(uses), freed);
   };
   add(kBeforeStep, {0, 3}, kAfterStep);  // the batch
   add(0, {1, 2}, kAfterStep);            // an output the caller keeps
@@ -180,24 +167,9 @@ TEST(Planners, AnActivationHeldByTheCallerLeavesOnlyWhenReleased) {
   // offload releases it after op 3, and the least budget counts it there; tensor 1 is held into the
   // backward pass, so it is no candidate.
   Trace t;
-  for (int64_t i = 0; i < 8; ++i) {
-    Op op;
-    op.id = i;
-    op.name = "op";
-    op.phase = i < 5 ? Phase::kForward : Phase::kBackward;
-    t.ops.push_back(op);
-  }
+  test_traces::add_ops(t, std::vector<std::string>(8, "op"), 5);
   auto add = [&](int64_t producer, std::vector<int64_t> uses, int64_t freed, int64_t held) {
-    TensorRecord r;
-    r.id = static_cast<int64_t>(t.tensors.size());
-    r.bytes = 1024;
-    r.dtype = "float32";
-    r.kind = TensorKind::kActivation;
-    r.producer_op = producer;
-    r.uses = std::move(uses);
-    r.freed_after_op = freed;
-    r.held_until_op = held;
-    t.tensors.push_back(r);
+    test_traces::add_tensor(t, 1024, TensorKind::kActivation, producer, std::move(uses), freed, held);
   };
   add(0, {1, 7}, 7, 3);
   add(2, {3, 6}, 6, 5);

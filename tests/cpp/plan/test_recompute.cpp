@@ -21,17 +21,8 @@ namespace {
 // Tensors: 0 w (parameter), 1 x (model input, saved), 2 a, 3 b, 4 c, 5 loss.
 Trace small_trace() {
   Trace t;
-  const char* names[] = {"aten::linear", "aten::relu", "aten::native_dropout", "aten::mse_loss",
-                         "dropout_backward", "relu_backward", "linear_backward"};
-  for (int i = 0; i < 7; ++i) {
-    Op op;
-    op.id = i;
-    op.name = names[i];
-    op.phase = i <= 3 ? Phase::kForward : Phase::kBackward;
-    op.duration_us = 10.0;
-    op.rng = is_rng_op_name(op.name);
-    t.ops.push_back(op);
-  }
+  test_traces::add_ops(t, {"aten::linear", "aten::relu", "aten::native_dropout", "aten::mse_loss",
+                           "dropout_backward", "relu_backward", "linear_backward"}, 4, 10.0);
   auto add = [&](int64_t bytes, TensorKind kind, int64_t producer, std::vector<int64_t> uses, int64_t freed) {
     test_traces::add_tensor(t, bytes, kind, producer, std::move(uses), freed);
   };
@@ -53,16 +44,8 @@ std::vector<TensorDecision> keep_all(const OffloadAnalysis& a) { return keep_all
 // live tensor the replay would corrupt. See Note [Recompute model]: the chain is refused.
 TEST(Recompute, AnInPlaceOpReadingALiveTensorIsNotReplayed) {
   Trace t;
-  const char* names[] = {"aten::addmm", "aten::addmm", "aten::add_", "aten::addmm", "aten::add_", "mm_backward",
-                         "mm_backward"};
-  for (int i = 0; i < 7; ++i) {
-    Op op;
-    op.id = i;
-    op.name = names[i];
-    op.phase = i <= 4 ? Phase::kForward : Phase::kBackward;
-    op.duration_us = 10.0;
-    t.ops.push_back(op);
-  }
+  test_traces::add_ops(t, {"aten::addmm", "aten::addmm", "aten::add_", "aten::addmm", "aten::add_", "mm_backward",
+                           "mm_backward"}, 5, 10.0);
   test_traces::add_tensor(t, 960, TensorKind::kTemporary, 0, {2, 4}, 4);       // X
   test_traces::add_tensor(t, 240, TensorKind::kActivation, 1, {2, 6}, 6);      // G1
   test_traces::add_tensor(t, 240, TensorKind::kActivation, 3, {4, 5}, 5);      // G2
@@ -114,16 +97,8 @@ TEST(Recompute, InPlaceWritersAreReplayedWithTheProducer) {
   // Dropout as ATen records it: the mask is allocated by empty_like, filled by
   // bernoulli_ (RNG) and scaled by div_, then saved by mul for backward.
   Trace t;
-  const char* names[] = {"aten::empty_like", "aten::bernoulli_", "aten::div_", "aten::mul", "aten::mul_backward"};
-  for (int i = 0; i < 5; ++i) {
-    Op op;
-    op.id = i;
-    op.name = names[i];
-    op.phase = i < 4 ? Phase::kForward : Phase::kBackward;
-    op.duration_us = 1.0;
-    op.rng = is_rng_op_name(op.name);
-    t.ops.push_back(op);
-  }
+  test_traces::add_ops(t, {"aten::empty_like", "aten::bernoulli_", "aten::div_", "aten::mul", "aten::mul_backward"}, 4,
+                       1.0);
   auto add = [&](TensorKind kind, int64_t producer, std::vector<int64_t> uses, int64_t freed) {
     test_traces::add_tensor(t, 64, kind, producer, std::move(uses), freed);
   };
