@@ -183,7 +183,6 @@ Note [Recompute decisions run]
   counts it with the reason; the budget may then be exceeded by its bytes.
 """
 import collections
-import math
 import re
 import sys
 import threading
@@ -200,7 +199,7 @@ from memsched.offload.host_limit import plan_within_host_limit
 from memsched.offload.report import build_report, largest_planned, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
 from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
-                               planner_least_bytes, planner_names, resolve_budget)
+                               percent_refusal, planner_least_bytes, planner_names, resolve_budget)
 from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure, torch_optimizer
 from memsched.units import format_bytes, parse_bytes
 from memsched.wording import counted
@@ -652,13 +651,9 @@ class Run:
                 # the least budget this planner accepts, checked: never one that is refused again
                 working = least_working_budget(err, trace, lambda b: make_plan(trace, b, planner, self.device_model))
                 if isinstance(spec, str):  # "P%": answer in percent
-                    least, peak = working + extra, trace.peak_bytes() + extra
-                    pct = math.ceil(1000.0 * least / peak) / 10.0
-                    raise _C.MemschedError(
-                        f"budget {spec!r}: that share of this step's peak ({format_bytes(peak)}"
-                        f"{', its optimizer state included' if extra else ''}) is {format_bytes(budget_bytes + extra)}, "
-                        f"below what the {planner} planner reaches ({format_bytes(least)}); use budget='{pct:g}%' or "
-                        f"more") from None
+                    raise percent_refusal(spec, planner, working + extra, trace.peak_bytes() + extra,
+                                          budget_bytes + extra, "this step's peak",
+                                          ", its optimizer state included" if extra else "") from None
                 if not extra and working != planner_least_bytes(err, trace):
                     raise _C.MemschedError(
                         f"budget {spec!r}: the {planner} planner cannot reach {budget_bytes} bytes on this step; the "

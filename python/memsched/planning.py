@@ -157,6 +157,16 @@ def least_working_budget(err, trace, try_plan):
     return hi
 
 
+def percent_refusal(spec, planner, least, peak, budget, peak_what, peak_note=""):
+    """The MemschedError for a refused "P%" budget `spec`: the share of `peak_what` (`peak` bytes;
+    peak_note follows them) is `budget` bytes, below the `least` bytes `planner` accepts; it names the
+    least percent that works, rounded up."""
+    pct = math.ceil(1000.0 * least / peak) / 10.0
+    return _C.MemschedError(
+        f"budget {spec!r}: that share of {peak_what} ({format_bytes(peak)}{peak_note}) is {format_bytes(budget)}, "
+        f"below what the {planner} planner reaches ({format_bytes(least)}); use budget='{pct:g}%' or more")
+
+
 def least_fraction(trace, least_bytes=None):
     """The least budget fraction (of the activation memory) whose byte budget is at least `least_bytes`
     (default: the least any plan reaches on `trace`), to two decimals rounded up; None when even 1.0 is
@@ -243,12 +253,8 @@ def plan(trace, budget=None, planner="dp", device=None, durations="auto"):
                                    lambda b: _C.make_plan(trace, model, b, planner)) from None
         if isinstance(spec, str) and "least budget" in str(err):  # "P%": answer in percent
             least = least_working_budget(err, trace, lambda b: _C.make_plan(trace, model, b, planner))
-            peak = trace.peak_bytes()
-            pct = math.ceil(1000.0 * least / peak) / 10.0
-            raise _C.MemschedError(
-                f"budget {budget!r}: that share of the trace's keep_all peak ({format_bytes(peak)}) is "
-                f"{format_bytes(resolve_budget(spec, trace))}, below what the {planner} planner reaches "
-                f"({format_bytes(least)}); use budget='{pct:g}%' or more") from None
+            raise percent_refusal(budget, planner, least, trace.peak_bytes(), resolve_budget(spec, trace),
+                                  "the trace's keep_all peak") from None
         raise
 
 

@@ -67,3 +67,13 @@ def format_bytes(n):
             return f"{sign}{n:.0f} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     return f"{sign}{n:.2f} TiB"
+
+
+def format_bytes_up(n):
+    """A size in binary units rounded up to two decimals, so that passing it back as a size is at
+    least n bytes (format_bytes rounds to nearest: 3,729,600 bytes -> '3.56 MiB' = 3,732,930 read back
+    is fine, but 3,725,000 -> '3.55 MiB' would read back as 3,722,445)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{math.ceil(100 * n / scale) / 100:.2f} {unit}"
+    return f"{n} B"

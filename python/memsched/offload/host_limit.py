@@ -24,18 +24,8 @@ Note [Plans within host_memory_limit]
   Limitations: another device model (device_model=) or another min_offload_bytes changes the plans,
   so the figure holds for the same settings.
 """
-import math
-
 from memsched import _C
-from memsched.units import format_bytes
-
-
-def _up(n):
-    """A size in binary units rounded up, so that passing it back as a string is at least n bytes."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{math.ceil(100 * n / scale) / 100:.2f} {unit}"
-    return f"{n} B"
+from memsched.units import format_bytes_up
 
 
 def plan_within_host_limit(trace, budget_bytes, planner, need, limit, limit_text, make_plan, schedule_of,
@@ -63,10 +53,10 @@ def plan_within_host_limit(trace, budget_bytes, planner, need, limit, limit_text
     if fitting:
         _, _, name, durations, plan, schedule = min(fitting, key=lambda c: c[:4])
         return plan, schedule, f"{name} ({durations} op times)"
-    fix = (f"pass optimize(..., host_memory_limit={least}) ({_up(least)}; the least host memory of any plan for "
-           f"this budget) or more if the machine can spare it, or a larger budget" if least is not None else
+    fix = (f"pass optimize(..., host_memory_limit={least}) ({format_bytes_up(least)}; the least host memory of any "
+           f"plan for this budget) or more if the machine can spare it, or a larger budget" if least is not None else
            "pass a larger budget")
     raise _C.MemschedError(
-        f"run.step(): the {planner} plan for this budget keeps {need} bytes ({_up(need)}) of activations in "
-        f"host memory per step, more than memsched may use ({limit} bytes: {limit_text}), and no other plan for "
+        f"run.step(): the {planner} plan for this budget keeps {need} bytes ({format_bytes_up(need)}) of activations "
+        f"in host memory per step, more than memsched may use ({limit} bytes: {limit_text}), and no other plan for "
         f"this budget fits it; {fix}")
