@@ -29,12 +29,12 @@ def _least_budget(name):
     return _C.least_budget_bytes(trace) + state
 
 
-def _train(name, steps, options=None):
+def _train(name, steps, options=None, size="small", batch=BATCH, device="cpu", lr=1e-2):
     """Parameters after `steps` AdamW steps -- plain PyTorch when options is None, else under
     memsched.optimize(**options) -- and the Run."""
-    model = models.build_model(name, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x, y = models.example_batch(name, BATCH)
+    model = models.build_model(name, size, device=device, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    x, y = models.example_batch(name, batch, size, device=device)
     run = None
     if options is None:
         for _ in range(steps):
@@ -168,26 +168,11 @@ def test_the_report_says_when_the_profiled_step_went_over_the_budget(profile):
 def test_cuda_a_byte_budget_profiles_with_less_device_memory_and_trains_as_plain():
     """On CUDA: the profiled step's max_memory_allocated under profile="auto" with a byte budget is
     below the keep-all profiled step's, and training stays plain PyTorch's bit for bit."""
-    name, batch = "transformer", 8
-
     def train(options, steps=3):
         torch.manual_seed(0)
-        model = models.build_model(name, "realistic", device="cuda", seed=0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x, y = models.example_batch(name, batch, "realistic", device="cuda")
-        run = None
-        if options is None:
-            for _ in range(steps):
-                models.loss_fn(name, model(x), y).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        else:
-            with memsched.optimize(model, opt, **options) as run:
-                for _ in range(steps):
-                    models.loss_fn(name, model(x), y).backward()
-                    run.step()
+        out = _train("transformer", steps, options, size="realistic", batch=8, device="cuda", lr=1e-3)
         torch.cuda.synchronize()
-        return [p.detach().clone() for p in model.parameters()], run
+        return out
 
     _, keep = train(dict(budget=None, profile="keep"), steps=1)
     plain, _ = train(None)
