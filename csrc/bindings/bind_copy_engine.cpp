@@ -48,6 +48,9 @@ void bind_copy_engine(py::module_& m) {
       .def("wait", &CopyEngine::wait, py::arg("ticket"))
       .def("poll", &CopyEngine::poll)
       .def("pending_count", &CopyEngine::pending_count)
+      .def("release_in_stream_order", &CopyEngine::release_in_stream_order, py::arg("bytes"),
+           "Accelerator: drop the holds of the oldest D2H copies in flight after a compute-stream wait, until "
+           "`bytes` are released; returns (copies, bytes) (Note [Releases in stream order]).")
       .def("end_step", &CopyEngine::end_step)
       .def("mark_end", [](CopyEngine& e, StepCopyLog& log) { log.mark_end(e.events()); }, py::arg("log"),
            "Record the step's end on the compute stream (again after the optimizer's update).")

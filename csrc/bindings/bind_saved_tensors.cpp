@@ -131,6 +131,18 @@ void bind_saved_tensors(py::module_& m) {
       .def("set_recompute", &SavedTensorPath::set_recompute, py::arg("ordinals"),
            "Ordinals the plan recomputes: their saves go to the executor's Python slow path.")
       .def("issue_copies", &SavedTensorPath::issue_copies, "Issue the queued D2H copies now.")
+      .def("set_memory_guard", &SavedTensorPath::set_memory_guard, py::arg("budget_bytes"), py::arg("headroom"),
+           py::arg("allocated_fn") = 0,
+           "Accelerator: keep the allocator's count within budget_bytes by releasing D2H copies in flight in "
+           "stream order; headroom[ordinal] = bytes the ops after it allocate; allocated_fn: address of a C "
+           "function int64_t(int device) counting the installed allocator's bytes, 0 for the device "
+           "allocator's own (Note [Memory guard]).")
+      .def("clear_memory_guard", &SavedTensorPath::clear_memory_guard)
+      .def_property_readonly("guard_budget", &SavedTensorPath::guard_budget, "0: no memory guard")
+      .def_readwrite("guard_error", &SavedTensorPath::guard_error,
+                     "Why the memory guard turned itself off (the allocator's count could not be read); \"\" if it did not")
+      .def("allocated_bytes", &SavedTensorPath::allocated_bytes,
+           "Accelerator: the allocator's count of allocated bytes now, as the memory guard reads it.")
       .def_property_readonly("offload_counters",
                              [](const SavedTensorPath& p) {
                                const auto& c = p.counters;
@@ -141,6 +153,9 @@ void bind_saved_tensors(py::module_& m) {
                                d["on_demand"] = c.on_demand;
                                d["late_prefetches"] = c.late_prefetches;
                                d["host_limited"] = c.host_limited;
+                               d["guard_waits"] = c.guard_waits;
+                               d["guard_releases"] = c.guard_releases;
+                               d["guard_released_bytes"] = c.guard_released_bytes;
                                d["stall_s"] = c.stall_s;
                                return d;
                              },

@@ -192,6 +192,15 @@ __attribute__((visibility("default"))) void memsched_record_history(int enabled,
   }
 }
 
+// Bytes allocated now on `device` (0 before its first allocation): the memory guard's count (Note
+// [Memory guard] in csrc/torch/saved_tensor_offload.cpp), read at every activation's first save
+// while copies are in flight, so it must not build the JSON statistics.
+__attribute__((visibility("default"))) int64_t memsched_allocated_bytes(int device) {
+  BlockPool* pool = existing_pool(device);
+  if (pool == nullptr) return 0;
+  return pool->stats().allocated_bytes[memsched::kAggregatePool].current;
+}
+
 __attribute__((visibility("default"))) void memsched_reset_peak_stats(int device) {
   if (BlockPool* pool = existing_pool(device)) pool->reset_peak_stats();
 }

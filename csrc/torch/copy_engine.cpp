@@ -220,7 +220,7 @@ std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vec
     t->dst = host_->empty_bytes(t->nbytes);
     copy_on(stream, *t, src);
     // WARNING: src is read on the D2H stream: keep it until `done` (Note [Offload copy ordering]).
-    d2h_pending_.push_back({t, hold ? src : at::Tensor(), t->dst});
+    d2h_pending_.push_back({t, t->done, hold ? src : at::Tensor(), t->dst});
     tickets.push_back(std::move(t));
   }
   return tickets;
@@ -251,7 +251,7 @@ std::shared_ptr<CopyTicket> CopyEngine::fetch_into(const at::Tensor& dst, const 
   if (after != nullptr && after->done != nullptr) after->done->block(stream);
   copy_on(stream, *t, host);
   // WARNING: host is read on the H2D stream: keep it until `done`.
-  h2d_pending_.push_back({t, host, t->dst});
+  h2d_pending_.push_back({t, t->done, host, t->dst});
   return t;
 }
 
@@ -264,13 +264,49 @@ bool CopyEngine::wait(const CopyTicket& ticket) {
   ticket.done->block(compute);
   after->record(compute);
   log_->stalls.emplace_back(std::move(before), std::move(after));
+  if (!ticket.d2h) {
+    // See Note [Releases in stream order]: every later use and free of the fetched block is ordered
+    // after the copy now, so the engine need not keep it until the host sees the copy complete.
+    for (Pending& p : h2d_pending_) {
+      if (p.ticket.get() != &ticket) continue;
+      p.dst = at::Tensor();
+      p.ticket.reset();  // the ticket holds the block too; the entry keeps only its event
+      p.released = true;
+      break;
+    }
+  }
   return true;
 }
 
 void CopyEngine::poll() {
   // See Note [Draining completions in order].
-  while (!d2h_pending_.empty() && d2h_pending_.front().ticket->is_complete()) d2h_pending_.pop_front();
-  while (!h2d_pending_.empty() && h2d_pending_.front().ticket->is_complete()) h2d_pending_.pop_front();
+  while (!d2h_pending_.empty() && d2h_pending_.front().done->query()) d2h_pending_.pop_front();
+  while (!h2d_pending_.empty() && h2d_pending_.front().done->query()) h2d_pending_.pop_front();
+}
+
+std::pair<int64_t, int64_t> CopyEngine::release_in_stream_order(int64_t bytes) {
+  // See Note [Releases in stream order].
+  if (!accel_ || on_compute_stream || bytes <= 0) return {0, 0};
+  int64_t copies = 0;
+  int64_t freed = 0;
+  const CopyTicket* newest = nullptr;
+  auto end = d2h_pending_.begin();
+  for (; end != d2h_pending_.end() && freed < bytes; ++end) {
+    if (end->released || !end->source.defined()) continue;
+    ++copies;
+    newest = end->ticket.get();
+    // The block goes back to the allocator only when this hold is the storage's last reference.
+    const c10::Storage& storage = end->source.storage();
+    if (storage.use_count() == 1) freed += static_cast<int64_t>(storage.nbytes());
+  }
+  if (newest == nullptr) return {0, 0};
+  wait(*newest);  // the D2H stream runs its copies in order: this wait covers the older ones
+  for (auto p = d2h_pending_.begin(); p != end; ++p) {
+    if (p->released || !p->source.defined()) continue;
+    p->source = at::Tensor();
+    p->released = true;
+  }
+  return {copies, freed};
 }
 
 std::shared_ptr<StepCopyLog> CopyEngine::end_step() {
@@ -294,8 +330,13 @@ void CopyEngine::check_invariants() const {
   for (const auto* queue : {&d2h_pending_, &h2d_pending_}) {
     for (const Pending& p : *queue) {
       MEMSCHED_CHECK(accel_, "CopyEngine: CPU copies are complete at birth and never pending");
-      MEMSCHED_CHECK(p.ticket != nullptr && p.ticket->done != nullptr, "CopyEngine: a pending copy has no done-event");
-      MEMSCHED_CHECK((p.source.defined() || on_compute_stream) && p.dst.defined(),
+      MEMSCHED_CHECK(p.done != nullptr, "CopyEngine: a pending copy has no done-event");
+      MEMSCHED_CHECK(p.ticket != nullptr || p.released, "CopyEngine: a pending copy lost its ticket unreleased");
+      // A released entry no longer holds its device tensor (Note [Releases in stream order]).
+      const bool d2h = queue == &d2h_pending_;
+      const bool holds_device = (d2h ? p.source : p.dst).defined();
+      const bool holds_host = (d2h ? p.dst : p.source).defined();
+      MEMSCHED_CHECK(holds_host && (holds_device || p.released || (d2h && on_compute_stream)),
                      "CopyEngine: a pending copy must hold what it reads and what it writes");
     }
   }

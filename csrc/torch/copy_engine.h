@@ -17,7 +17,8 @@
 //     recorded there at that moment (the block may still be in use by earlier compute-stream
 //     kernels) and for the D2H copy that wrote the host block, then copies. The consumer makes the
 //     compute stream wait for the copy's done-event before use (wait()). The host block stays
-//     referenced in the H2D queue until that copy finished.
+//     referenced in the H2D queue until that copy finished; the device block only until that
+//     wait (Note [Releases in stream order]).
 //   - on_compute_stream (plans with copies_on_compute_stream: offload_all_sync, torch's
 //     save_on_cpu): the same copies, events and holds, on the compute stream.
 //   - end_step() leaves copies in flight with their holds (no host wait: Note [No host
@@ -25,6 +26,27 @@
 //     of a step that raised -- synchronise both copy streams and drop every hold.
 //   On CPU (the "device" is the CPU) copies run at once, in order, and tickets are complete at
 //   birth; nothing is ever pending.
+//
+// Note [Releases in stream order]
+//   Rationale: poll() gives a source back once the host sees its copy's event complete. On a GPU
+//   the host runs ahead of the device -- by up to a whole forward on a model whose kernels are
+//   longer than their launches -- so the host sees few copies complete during the forward, the
+//   caching allocator (which accounts in host order) gets no block back, and the step's peak
+//   approaches keeping everything, whatever the plan says (issue 11: dp at 50% measured above
+//   plain on an H100).
+//   Approach: release_in_stream_order(bytes) makes the compute stream wait for the done-event of
+//   the newest of the oldest pending D2H copies that cover `bytes` (copies on one stream finish in
+//   order, so one wait covers every earlier one), then drops their sources at once. The
+//   allocator may hand a dropped block to the next compute-stream allocation: every kernel that
+//   writes it runs after that wait, i.e. after the copy read it -- the ordering record_stream
+//   would give, without waiting for the host to notice. The entry stays in the queue (the host
+//   block is still being written) until poll() sees it complete. A wait on a copy the device has
+//   already finished costs nothing; on one it has not, the compute stream stalls (timed as a
+//   stall, as wait() is). The executor calls it from the memory guard (Note [Memory guard] in
+//   saved_tensor_offload.cpp) when the allocator's count nears the budget. A fetched block is the
+//   same case the other way round: once wait() has made the compute stream wait for its H2D copy
+//   (at its unpack), the engine drops its hold, so the block is freed when the backward is done
+//   with it, not when the host next notices the copy completed.
 //
 // Note [Draining completions in order]
 //   Rationale: the hooks poll at every pack and unpack while copies are in flight. Querying every
@@ -134,10 +156,15 @@ class CopyEngine {
   // The same into `dst`, a flat uint8 device tensor just allocated on the compute stream.
   std::shared_ptr<CopyTicket> fetch_into(const at::Tensor& dst, const at::Tensor& host,
                                          const std::shared_ptr<CopyTicket>& after);
-  // Make the compute stream wait for the ticket (no host blocking); the stall is timed. Returns
-  // whether a wait was queued (false on CPU and for complete tickets).
+  // Make the compute stream wait for the ticket (no host blocking); the stall is timed. An H2D
+  // ticket's device block is no longer held after it (Note [Releases in stream order]). Returns
+  // whether a wait was queued (false on CPU, where tickets have no event).
   bool wait(const CopyTicket& ticket);
   void poll();                    // See Note [Draining completions in order]
+  // Give back the sources of the oldest D2H copies in flight once the compute stream waits for
+  // them, until `bytes` of storage nothing else holds are released (Note [Releases in stream
+  // order]). Returns {copies released, bytes released}; {0, 0} on CPU and on the compute stream.
+  std::pair<int64_t, int64_t> release_in_stream_order(int64_t bytes);
   int64_t pending_count() const { return static_cast<int64_t>(d2h_pending_.size() + h2d_pending_.size()); }
   // The step's log, without waiting: copies in flight keep what they read.
   std::shared_ptr<StepCopyLog> end_step();
@@ -148,9 +175,11 @@ class CopyEngine {
 
  private:
   struct Pending {
-    std::shared_ptr<CopyTicket> ticket;
+    std::shared_ptr<CopyTicket> ticket;  // null once a released H2D entry let it go
+    PooledEvent done;             // the ticket's done-event: what poll() waits for
     at::Tensor source;            // read by the copy: kept until ticket->done (undefined: hold=false)
     at::Tensor dst;               // written by the copy: kept until ticket->done, even if the ticket dies
+    bool released = false;        // device tensor dropped after a compute-stream wait (Note [Releases in stream order])
   };
   c10::Stream compute_stream() const;
   double now_s() const;

@@ -26,6 +26,7 @@
 #include <chrono>
 
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -151,6 +152,72 @@ void SavedTensorPath::set_recompute(const py::iterable& ordinals) {
     if (static_cast<int64_t>(recompute_.size()) <= k) recompute_.resize(static_cast<size_t>(k) + 1, 0);
     recompute_[static_cast<size_t>(k)] = 1;
   }
+}
+
+// Note [Memory guard]
+//   Rationale: a plan's memory holds only if offloaded blocks go back to the allocator when the
+//   plan says; on a GPU the host runs ahead of the device and sees D2H copies finish late (Note
+//   [Releases in stream order] in copy_engine.h), and memory the trace does not model (workspaces,
+//   the autocast cache, rounding) takes room the plan counted on. A budget is a promise: the step
+//   must not silently go over it.
+//   Approach: while D2H copies are in flight, the first save of each activation (after its op has
+//   allocated) reads the device allocator's count of allocated bytes -- a host-side counter, no
+//   synchronisation -- and adds the headroom the trace gives that ordinal: the most bytes one op
+//   allocates between it and the next activation's producer (offload/guard.py). Above the budget,
+//   the oldest copies in flight are released in stream order until the excess is covered: the
+//   compute stream waits for them, their blocks are free for the next allocation. Each such wait
+//   is counted (guard_waits, guard_releases, guard_released_bytes in offload_counters) and timed
+//   as a stall; run.report() shows them. With memsched's allocator installed its count comes from
+//   the shim (memsched_allocated_bytes), since torch's pluggable allocator keeps no statistics.
+//   Limitations: the guard can only release copies in flight; memory over the budget that no copy
+//   holds (a plan whose trace misses what the device allocates) is reported, not prevented.
+void SavedTensorPath::set_memory_guard(int64_t budget_bytes, std::vector<int64_t> headroom, uintptr_t allocated_fn) {
+  MEMSCHED_CHECK(!is_cpu_, "SavedTensorPath.set_memory_guard: the memory guard is for accelerators (on CPU "
+                 "copies complete at once and hold nothing)");
+  MEMSCHED_CHECK(budget_bytes > 0, "SavedTensorPath.set_memory_guard: budget_bytes must be positive, got ",
+                 budget_bytes);
+  for (const int64_t h : headroom) {
+    MEMSCHED_CHECK(h >= 0, "SavedTensorPath.set_memory_guard: headroom bytes must be >= 0, got ", h);
+  }
+  guard_budget_ = budget_bytes;
+  guard_headroom_ = std::move(headroom);
+  allocated_fn_ = reinterpret_cast<int64_t (*)(int)>(allocated_fn);
+}
+
+void SavedTensorPath::clear_memory_guard() {
+  guard_budget_ = 0;
+  guard_headroom_.clear();
+  allocated_fn_ = nullptr;
+}
+
+int64_t SavedTensorPath::allocated_bytes() const {
+  MEMSCHED_CHECK(!is_cpu_, "SavedTensorPath.allocated_bytes: a CPU path counts saved storages, not the allocator");
+  const c10::DeviceIndex index = device_.has_index() ? device_.index() : 0;
+  if (allocated_fn_ != nullptr) return allocated_fn_(static_cast<int>(index));
+  const auto stats = c10::getDeviceAllocator(device_.type())->getDeviceStats(index);
+  return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+}
+
+void SavedTensorPath::guard_memory(int64_t k) {
+  // See Note [Memory guard].
+  if (engine_ == nullptr) return;
+  const int64_t headroom = k < static_cast<int64_t>(guard_headroom_.size()) ? guard_headroom_[static_cast<size_t>(k)] : 0;
+  int64_t allocated = 0;
+  try {
+    allocated = allocated_bytes();
+  } catch (const std::exception& e) {
+    // An allocator that keeps no statistics (another pluggable allocator): the step goes on unguarded.
+    guard_error = e.what();
+    clear_memory_guard();
+    return;
+  }
+  const int64_t over = allocated + headroom - guard_budget_;
+  if (over <= 0) return;
+  const auto [copies, bytes] = engine_->release_in_stream_order(over);
+  if (copies == 0) return;
+  ++counters.guard_waits;
+  counters.guard_releases += copies;
+  counters.guard_released_bytes += bytes;
 }
 
 void SavedTensorPath::reset_offloads() {

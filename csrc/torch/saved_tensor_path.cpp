@@ -249,6 +249,7 @@ PyObject* SavedTensorPath::pack_saved(PyObject* obj, const at::Tensor& t) {
     }
     sample();
   }
+  if (guard_budget_ > 0 && act.is_first_pack && need_poll) guard_memory(k);  // See Note [Memory guard]
   if (planned(k)) {
     if (k < static_cast<int64_t>(recompute_.size()) && recompute_[static_cast<size_t>(k)]) {
       return call_owner("_pack_slow", py::handle(obj), k, may_offload, id.nbytes).release().ptr();

@@ -113,6 +113,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   struct OffloadCounters {                        // this step's; begin_step() zeroes them
     int64_t offloaded = 0, offloaded_bytes = 0, prefetched = 0, on_demand = 0, late_prefetches = 0;
     int64_t host_limited = 0;
+    int64_t guard_waits = 0, guard_releases = 0, guard_released_bytes = 0;  // Note [Memory guard]
     double stall_s = 0.0;                         // CPU: on-demand copy time
   };
   OffloadCounters counters;
@@ -120,6 +121,15 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   std::vector<std::pair<int64_t, uintptr_t>> offloaded_sources() const;
   void check_offload_invariants() const;
   void op_starts();                               // the next op starts: issue the queued copies
+  // -- the memory guard (accelerator; Note [Memory guard] in saved_tensor_offload.cpp) -----------
+  // budget_bytes: the allocator's count the step must stay within; headroom: ordinal -> bytes the
+  // ops up to the next activation allocate; allocated_fn: a C function int64_t(int device) that
+  // counts the installed allocator's bytes (memsched's), 0 for the device allocator's own stats.
+  void set_memory_guard(int64_t budget_bytes, std::vector<int64_t> headroom, uintptr_t allocated_fn);
+  void clear_memory_guard();
+  int64_t guard_budget() const { return guard_budget_; }
+  int64_t allocated_bytes() const;                // the device allocator's count now (no sync)
+  std::string guard_error;                        // why the guard turned itself off ("" while it works)
   // CPU: the step's peak of tracked storages alive, each from its birth (Note [Measured from
   // birth]) into peak_bytes, and the timeline samples' values; call once at the step's end.
   void finish_step();
@@ -155,6 +165,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   PyObject* pack_saved(PyObject* obj, const at::Tensor& t);  // pack()'s work for a save of a step (throws)
   void check_label(int64_t ordinal, bool has_storage);
   void poll_copies();                        // need_poll: release what completed copies held
+  void guard_memory(int64_t ordinal);        // See Note [Memory guard]
   bool planned(int64_t ordinal) const {
     return has_schedule_ && ordinal >= 0 && ordinal < static_cast<int64_t>(planned_.size()) &&
            planned_[static_cast<size_t>(ordinal)];
@@ -205,6 +216,9 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   };
   std::unordered_map<uintptr_t, Fetched> fetched_;                      // fetched copy's storage key -> ordinal
   std::weak_ptr<StepGraph> graph_;                                      // this step's (See StepGraph)
+  int64_t guard_budget_ = 0;                                            // 0: no guard (Note [Memory guard])
+  std::vector<int64_t> guard_headroom_;                                 // ordinal -> bytes
+  int64_t (*allocated_fn_)(int) = nullptr;                              // memsched's allocator, when installed
 
   void drop_tracked();
   void disarm();                           // remove the next-op callback (never from inside it)

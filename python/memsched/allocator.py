@@ -108,6 +108,8 @@ def _load_shim() -> ctypes.CDLL:
         lib.memsched_built_with_cuda.restype = ctypes.c_int
         lib.memsched_hook_calls.restype = ctypes.c_int64
         lib.memsched_hook_calls.argtypes = [ctypes.c_int]
+        lib.memsched_allocated_bytes.restype = ctypes.c_int64
+        lib.memsched_allocated_bytes.argtypes = [ctypes.c_int]
         _shim = lib
     return _shim
 
@@ -305,6 +307,15 @@ def cuda_memory_allocated(device) -> int:
     if is_installed():
         return int(memory_stats(device).get("allocated_bytes.all.current", 0))
     return torch.cuda.memory_allocated(device)
+
+
+def allocated_bytes_fn() -> int:
+    """Address of the installed allocator's C counter `int64_t memsched_allocated_bytes(int device)`,
+    or 0 when torch's own allocator is in use (the memory guard then reads its statistics; Note
+    [Memory guard] in csrc/torch/saved_tensor_offload.cpp)."""
+    if not is_installed():
+        return 0
+    return ctypes.cast(_load_shim().memsched_allocated_bytes, ctypes.c_void_p).value or 0
 
 
 def cuda_max_memory_allocated(device) -> int:

@@ -194,6 +194,7 @@ from memsched import _C, allocator
 from memsched.copy_inert import inert_on_copy
 from memsched.device import resolve_device
 from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
+from memsched.offload.guard import guard_headroom
 from memsched.offload.host_buffers import HostBuffers, parse_host_limit
 from memsched.offload.host_limit import plan_within_host_limit
 from memsched.offload.report import build_report, largest_planned, planned_activation_curve, save_timeline
@@ -694,6 +695,10 @@ class Run:
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)
+        # See Note [Memory guard] (csrc/torch/saved_tensor_offload.cpp); accelerators only.
+        guarded = self.plan is not None and self.budget_bytes is not None
+        self.executor.set_memory_guard(self._budget_with_state() if guarded else None,
+                                       guard_headroom(trace) if guarded else ())
         self.executor.active = True
 
     def _resolve_budget(self, trace):
@@ -923,6 +928,13 @@ class Run:
         if limited:
             notes.append(f"{counted(limited, 'offload')} stayed on the device: host_memory_limit "
                          f"({format_bytes(self.host.limit)}) was reached (Note [Host memory limit])")
+        waits = sum(s.guard_waits for s in self.step_stats)
+        if waits:
+            released = sum(s.guard_releases for s in self.step_stats)
+            notes.append(f"memory guard: the compute stream waited {counted(waits, 'time')} for D2H copies so that "
+                         f"{counted(released, 'offloaded activation')} "
+                         f"({format_bytes(sum(s.guard_released_bytes for s in self.step_stats))}) left the device "
+                         "before the budget was reached (Note [Memory guard]); the waits are in the stall time")
         kept = collections.Counter()
         for st in self.step_stats:
             kept.update(st.recompute_kept_reasons)

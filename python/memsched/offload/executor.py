@@ -154,6 +154,9 @@ class StepStats:
     memory_source: str = ""        # what the samples measure
     mismatch: str = ""             # first identity mismatch, "" if none
     host_limited: int = 0          # COUNT offloads kept on the device: host_memory_limit reached
+    guard_waits: int = 0           # COUNT compute-stream waits of the memory guard (Note [Memory guard])
+    guard_releases: int = 0        # COUNT D2H copies whose device blocks it released in stream order
+    guard_released_bytes: int = 0  # SUM bytes those releases gave back to the allocator
     recomputed: int = 0            # COUNT storages released after the forward and replayed in backward
     recomputed_bytes: int = 0      # SUM
     replays: int = 0               # COUNT recipes run (a shared replay recreates several storages)
@@ -332,6 +335,19 @@ class OffloadExecutor:
             self.path.set_recompute(schedule.recompute)
         self.path.min_bytes = self.min_bytes
         self.engine.on_compute_stream = bool(schedule is not None and schedule.copies_on_compute_stream)
+        if schedule is None:
+            self.set_memory_guard(None)
+
+    def set_memory_guard(self, budget_bytes, headroom=()):
+        """Accelerator: keep the allocator's count within budget_bytes by releasing copies in flight
+        in stream order (Note [Memory guard] in csrc/torch/saved_tensor_offload.cpp); None: off.
+        headroom: offload.guard.guard_headroom(trace). A no-op on CPU, where copies hold nothing."""
+        if not self.engine.is_accelerator:
+            return
+        if budget_bytes is None:
+            self.path.clear_memory_guard()
+        else:
+            self.path.set_memory_guard(int(budget_bytes), list(headroom), allocator.allocated_bytes_fn())
 
     # -- step bookkeeping -------------------------------------------------------------------------
     def _reset_step(self):
@@ -378,6 +394,13 @@ class OffloadExecutor:
         stats.offloaded, stats.offloaded_bytes = c["offloaded"], c["offloaded_bytes"]
         stats.prefetched, stats.on_demand, stats.late_prefetches = c["prefetched"], c["on_demand"], c["late_prefetches"]
         stats.host_limited = c["host_limited"]
+        stats.guard_waits, stats.guard_releases = c["guard_waits"], c["guard_releases"]
+        stats.guard_released_bytes = c["guard_released_bytes"]
+        if self.path.guard_error:
+            warnings.warn(f"memsched: the memory guard is off: the device allocator's count of allocated bytes "
+                          f"could not be read ({self.path.guard_error}); the steps may exceed the budget when the "
+                          "host runs ahead of the GPU (Note [Memory guard])", RuntimeWarning, stacklevel=3)
+            self.path.guard_error = ""
         if not self.engine.is_accelerator:
             stats.stall_s_ = c["stall_s"]
         rs = self.recompute_stats

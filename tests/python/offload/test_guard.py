@@ -1,0 +1,134 @@
+"""The memory guard (Note [Memory guard] in csrc/torch/saved_tensor_offload.cpp): its headroom table
+from the trace, and on a GPU whose host runs ahead of the device, a step that stays within its budget
+only because the guard releases copies in flight in stream order."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memsched
+from memsched.offload.guard import guard_headroom
+from memsched.optimize import optimize
+
+
+def _trace(ops, tensors):
+    """ops: [(name, phase)]; tensors: [(bytes, kind, producer, uses, label)]."""
+    t = memsched.Trace()
+    for name, phase in ops:
+        t.add_op(name, phase=phase, duration_us=1.0)
+    for nbytes, kind, producer, uses, label in tensors:
+        t.add_tensor(nbytes, "float32", kind, producer, uses, max(uses), label)
+    return t
+
+
+def test_headroom_is_the_largest_op_output_until_the_next_activation():
+    ops = [("a", "forward"), ("b", "forward"), ("c", "forward"), ("d", "forward"),
+           ("db", "backward"), ("cb", "backward"), ("ab", "backward")]
+    t = _trace(ops, [
+        (1000, "activation", 0, [1, 6], "act:0::[250]:float32"),   # saved by op 0's consumer
+        (100, "temporary", 1, [2], ""),                            # op 1 allocates 100 B
+        (300, "activation", 2, [3, 5], "act:1::[75]:float32"),     # op 2: 300 B
+        (50, "temporary", 3, [4], ""),                             # op 3: 50 B
+    ])
+    # After act:0's save the ops up to act:1's producer (ops 1 and 2) allocate at most 300 B in one op;
+    # after act:1's, op 3 (the last forward op) allocates 50 B. Backward ops are not in any window.
+    assert guard_headroom(t) == [300, 50]
+
+
+def test_headroom_window_never_runs_backwards_for_a_late_save():
+    # act:1 is an input made before the step but saved after act:0 (a batch saved by a later op):
+    # its window starts where act:0's ended, not at the step's start.
+    ops = [("a", "forward"), ("b", "forward"), ("c", "forward"), ("cb", "backward")]
+    t = _trace(ops, [
+        (4096, "activation", 0, [1, 3], "act:0::[1024]:float32"),
+        (64, "activation", -1, [1, 3], "act:1::[16]:float32"),
+        (200, "temporary", 1, [2], ""),
+        (900, "temporary", 2, [3], ""),
+    ])
+    assert guard_headroom(t) == [200, 900]
+
+
+def test_headroom_of_a_profiled_model_covers_every_activation():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 64)
+    with optimize(model, opt, budget=0.5, planner="dp") as run:
+        model(x).sum().backward()
+        run.step()
+        headroom = guard_headroom(run.trace)
+        ordinals = [int(r.label.split(":")[1]) for r in run.trace.tensors if r.label.startswith("act:")]
+        assert len(headroom) == max(ordinals) + 1
+        # the widest single allocation after the first save is the ReLU's or the second Linear's output
+        assert max(headroom) == max(32 * 256, 32 * 64) * 4
+        # CPU: copies hold nothing, the guard is never set and never acts
+        assert run.executor.path.guard_budget == 0
+        model(x).sum().backward()
+        run.step()
+        assert run.step_stats[-1].guard_waits == 0
+
+
+def test_memory_guard_refuses_a_cpu_path():
+    path = memsched._C.SavedTensorPath("cpu", object)
+    with pytest.raises(memsched.MemschedError, match="for accelerators"):
+        path.set_memory_guard(1 << 20, [0])
+
+
+class Deep(nn.Module):
+    def __init__(self, width, layers):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(layers)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+def _host_ahead_step(model, x, run):
+    """A step enqueued while the GPU sleeps: the host issues the whole forward before any D2H copy
+    can complete, so the hooks' polls release nothing (Note [Releases in stream order])."""
+    torch.cuda._sleep(int(5e8))  # ~0.25 s of GPU clock cycles ahead of the forward
+    model(x).backward()
+    run.step()
+    torch.cuda.synchronize()
+    return run.step_stats[-1]
+
+
+@pytest.mark.requires_cuda
+def test_guard_holds_the_budget_when_the_host_runs_ahead_of_the_gpu():
+    torch.manual_seed(0)
+    width, layers, batch = 4096, 8, 4096  # each saved tanh output 64 MiB, 512 MiB of activations
+    model = Deep(width, layers).cuda()
+    plain = copy.deepcopy(model)
+    x = torch.randn(batch, width, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    plain(x).backward()
+    plain_peak = torch.cuda.max_memory_allocated()
+    plain_opt.step()
+    plain_opt.zero_grad(set_to_none=True)
+    budget = plain_peak - 256 * 2**20  # half the activations must be off the device at the peak
+    with optimize(model, opt, budget=budget, planner="offload_all_prefetch") as run:
+        model(x).backward()
+        run.step()  # profiled
+        guarded = _host_ahead_step(model, x, run)
+        assert run.executor.path.guard_budget == run.budget_bytes  # SGD without momentum: no state
+        run.executor.set_memory_guard(None)
+        unguarded = _host_ahead_step(model, x, run)
+    for _ in range(2):  # the plain model's third step (its first measured the plain peak)
+        plain(x).backward()
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    assert guarded.mode == "planned" and guarded.offloaded >= layers - 1
+    # without the guard nothing is released during the forward: the plan does not hold
+    assert unguarded.peak_bytes > budget * 1.02, (unguarded.peak_bytes, budget)
+    assert unguarded.guard_waits == 0
+    # with it the compute stream waited for the copies and the step stayed within the budget
+    assert guarded.guard_waits > 0 and guarded.guard_releases > 0
+    assert guarded.peak_bytes <= budget * 1.02, (guarded.peak_bytes, budget, guarded.guard_released_bytes)
