@@ -64,11 +64,13 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/python.h>
 
 #include "core/dw_scheduler.h"
@@ -250,7 +252,10 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   DwScheduler sched_;
   std::vector<at::Tensor> params_;              // registered leaves
   std::vector<int32_t> buckets_;                // per parameter, its bucket (-1: none)
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // per parameter
+  // Per parameter. torch holds autograd nodes by shared_ptr up to 2.11 and by intrusive_ptr since;
+  // grad_accumulator()'s own type builds against both (the GPU machine runs 2.11).
+  using NodeRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodeRef> accumulators_;
   std::vector<at::Tensor> pending_;             // per parameter, the sum of its contributions so far
   std::vector<char> autograd_expected_;         // per parameter: an autograd use was counted this iteration
   std::vector<char> hook_expected_;             // per parameter: its AccumulateGrad contribution is awaited

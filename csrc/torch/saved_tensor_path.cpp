@@ -10,7 +10,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/function.h>  // Node: node.h since torch 2.12, function.h in 2.11 (the GPU machine's)
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "core/check.h"
