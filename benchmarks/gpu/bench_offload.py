@@ -337,6 +337,8 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
             row["sim_peak_bytes"] = run.simulation.peak_bytes
         row["budget_bytes"] = run.budget_bytes
         row["offloaded"] = executed[-1].offloaded if executed else 0
+        # Note [Memory guard]: compute-stream waits per step that kept the allocator within the budget
+        row["guard_waits"] = statistics.median(s.guard_waits for s in executed) if executed else None
         row["activation_bytes"] = run.trace.activation_bytes()
     else:
         hooks = CountingSaveOnCpu(device.type == "cuda") if method == "save_on_cpu" else None
@@ -441,22 +443,24 @@ def _fmt_bytes(n):
 
 def format_rows(rows, device):
     plain = next((r for r in rows if r["method"] == "plain"), None)
-    head = ["method", "step (ms)", "vs plain", "peak alloc", "bytes moved", "sim step (ms)", "sim peak",
-            "max batch"]
+    head = ["method", "step (ms)", "vs plain", "peak alloc", "budget", "bytes moved", "sim step (ms)", "sim peak",
+            "guard waits", "max batch"]
     lines = []
     for r in rows:
         if "error" in r or "skipped" in r:
             msg = r.get("error") or r["skipped"]
             if "needs at least" in msg:  # the planner's infeasible-budget message: keep the number
                 msg = "infeasible: needs at least " + msg.split("needs at least ")[1].split(" ")[0] + " B"
-            lines.append([r["method"], msg[:60], "", "", "", "", "", ""])
+            lines.append([r["method"], msg[:60]] + [""] * (len(head) - 2))
             continue
         ratio = r["step_ms"] / plain["step_ms"] if plain and plain.get("step_ms") else math.nan
         lines.append([r["method"], f"{r['step_ms']:.2f}", f"{ratio:.3f}x",
                       _fmt_bytes(r["peak_bytes"]) if device.type == "cuda" else "n/a (CPU)",
+                      _fmt_bytes(r.get("budget_bytes")),
                       _fmt_bytes(r["bytes_moved"]),
                       f"{r['sim_step_ms']:.2f}" if r.get("sim_step_ms") is not None else "-",
                       _fmt_bytes(r.get("sim_peak_bytes")),
+                      f"{r['guard_waits']:g}" if r.get("guard_waits") is not None else "-",
                       str(r.get("max_batch", "-"))])
     widths = [max(len(x[i]) for x in [head] + lines) for i in range(len(head))]
     fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))

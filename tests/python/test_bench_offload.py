@@ -41,6 +41,8 @@ def test_bench_offload_small_runs_on_cpu(tmp_path):
     greedy = by["memsched greedy 50%"]
     assert greedy["offloaded"] > 0 and greedy["bytes_moved"] > 0
     assert greedy["sim_peak_bytes"] <= greedy["budget_bytes"]
+    # the memory guard's waits are a column (on CPU copies hold nothing: it never waits)
+    assert greedy["guard_waits"] == 0 and "guard waits" in proc.stdout
     # ResNet-50 is measured when torchvision is installed, otherwise skipped with a message.
     try:
         import torchvision  # noqa: F401
