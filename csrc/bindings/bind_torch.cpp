@@ -3,6 +3,7 @@
 #include <torch/python.h>
 
 #include "bindings/bindings.h"
+#include "torch/device_memory.h"
 #include "torch/tensor_adapter.h"
 #include "torch/host_tensor.h"
 #include "torch/pluggable_hooks.h"
@@ -29,6 +30,14 @@ void bind_torch(pybind11::module_& m) {
   m.def("version_counter_key", &version_counter_key, pybind11::arg("tensor"),
         "Identity of the tensor's autograd version counter (0 if disabled): detach() and views share "
         "it, unsafe_chunk outputs and .data do not. See Note [Version counter identity].");
+
+  // See csrc/torch/device_memory.h: the allocator's counters without building torch's statistics dict.
+  m.def("device_allocated_bytes", [](const std::string& d) { return device_allocated_bytes(c10::Device(d)); },
+        pybind11::arg("device"), "torch.cuda.memory_allocated(device), read in C++ (an accelerator device).");
+  m.def("device_peak_bytes", [](const std::string& d) { return device_peak_bytes(c10::Device(d)); },
+        pybind11::arg("device"), "torch.cuda.max_memory_allocated(device), read in C++.");
+  m.def("reset_device_peak", [](const std::string& d) { reset_device_peak(c10::Device(d)); },
+        pybind11::arg("device"), "torch.cuda.reset_peak_memory_stats(device), in C++.");
 
   // --- allocator (issue 4): pooled host tensors and the pluggable-allocator hooks.
   namespace py = pybind11;

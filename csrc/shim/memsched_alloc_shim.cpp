@@ -201,6 +201,14 @@ __attribute__((visibility("default"))) int64_t memsched_allocated_bytes(int devi
   return pool->stats().allocated_bytes[memsched::kAggregatePool].current;
 }
 
+// Peak bytes allocated on `device` since the last memsched_reset_peak_stats (the profiler reads it
+// around every op: Note [Memory the trace does not model] in python/memsched/profiler/unmodeled.py).
+__attribute__((visibility("default"))) int64_t memsched_allocated_peak_bytes(int device) {
+  BlockPool* pool = existing_pool(device);
+  if (pool == nullptr) return 0;
+  return pool->stats().allocated_bytes[memsched::kAggregatePool].peak;
+}
+
 __attribute__((visibility("default"))) void memsched_reset_peak_stats(int device) {
   if (BlockPool* pool = existing_pool(device)) pool->reset_peak_stats();
 }

@@ -26,13 +26,13 @@
 #include <chrono>
 
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "core/check.h"
+#include "torch/device_memory.h"
 #include "torch/tensor_adapter.h"
 
 namespace py = pybind11;
@@ -192,10 +192,8 @@ void SavedTensorPath::clear_memory_guard() {
 
 int64_t SavedTensorPath::allocated_bytes() const {
   MEMSCHED_CHECK(!is_cpu_, "SavedTensorPath.allocated_bytes: a CPU path counts saved storages, not the allocator");
-  const c10::DeviceIndex index = device_.has_index() ? device_.index() : 0;
-  if (allocated_fn_ != nullptr) return allocated_fn_(static_cast<int>(index));
-  const auto stats = c10::getDeviceAllocator(device_.type())->getDeviceStats(index);
-  return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+  if (allocated_fn_ != nullptr) return allocated_fn_(device_.has_index() ? device_.index() : 0);
+  return device_allocated_bytes(device_);
 }
 
 void SavedTensorPath::guard_memory(int64_t k) {

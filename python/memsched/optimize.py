@@ -324,6 +324,7 @@ class Run:
         self.plan = None             # the plan executed now (None: keep everything)
         self.schedule = None         # OffloadSchedule of self.plan
         self.node_of_op_ = {}        # the profiled step's backward op -> autograd node offset
+        self.unmodeled_bytes_ = 0    # device memory no traced tensor explains, at the profiled peak
         self.step_thread_ = None     # thread of this step's first forward (Note [One thread per step])
         self.simulation = None       # memsched.simulate() result for (trace, plan)
         self.budget_bytes = None     # resolved budget, bytes (None: no budget)
@@ -456,6 +457,7 @@ class Run:
             session, self.profile_ = self.profile_, None
             trace = session.stop()
             self.node_of_op_ = session.node_of_op
+            self.unmodeled_bytes_ = session.unmodeled_bytes  # Note [Memory the trace does not model]
             self.steps_profiled += 1
             # this trace holds the state that existed at its start; what the update will add is
             # predicted for the optimizers we know (Note [Optimizer state the profiled step did not see])
@@ -595,6 +597,9 @@ class Run:
         stats = saves.stats if saves is not None else ProfiledStepStats(mode="keep")
         if self.device.type == "cuda":
             stats.peak_bytes = allocator.cuda_max_memory_allocated(self.device)
+            if getattr(session, "device_peak_bytes", None) is not None:
+                # the profiler restarted the peak at every op (Note [Memory the trace does not model])
+                stats.peak_bytes = max(stats.peak_bytes, session.device_peak_bytes)
         return stats
 
     def _warn_not_profiled(self, why):
@@ -928,6 +933,10 @@ class Run:
         if limited:
             notes.append(f"{counted(limited, 'offload')} stayed on the device: host_memory_limit "
                          f"({format_bytes(self.host.limit)}) was reached (Note [Host memory limit])")
+        if self.unmodeled_bytes_:
+            notes.append(f"the profiled step's allocator held {format_bytes(self.unmodeled_bytes_)} at its peak "
+                         "beyond the traced tensors (workspaces, allocator rounding, buffers inside ops); the trace "
+                         "and every plan count it (Note [Memory the trace does not model])")
         waits = sum(s.guard_waits for s in self.step_stats)
         if waits:
             released = sum(s.guard_releases for s in self.step_stats)

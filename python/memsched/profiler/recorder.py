@@ -185,6 +185,10 @@ class Recorder:
         self._held: Dict[int, None] = {}
         self._on_free: Callable = self._make_free_callback()
         self._stack_list = self.stack.stack if self.stack is not None else []
+        # Note [Memory the trace does not model] (unmodeled.py): the device allocator's peak around each
+        # op (op id -> bytes), when the session measures it (an accelerator, saves kept on the device).
+        self.counters = None
+        self.op_peaks: Dict[int, int] = {}
 
     # ---- storages ---------------------------------------------------------
     def _make_free_callback(self):
@@ -298,6 +302,9 @@ class Recorder:
             used.append(key)
             bytes_read += t.nbytes
             is_cuda = is_cuda or t.is_cuda
+        counters = self.counters  # Note [Memory the trace does not model] (unmodeled.py); None on CPU
+        if counters is not None:
+            counters.reset()
         if is_cuda:
             op_id = self.builder.num_ops
             token = self.timer.start(True)
@@ -307,6 +314,8 @@ class Recorder:
             t0 = _clock_ns()
             out = func(*args, **kwargs)
             duration_us = (_clock_ns() - t0) / 1000.0
+        if counters is not None:
+            self.op_peaks[self.builder.num_ops] = counters.peak()
         builder = self.builder
         if isinstance(out, torch.Tensor):
             # The common case, one Tensor out: the loop below, unrolled.

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from memsched.profiler.recorder import Recorder, RecordingMode
+from memsched.profiler.unmodeled import DeviceCounters, add_unmodeled
 
 
 def _device_of(model: Optional[torch.nn.Module]) -> str:
@@ -97,6 +98,8 @@ class ProfilerSession:
         self.device = str(device) if device is not None else _device_of(model)
         self.optimizer_steps = 0   # optimizer.step() calls seen while recording
         self.node_of_op = {}       # backward op id -> autograd node sequence offset, after stop()
+        self.unmodeled_bytes = 0   # after stop(): Note [Memory the trace does not model] (profiler/unmodeled.py)
+        self.device_peak_bytes = None  # after stop(), when the allocator's peak was read around each op
         self._rec: Optional[Recorder] = None
         self._mode: Optional[RecordingMode] = None
         self._exits: Optional[contextlib.ExitStack] = None
@@ -128,6 +131,7 @@ class ProfilerSession:
         modules, named_params, buffers = _walk(self.model) if self.model is not None else ([], [], [])
         if self.offload is None:
             rec = Recorder(self.model, self.device, named_params, modules)
+            rec.counters = DeviceCounters.for_device(self.device)  # Note [Memory the trace does not model]
         else:
             from memsched.profiler.offloaded_saves import OffloadingRecorder
             self.offload.begin_step()
@@ -197,4 +201,8 @@ class ProfilerSession:
             _register_optimizer_state(rec, self.optimizer, upgrade_only=True)
         rec.timer.resolve(rec.builder)
         self.node_of_op = rec.node_of_op  # Note [Backward node triggers] (csrc/torch/saved_tensor_path.cpp)
-        return rec.builder.finish()
+        trace = rec.builder.finish()
+        self.unmodeled_bytes = add_unmodeled(trace, rec.op_peaks)  # Note [Memory the trace does not model]
+        # the allocator's peak was restarted at every op: the step's is the largest of the ops'
+        self.device_peak_bytes = max(rec.op_peaks.values()) if rec.op_peaks else None
+        return trace
