@@ -406,6 +406,7 @@ class Run:
         if not self.entered_:
             raise RuntimeError("run.step(): call it inside `with memsched.optimize(...) as run:`")
         stats = self._finish_step()
+        self._check_budget_held(stats)
         self._optimizer_step()
         self._account_optimizer_state()
         if stats is not None:
@@ -425,6 +426,7 @@ class Run:
         if self.ooo_ is not None:
             self._check_framework_accumulation()
         stats = self._finish_step()
+        self._check_budget_held(stats)
         if self.ooo_ is None or self.ooo_._end_micro_step(False):  # the loop zeroes itself
             out = step(*args, **kwargs)
             loss = out if closure is None else loss
@@ -484,6 +486,41 @@ class Run:
                 self.not_profiled_why_ = ""
             return None
         return self.executor.end_step()
+
+    # Note [A budget the guard cannot meet]
+    #   Rationale: a budget is a promise; the memory guard (Note [Memory guard] in
+    #   csrc/torch/saved_tensor_offload.cpp) can only release copies in flight, so memory that no copy
+    #   holds -- parameters, gradients, optimizer state, what the plan keeps, workspaces -- can still
+    #   take a step over it. Training on silently over the budget would break the promise.
+    #   Approach: where the peak is the device allocator's (CUDA), the first planned step's measured
+    #   peak is compared with the budget before its update runs; more than 2% over raises a
+    #   MemschedError naming that peak as the least budget this step met. The update has not run, so
+    #   parameters and optimizer state are as before the step. Later steps are only reported.
+    #   Limitations: the first planned step stands for the others (a longer sequence later can still
+    #   go over; run.report() shows every step's peak).
+    def _measures_device_peak(self):
+        return self.device.type == "cuda"
+
+    def _check_budget_held(self, stats):
+        """Note [A budget the guard cannot meet]."""
+        if (stats is None or stats.mode != "planned" or self.steps_planned or self.budget_bytes is None
+                or not self._measures_device_peak()):
+            return
+        budget = self._budget_with_state()
+        if stats.peak_bytes <= budget * 1.02:
+            return
+        over = 100.0 * (stats.peak_bytes - budget) / budget
+        self.step_stats.append(stats)  # run.report() shows it; steps_planned stays 0, so the next step checks too
+        raise _C.MemschedError(
+            f"budget {self.budget_spec!r} ({format_bytes(budget)}): the first planned step peaked at "
+            f"{format_bytes(stats.peak_bytes)} of device memory ({over:.1f}% over; max_memory_allocated) "
+            + (f"although the memory guard released {counted(stats.guard_releases, 'copy', 'copies')} in flight"
+               if stats.guard_releases else "with no copy in flight for the memory guard to release")
+            + "; memory that no copy holds (parameters, gradients, optimizer state, what the plan keeps, workspaces) "
+            "needs more. "
+            f"The least budget this step met is {stats.peak_bytes} bytes ({format_bytes(stats.peak_bytes)}): raise "
+            "the budget to at least that. The optimizer update of this step did not run (Note [A budget the guard "
+            "cannot meet])")
 
     def _record_step(self, stats):
         """Book an executed step once its update ran."""
