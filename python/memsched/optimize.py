@@ -459,7 +459,7 @@ class Run:
             session, self.profile_ = self.profile_, None
             trace = session.stop()
             self.node_of_op_ = session.node_of_op
-            self.unmodeled_bytes_ = session.unmodeled_bytes  # Note [Memory the trace does not model]
+            self.unmodeled_bytes_ = getattr(session, "unmodeled_bytes", 0)  # Note [Memory the trace does not model]
             self.steps_profiled += 1
             # this trace holds the state that existed at its start; what the update will add is
             # predicted for the optimizers we know (Note [Optimizer state the profiled step did not see])
