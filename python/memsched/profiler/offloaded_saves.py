@@ -167,7 +167,14 @@ class OffloadedSaves:
         self.pending_ = []      # weakref.ref(_Slot) in state _RESIDENT, in save order
         self.resident_ = {}     # storage key -> bytes on the device (the measurement)
         self.current_ = 0       # SUM of resident_
+        self.full_ = {}         # storage key -> its bytes at its first save, while it lives
+        self.full_sum_ = 0      # SUM of full_
         self.deaths_ = {}       # storage key -> weakref whose callback ends its residence
+
+    def released_bytes(self):
+        """Bytes of saved storages alive but not on the device now: what a keep-all trace counts that
+        this step does not hold (Note [Memory the trace does not model] in unmodeled.py)."""
+        return self.full_sum_ - self.current_
 
     def end_step(self):
         """The step's figures (no wait: copies in flight keep what they read)."""
@@ -196,13 +203,16 @@ class OffloadedSaves:
         if self.current_ > self.stats.activation_peak_bytes:
             self.stats.activation_peak_bytes = self.current_
         if first and key not in self.deaths_:
-            resident, deaths = self.resident_, self.deaths_
+            resident, deaths, full = self.resident_, self.deaths_, self.full_
+            full[key] = nbytes
+            self.full_sum_ += nbytes
 
             def died(ref, key=key):
                 if deaths.get(key) is ref:  # the address may be reused at once: forget the key
                     del deaths[key]
                     self.kept_.discard(key)
                     self.current_ -= resident.pop(key, 0)
+                    self.full_sum_ -= full.pop(key, 0)
 
             self.deaths_[key] = weakref.ref(storage, died)
 
@@ -323,6 +333,7 @@ class OffloadingRecorder(Recorder):
         self.saves = saves
         saves.on_new_slot = self._track_slot
         self.held_slots_ = []  # weakref.ref(_Slot) checked before each forward op (Note [Held outside the graph])
+        self.off_device = saves.released_bytes  # Note [Memory the trace does not model]
 
     def _track_slot(self, slot):
         self.held_slots_.append(weakref.ref(slot))

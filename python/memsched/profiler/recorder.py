@@ -189,6 +189,10 @@ class Recorder:
         # op (op id -> bytes), when the session measures it (an accelerator, saves kept on the device).
         self.counters = None
         self.op_peaks: Dict[int, int] = {}
+        # the traced bytes the step held off the device during each op (op id -> bytes; a profile with
+        # its saves offloaded sets off_device, which tells them)
+        self.off_device: Optional[Callable[[], int]] = None
+        self.op_off_device: Dict[int, int] = {}
 
     # ---- storages ---------------------------------------------------------
     def _make_free_callback(self):
@@ -305,6 +309,8 @@ class Recorder:
         counters = self.counters  # Note [Memory the trace does not model] (unmodeled.py); None on CPU
         if counters is not None:
             counters.reset()
+            if self.off_device is not None:
+                self.op_off_device[self.builder.num_ops] = self.off_device()
         if is_cuda:
             op_id = self.builder.num_ops
             token = self.timer.start(True)

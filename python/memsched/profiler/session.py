@@ -136,6 +136,7 @@ class ProfilerSession:
             from memsched.profiler.offloaded_saves import OffloadingRecorder
             self.offload.begin_step()
             rec = OffloadingRecorder(self.model, self.device, named_params, modules, saves=self.offload)
+            rec.counters = DeviceCounters.for_device(self.device)  # Note [Memory the trace does not model]
         params = self._params(named_params)
         exits = contextlib.ExitStack()
         try:
@@ -202,7 +203,7 @@ class ProfilerSession:
         rec.timer.resolve(rec.builder)
         self.node_of_op = rec.node_of_op  # Note [Backward node triggers] (csrc/torch/saved_tensor_path.cpp)
         trace = rec.builder.finish()
-        self.unmodeled_bytes = add_unmodeled(trace, rec.op_peaks)  # Note [Memory the trace does not model]
+        self.unmodeled_bytes = add_unmodeled(trace, rec.op_peaks, rec.op_off_device)  # Note [Memory the trace does not model]
         # the allocator's peak was restarted at every op: the step's is the largest of the ops'
         self.device_peak_bytes = max(rec.op_peaks.values()) if rec.op_peaks else None
         return trace

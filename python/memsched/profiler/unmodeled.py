@@ -17,12 +17,15 @@ Note [Memory the trace does not model]
   that exceeds kMinExtraBytes, alive during that op only. Planners and the simulator count them like
   any other memory, so keep_all's simulated peak is the profiled step's measured peak and a plan's
   memory includes what the device adds (run.report() states the unmodeled bytes at the peak).
+  A step profiled with its saves offloaded (profile="offload", Note [Profiling with saved
+  activations offloaded]) holds less than keep_all: the bytes of saved storages it has released
+  (copied to the host, alive in the trace) are read at each op's start and taken off keep_all's
+  modelled memory before the subtraction.
   Limitations: op granularity: a workspace an op frees before it returns counts for the whole op.
   The profiled step restarts the allocator's peak at every op, so torch.cuda.max_memory_allocated()
   read after it covers only its last op; ProfilerSession.device_peak_bytes has the step's.
-  A step profiled with its saves offloaded (profile="offload") is not corrected: its measured
-  memory is not keep_all's. Rounding is charged to the step, not to each tensor, so a plan that
-  offloads many tensors frees slightly more than it is credited with.
+  Rounding is charged to the step, not to each tensor, so a plan that offloads many tensors frees
+  slightly more than it is credited with.
 """
 from __future__ import annotations
 
@@ -62,17 +65,20 @@ class DeviceCounters:
         return cls(d)
 
 
-def add_unmodeled(trace, op_peaks: Dict[int, int]) -> int:
+def add_unmodeled(trace, op_peaks: Dict[int, int], off_device: Optional[Dict[int, int]] = None) -> int:
     """Add the memory `op_peaks` (op id -> allocator peak during that op) shows beyond keep_all's
     modelled memory to `trace` as temporaries; returns the bytes added at the op of the step's measured
-    peak (0 when nothing was added). See Note [Memory the trace does not model]."""
+    peak (0 when nothing was added). off_device (op id -> bytes): traced storages the step held off the
+    device during that op (a profile with its saves offloaded), which keep_all counts and the allocator
+    did not. See Note [Memory the trace does not model]."""
     ops = len(trace.ops)
     if not op_peaks or ops == 0:
         return 0
     import memsched  # planning imports the profiler package
 
     modelled = _C.modelled_memory(trace, memsched.plan(trace, planner="keep_all"))
-    extra = {i: op_peaks[i] - modelled[i] for i in op_peaks if 0 <= i < len(modelled)}
+    off = off_device or {}
+    extra = {i: op_peaks[i] - (modelled[i] - off.get(i, 0)) for i in op_peaks if 0 <= i < len(modelled)}
     if not extra:
         return 0
     base = max(min(extra.values()), 0)

@@ -68,6 +68,37 @@ def test_small_or_negative_remainders_add_nothing():
     assert add_unmodeled(trace, {}) == 0
 
 
+def test_offloaded_profiles_subtract_what_they_held_on_the_host():
+    trace = _trace()
+    modelled = _keep_all_curve(trace)
+    # a profile with its saves offloaded: act:0 (64 MiB) was on the host during ops 2-4
+    off = {i: (64 * MiB if 2 <= i <= 4 else 0) for i in range(len(modelled))}
+    measured = {i: b - off[i] + 40 * MiB for i, b in enumerate(modelled)}
+    add_unmodeled(trace, measured, off)
+    # what the allocator held beyond the traced tensors is the 40 MiB alone: keep_all gains exactly that
+    assert _keep_all_curve(trace) == [b + 40 * MiB for b in modelled]
+
+
+def test_released_bytes_are_the_saves_an_offloaded_profile_holds_on_the_host():
+    from memsched.offload.host_buffers import HostBuffers
+    from memsched.profiler.offloaded_saves import OffloadedSaves
+    from memsched.profiler.session import ProfilerSession
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    saves = OffloadedSaves("cpu", HostBuffers(pinned=False), 0)
+    session = ProfilerSession(model, None, "cpu", offload=saves).start()
+    loss = model(x).sum()
+    loss = loss * 1.0  # one more recorded op: the release after the last forward save
+    after_forward = saves.released_bytes()
+    loss.backward()
+    after_backward = saves.released_bytes()
+    session.stop()
+    # the two Tanh outputs (32 x 256 floats each) went to the host; backward grew both back
+    assert saves.stats.offloaded == 2 and after_forward == saves.stats.offloaded_bytes == 2 * 32 * 256 * 4
+    assert after_backward == 0
+
+
 def test_cpu_profiles_measure_nothing_from_an_allocator():
     assert DeviceCounters.for_device("cpu") is None
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
