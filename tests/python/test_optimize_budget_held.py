@@ -10,9 +10,11 @@ import memsched
 from memsched.optimize import optimize
 
 
-def _model():
+def _setup():
+    """(model, optimizer, batch)"""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(64, 32)
 
 
 def _peaks_at(monkeypatch, run, fraction_of_budget):
@@ -29,9 +31,7 @@ def _peaks_at(monkeypatch, run, fraction_of_budget):
 
 
 def test_first_planned_step_over_the_budget_raises_before_its_update(monkeypatch):
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(64, 32)
+    model, opt, x = _setup()
     with optimize(model, opt, budget=0.7, planner="dp") as run:
         model(x).sum().backward()
         run.step()  # profiled and planned
@@ -48,9 +48,7 @@ def test_first_planned_step_over_the_budget_raises_before_its_update(monkeypatch
 
 
 def test_a_step_within_two_percent_trains_on(monkeypatch):
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(64, 32)
+    model, opt, x = _setup()
     with optimize(model, opt, budget=0.7, planner="dp") as run:
         model(x).sum().backward()
         run.step()
@@ -64,9 +62,7 @@ def test_a_step_within_two_percent_trains_on(monkeypatch):
 
 
 def test_cpu_runs_are_not_checked_against_an_allocator_peak():
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(64, 32)
+    model, opt, x = _setup()
     with optimize(model, opt, budget=0.7, planner="dp") as run:
         assert not run._measures_device_peak()
         for _ in range(2):
