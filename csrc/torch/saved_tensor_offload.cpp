@@ -344,7 +344,9 @@ void SavedTensorPath::issue_copies() {
   std::vector<std::shared_ptr<CopyTicket>> tickets;
   {
     HiddenFromModes hidden;
-    tickets = engine_->offload_many(flats);
+    // Copies on the compute stream (offload_all_sync) read their sources in stream order: the blocks
+    // may go back to the allocator at once, as save_on_cpu's do (Note [Offload copy ordering]).
+    tickets = engine_->offload_many(flats, /*hold=*/!engine_->on_compute_stream);
   }
   for (size_t i = 0; i < queued.size(); ++i) queued[i].first->d2h = std::move(tickets[i]);
   need_poll = engine_->pending_count() > 0;
