@@ -168,10 +168,10 @@ Note [Gradients the fused update did not see]
   model (a learned temperature used in the loss) that hold a .grad are stepped in the same place:
   run.step() skips optimizer.step() after a fused update, so they were never stepped.
   Limitations: zero_grad of an optimizer or module subclass that does not call torch's is not seen
-  (the next backward is refused). Under DDP with several processes a parameter that this rank did
-  not reach and whose .grad is None is not given the other ranks' reduced gradient (plain DDP with
-  find_unused_parameters=True creates its .grad). Under memsched's DDP bucket reducer the
-  optimizer's parameters outside the model are not stepped.
+  (the next backward is refused). Under DDP with several processes, a parameter that this rank did
+  not reach and whose .grad is None gets the other ranks' reduced gradient, as under plain DDP
+  (ooo/ddp.py, "Unused parameters"). Under memsched's DDP bucket reducer the optimizer's parameters
+  outside the model are not stepped.
 
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function

@@ -21,10 +21,17 @@ Note [DDP and deferred weight gradients]
   rank (collectives must match across ranks); results are copied back into
   ``param.grad``. Gradient accumulation: only the last micro-step reduces,
   as DDP does under ``no_sync()`` for the others.
+  Unused parameters: a parameter whose ``.grad`` is None on this rank (no pass
+  reached it since zero_grad(set_to_none=True)) is reduced as zeros. Plain DDP
+  (find_unused_parameters=True) gives it the reduced gradient when any rank used
+  it, and leaves it None when none did; so each bucket carries one flag per
+  parameter after its gradients (1/world_size where .grad is defined), summed by
+  the same all-reduce, and a None ``.grad`` whose flag came back non-zero gets
+  the reduced gradient -- every rank then steps it alike, as under plain DDP.
+  Only a bucket holding such a parameter reads its flags on the host.
   Limitations: module buffers are broadcast only at DDP's first forward (as
-  under no_sync); a parameter unused in an iteration is reduced as zeros and
-  its ``.grad`` stays None on ranks that had none; sparse gradients and comm
-  hooks registered on the DDP module are not used.
+  under no_sync); sparse gradients and comm hooks registered on the DDP module
+  are not used.
 """
 from __future__ import annotations
 
@@ -92,6 +99,9 @@ class BucketReducer:
             p = self.params[i]
             parts.append(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype,
                                                                                       device=p.device))
+        # one flag per parameter: used (a defined .grad) on some rank (Unused parameters, in the Note)
+        parts.append(torch.tensor([float(self.params[i].grad is not None) for i in ids], dtype=parts[0].dtype,
+                                  device=parts[0].device))
         flat = torch.cat(parts)
         flat.div_(self.world_size)
         self.trace.append(("allreduce_start", b, time.perf_counter()))
@@ -102,13 +112,20 @@ class BucketReducer:
         work, flat = self._works.pop(b)
         work.wait()
         self.trace.append(("allreduce_done", b, time.perf_counter()))
-        offset = 0
         ids = self.buckets[b]
-        for i in ids:
+        flags = flat[flat.numel() - len(ids):]
+        used = None  # read on the host only for a bucket with a parameter this rank did not reach
+        offset = 0
+        for j, i in enumerate(ids):
             p = self.params[i]
             n = p.numel()
             if p.grad is not None:
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            else:
+                if used is None:
+                    used = flags.tolist()
+                if used[j] > 0:  # another rank used it: plain DDP assigns the reduced gradient
+                    p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
         return ids
 
