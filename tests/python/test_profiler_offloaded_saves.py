@@ -154,9 +154,12 @@ def test_offloaded_profile_records_the_keep_all_trace_with_plain_gradients(name)
     # in backward -- a reentrant checkpoint's recompute -- stay, as the Note says).
     acts = [t for t in off.tensors if t.kind == "activation"]
     made = [t for t in acts if t.producer_op >= 0 and off.ops[t.producer_op].phase == "forward"]
+    # torch 2.11's non-reentrant checkpoint also saves a 0-element dummy (gone in 2.14): nothing to offload, kept.
+    empty = [t for t in made if t.bytes == 0]
+    made = [t for t in made if t.bytes > 0]
     st = off_session.offload.stats
     assert len(acts) > 0 and st.mode == "offload"
-    assert (st.offloaded, st.kept, st.host_limited) == (len(made), 0, 0)
+    assert (st.offloaded, st.kept, st.host_limited) == (len(made), len(empty), 0)
     assert st.offloaded_bytes == sum(t.bytes for t in made) == st.d2h_bytes
     assert st.fetched == len([t for t in made if any(off.ops[u].phase == "backward" for u in t.uses)])
     assert st.activation_peak_bytes < max(planned_activation_curve(keep, None))

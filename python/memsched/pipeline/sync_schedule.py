@@ -58,6 +58,20 @@ def stages_of_rank(schedule: str, rank: int, world: int, num_stages: int) -> Lis
     return list(range(rank, num_stages, world))
 
 
+def _skip_p2p_warmup_with_self(stage) -> None:
+    """torch 2.11's schedules warm up p2p with each neighbour stage, also one on the same rank (zbv's V,
+    or interleaving on one process), and gloo refuses a send to itself ('Pair is not connected'); torch 2.14
+    no longer calls this for a PipelineStage. Same-rank neighbours exchange nothing over p2p afterwards."""
+    warmup = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if warmup is None:
+        return
+
+    def without_self():
+        return [op for op in warmup() if getattr(op, "group_peer", None) != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = without_self
+
+
 class SyncRunner:
     def __init__(self, stage_modules: List[nn.Module], stage_indices: List[int], num_stages: int,
                  optimizer: torch.optim.Optimizer, loss_fn: Callable, device: torch.device, schedule: str,
@@ -77,6 +91,8 @@ class SyncRunner:
         self.device = device
         self.stages = [PipelineStage(m, i, num_stages, device, group=group)
                        for m, i in zip(stage_modules, stage_indices)]
+        for stage in self.stages:
+            _skip_p2p_warmup_with_self(stage)
         self.is_first = 0 in stage_indices
         self.is_last = num_stages - 1 in stage_indices
         self.n_microbatches = n_microbatches
