@@ -212,6 +212,7 @@ std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vec
     return tickets;
   }
   const c10::Stream stream = on_compute_stream ? compute_stream() : *d2h_stream_;
+  const c10::Stream compute = compute_stream();  // where the sources were allocated (and are used)
   wait_for_compute(stream);  // one event for every save issued together
   c10::StreamGuard guard(stream);
   for (const at::Tensor& src : sources) {
@@ -220,7 +221,7 @@ std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vec
     t->dst = host_->empty_bytes(t->nbytes);
     copy_on(stream, *t, src);
     // WARNING: src is read on the D2H stream: keep it until `done` (Note [Offload copy ordering]).
-    d2h_pending_.push_back({t, t->done, hold ? src : at::Tensor(), t->dst});
+    d2h_pending_.push_back({t, t->done, hold ? src : at::Tensor(), t->dst, compute});
     tickets.push_back(std::move(t));
   }
   return tickets;
@@ -246,12 +247,13 @@ std::shared_ptr<CopyTicket> CopyEngine::fetch_into(const at::Tensor& dst, const 
     return t;
   }
   const c10::Stream stream = on_compute_stream ? compute_stream() : *h2d_stream_;
+  const c10::Stream compute = compute_stream();  // where dst was allocated
   wait_for_compute(stream);  // dst was allocated on the compute stream
   c10::StreamGuard guard(stream);
   if (after != nullptr && after->done != nullptr) after->done->block(stream);
   copy_on(stream, *t, host);
   // WARNING: host is read on the H2D stream: keep it until `done`.
-  h2d_pending_.push_back({t, t->done, host, t->dst});
+  h2d_pending_.push_back({t, t->done, host, t->dst, compute});
   return t;
 }
 
@@ -266,9 +268,10 @@ bool CopyEngine::wait(const CopyTicket& ticket) {
   log_->stalls.emplace_back(std::move(before), std::move(after));
   if (!ticket.d2h) {
     // See Note [Releases in stream order]: every later use and free of the fetched block is ordered
-    // after the copy now, so the engine need not keep it until the host sees the copy complete.
+    // after the copy now, so the engine need not keep it until the host sees the copy complete --
+    // when the stream that waited is the one the block was allocated on (its pool's stream).
     for (Pending& p : h2d_pending_) {
-      if (p.ticket.get() != &ticket) continue;
+      if (p.ticket.get() != &ticket || p.compute != compute) continue;
       p.dst = at::Tensor();
       p.ticket.reset();  // the ticket holds the block too; the entry keeps only its event
       p.released = true;
@@ -287,22 +290,26 @@ void CopyEngine::poll() {
 std::pair<int64_t, int64_t> CopyEngine::release_in_stream_order(int64_t bytes) {
   // See Note [Releases in stream order].
   if (!accel_ || on_compute_stream || bytes <= 0) return {0, 0};
+  const c10::Stream compute = compute_stream();
+  // Only what goes back to the allocator now: a hold that is its storage's last reference, on a block
+  // of the stream that will wait (a block returns to the pool of the stream it was allocated on).
+  auto frees = [&](const Pending& p) {
+    return !p.released && p.source.defined() && p.compute == compute && p.source.storage().use_count() == 1;
+  };
   int64_t copies = 0;
   int64_t freed = 0;
   const CopyTicket* newest = nullptr;
   auto end = d2h_pending_.begin();
   for (; end != d2h_pending_.end() && freed < bytes; ++end) {
-    if (end->released || !end->source.defined()) continue;
+    if (!frees(*end)) continue;
     ++copies;
     newest = end->ticket.get();
-    // The block goes back to the allocator only when this hold is the storage's last reference.
-    const c10::Storage& storage = end->source.storage();
-    if (storage.use_count() == 1) freed += static_cast<int64_t>(storage.nbytes());
+    freed += static_cast<int64_t>(end->source.storage().nbytes());
   }
   if (newest == nullptr) return {0, 0};
   wait(*newest);  // the D2H stream runs its copies in order: this wait covers the older ones
   for (auto p = d2h_pending_.begin(); p != end; ++p) {
-    if (p->released || !p->source.defined()) continue;
+    if (!frees(*p)) continue;
     p->source = at::Tensor();
     p->released = true;
   }

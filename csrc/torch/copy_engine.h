@@ -36,7 +36,10 @@
 //   plain on an H100).
 //   Approach: release_in_stream_order(bytes) makes the compute stream wait for the done-event of
 //   the newest of the oldest pending D2H copies that cover `bytes` (copies on one stream finish in
-//   order, so one wait covers every earlier one), then drops their sources at once. The
+//   order, so one wait covers every earlier one), then drops their sources at once. It counts and
+//   drops only holds that free a block now: the storage's last reference, allocated on the stream
+//   that waits (the caching allocator returns a block to its allocation stream's pool, so a wait on
+//   another stream would order nothing); others stay until poll() sees their copy complete. The
 //   allocator may hand a dropped block to the next compute-stream allocation: every kernel that
 //   writes it runs after that wait, i.e. after the copy read it -- the ordering record_stream
 //   would give, without waiting for the host to notice. The entry stays in the queue (the host
@@ -179,6 +182,7 @@ class CopyEngine {
     PooledEvent done;             // the ticket's done-event: what poll() waits for
     at::Tensor source;            // read by the copy: kept until ticket->done (undefined: hold=false)
     at::Tensor dst;               // written by the copy: kept until ticket->done, even if the ticket dies
+    c10::Stream compute;          // the compute stream when issued: where the device tensor was allocated
     bool released = false;        // device tensor dropped after a compute-stream wait (Note [Releases in stream order])
   };
   c10::Stream compute_stream() const;

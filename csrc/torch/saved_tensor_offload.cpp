@@ -162,10 +162,13 @@ void SavedTensorPath::set_recompute(const py::iterable& ordinals) {
 //   must not silently go over it.
 //   Approach: while D2H copies are in flight, the first save of each activation (after its op has
 //   allocated) reads the device allocator's count of allocated bytes -- a host-side counter, no
-//   synchronisation -- and adds the headroom the trace gives that ordinal: the most bytes one op
-//   allocates between it and the next activation's producer (offload/guard.py). Above the budget,
-//   the oldest copies in flight are released in stream order until the excess is covered: the
-//   compute stream waits for them, their blocks are free for the next allocation. Each such wait
+//   synchronisation -- and adds the headroom the trace gives that ordinal: how far memory grows
+//   between it and the next activation's producer (offload/guard.py). In backward the same check
+//   runs before every fetch (prefetch or on demand) with the fetched bytes as headroom: copies the
+//   forward did not need to release still hold their blocks there while gradients and fetched
+//   copies accumulate. Above the budget, the oldest copies in flight are released in stream order
+//   until the excess is covered: the compute stream waits for them, their blocks are free for the
+//   next allocation (a fetch's H2D copy waits for its own D2H copy anyway). Each such wait
 //   is counted (guard_waits, guard_releases, guard_released_bytes in offload_counters) and timed
 //   as a stall; run.report() shows them. With memsched's allocator installed its count comes from
 //   the shim (memsched_allocated_bytes), since torch's pluggable allocator keeps no statistics.
@@ -197,9 +200,12 @@ int64_t SavedTensorPath::allocated_bytes() const {
 }
 
 void SavedTensorPath::guard_memory(int64_t k) {
+  guard_for(k < static_cast<int64_t>(guard_headroom_.size()) ? guard_headroom_[static_cast<size_t>(k)] : 0);
+}
+
+void SavedTensorPath::guard_for(int64_t headroom) {
   // See Note [Memory guard].
-  if (engine_ == nullptr) return;
-  const int64_t headroom = k < static_cast<int64_t>(guard_headroom_.size()) ? guard_headroom_[static_cast<size_t>(k)] : 0;
+  if (engine_ == nullptr || engine_->pending_count() == 0) return;
   int64_t allocated = 0;
   try {
     allocated = allocated_bytes();
@@ -368,6 +374,7 @@ void SavedTensorPath::fire(int64_t op, int64_t fired_upto_before) {
       if (first == nullptr) continue;
       auto fetch = [&](OffloadHandle& h) {
         if (h.h2d != nullptr || h.device_bytes.defined() || h.d2h == nullptr) return;
+        if (guard_budget_ > 0) guard_for(h.nbytes);  // See Note [Memory guard]: before it allocates
         h.h2d = engine_->fetch(h.d2h->dst, h.d2h);
         track(h.h2d->dst);
         ++counters.prefetched;
@@ -392,6 +399,7 @@ void SavedTensorPath::materialize(OffloadHandle& h) {
     MEMSCHED_CHECK(h.d2h != nullptr, "memsched: the host copy of saved activation ", h.label,
                    " was never issued (its step was abandoned)");
     const auto start = std::chrono::steady_clock::now();
+    if (guard_budget_ > 0) guard_for(h.nbytes);  // See Note [Memory guard]: before it allocates
     {
       HiddenFromModes hidden;
       ticket = engine_->fetch(h.d2h->dst, h.d2h);

@@ -165,7 +165,8 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   PyObject* pack_saved(PyObject* obj, const at::Tensor& t);  // pack()'s work for a save of a step (throws)
   void check_label(int64_t ordinal, bool has_storage);
   void poll_copies();                        // need_poll: release what completed copies held
-  void guard_memory(int64_t ordinal);        // See Note [Memory guard]
+  void guard_memory(int64_t ordinal);        // See Note [Memory guard]: at an activation's first save
+  void guard_for(int64_t headroom);          // the check itself: allocated + headroom against the budget
   bool planned(int64_t ordinal) const {
     return has_schedule_ && ordinal >= 0 && ordinal < static_cast<int64_t>(planned_.size()) &&
            planned_[static_cast<size_t>(ordinal)];

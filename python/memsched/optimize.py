@@ -472,8 +472,7 @@ class Run:
                 # dropped (set to None, as run.step() leaves them after every step), so a retry with
                 # the budget the error names trains as plain PyTorch would. The next step is profiled
                 # again -- and refused again -- rather than run plainly without a word.
-                if self.optimizer is not None:
-                    self.optimizer.zero_grad(set_to_none=True)
+                self._drop_gradients()
                 self._start_profiling()
                 raise
             self.state_check_ = self.state_at_profile_
@@ -498,6 +497,14 @@ class Run:
     #   parameters and optimizer state are as before the step. Later steps are only reported.
     #   Limitations: the first planned step stands for the others (a longer sequence later can still
     #   go over; run.report() shows every step's peak).
+    def _drop_gradients(self):
+        """A refused step's gradients go (set to None, as run.step() leaves them after every step), so a
+        retry with the budget the error names trains as plain PyTorch would."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad(set_to_none=True)
+
     def _measures_device_peak(self):
         return self.device.type == "cuda"
 
@@ -510,17 +517,23 @@ class Run:
         if stats.peak_bytes <= budget * 1.02:
             return
         over = 100.0 * (stats.peak_bytes - budget) / budget
+        what = (f"budget {self.budget_spec!r} ({format_bytes(budget)}): the first planned step peaked at "
+                f"{format_bytes(stats.peak_bytes)} of device memory ({over:.1f}% over; max_memory_allocated) "
+                + (f"although the memory guard released {counted(stats.guard_releases, 'copy', 'copies')} in flight"
+                   if stats.guard_releases else "with no copy in flight for the memory guard to release")
+                + "; memory that no copy holds (parameters, gradients, optimizer state, what the plan keeps, "
+                f"workspaces) needs more. The least budget this step met is {stats.peak_bytes} bytes "
+                f"({format_bytes(stats.peak_bytes)}): raise the budget to at least that")
+        if self.ooo_ is not None:
+            # out-of-order backward has updated (fused) or counts this step already: warn, train on
+            warnings.warn(f"memsched.optimize: {what} (Note [A budget the guard cannot meet])", RuntimeWarning,
+                          stacklevel=_user_stacklevel())
+            return
         self.step_stats.append(stats)  # run.report() shows it; steps_planned stays 0, so the next step checks too
-        raise _C.MemschedError(
-            f"budget {self.budget_spec!r} ({format_bytes(budget)}): the first planned step peaked at "
-            f"{format_bytes(stats.peak_bytes)} of device memory ({over:.1f}% over; max_memory_allocated) "
-            + (f"although the memory guard released {counted(stats.guard_releases, 'copy', 'copies')} in flight"
-               if stats.guard_releases else "with no copy in flight for the memory guard to release")
-            + "; memory that no copy holds (parameters, gradients, optimizer state, what the plan keeps, workspaces) "
-            "needs more. "
-            f"The least budget this step met is {stats.peak_bytes} bytes ({format_bytes(stats.peak_bytes)}): raise "
-            "the budget to at least that. The optimizer update of this step did not run (Note [A budget the guard "
-            "cannot meet])")
+        # as a refused plan does: the step's gradients are dropped, so a retry trains as plain PyTorch
+        self._drop_gradients()
+        raise _C.MemschedError(f"{what}. The optimizer update of this step did not run and its gradients were "
+                               "dropped (Note [A budget the guard cannot meet])")
 
     def _record_step(self, stats):
         """Book an executed step once its update ran."""
@@ -737,11 +750,15 @@ class Run:
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)
-        # See Note [Memory guard] (csrc/torch/saved_tensor_offload.cpp); accelerators only.
+        self._arm_memory_guard(trace)
+        self.executor.active = True
+
+    def _arm_memory_guard(self, trace):
+        """The executor's memory guard at the step's budget, optimizer state included (Note [Memory guard]
+        in csrc/torch/saved_tensor_offload.cpp); accelerators only, off without a plan or a budget."""
         guarded = self.plan is not None and self.budget_bytes is not None
         self.executor.set_memory_guard(self._budget_with_state() if guarded else None,
                                        guard_headroom(trace) if guarded else ())
-        self.executor.active = True
 
     def _resolve_budget(self, trace):
         """(budget_bytes or None, planner name or None for keep everything). See Note [Budgets]."""
@@ -819,7 +836,9 @@ class Run:
             return  # as predicted before the update (the usual case)
         self.optimizer_state_extra_ = extra
         if isinstance(self.budget_spec, float):
-            return  # a fraction's byte budget comes from the same trace: unchanged
+            # a fraction's byte budget comes from the same trace: unchanged; the guard's, with the state, not
+            self._arm_memory_guard(self.trace)
+            return
         try:
             self._adopt_trace(self.trace)
         except BaseException:

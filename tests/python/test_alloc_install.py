@@ -322,7 +322,7 @@ def test_optimize_trains_under_the_installed_allocator():
         model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
         opt = torch.optim.AdamW(model.parameters())
         x = torch.randn(64, 256, device="cuda")
-        with memsched.optimize(model, opt, budget=0.5, planner="offload_all_prefetch") as run:
+        with memsched.optimize(model, opt, budget=1.0, planner="offload_all_prefetch") as run:  # offloads all
             for _ in range(3):
                 model(x).square().mean().backward()
                 run.step()

@@ -12,7 +12,7 @@ import torch.nn as nn
 from memsched.optimize import optimize
 from offload_standins import install_standins
 
-pytestmark = pytest.mark.requires_cuda
+pytestmark = [pytest.mark.requires_cuda, pytest.mark.usefixtures("unchecked_budget")]
 
 
 class Deep(nn.Module):

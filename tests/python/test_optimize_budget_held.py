@@ -42,8 +42,9 @@ def test_first_planned_step_over_the_budget_raises_before_its_update(monkeypatch
             run.step()
         least = int(err.value.args[0].split("The least budget this step met is ")[1].split(" ")[0])
         assert least == int(run._budget_with_state() * 1.10)
-        assert "10.0% over" in str(err.value) and "did not run" in str(err.value)
+        assert "10.0% over" in str(err.value) and "did not run and its gradients were dropped" in str(err.value)
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), "the update ran"
+        assert all(p.grad is None for p in model.parameters()), "a retry would add to this step's gradients"
         assert run.step_stats[-1].peak_bytes == least  # run.report() shows the step
 
 
@@ -59,6 +60,22 @@ def test_a_step_within_two_percent_trains_on(monkeypatch):
             run.step()
         assert run.steps_planned == 2
         assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_with_out_of_order_backward_it_warns_and_trains_on(monkeypatch):
+    """The fused update ran during backward (and ooo counts the step): refusing after it would leave
+    a half-done step, so the same figures come as a warning."""
+    model, opt, x = _setup()
+    with optimize(model, opt, budget=0.7, planner="dp", fuse_optimizer=True) as run:
+        model(x).sum().backward()
+        run.step()
+        _peaks_at(monkeypatch, run, 1.10)
+        model(x).sum().backward()
+        with pytest.warns(RuntimeWarning, match="The least budget this step met is"):
+            run.step()
+        model(x).sum().backward()
+        run.step()
+        assert run.steps_planned == 2
 
 
 def test_cpu_runs_are_not_checked_against_an_allocator_peak():

@@ -165,7 +165,7 @@ def test_the_report_says_when_the_profiled_step_went_over_the_budget(profile):
 
 
 @pytest.mark.requires_cuda
-def test_cuda_a_byte_budget_profiles_with_less_device_memory_and_trains_as_plain():
+def test_cuda_a_byte_budget_profiles_with_less_device_memory_and_trains_as_plain(unchecked_budget):
     """On CUDA: the profiled step's max_memory_allocated under profile="auto" with a byte budget is
     below the keep-all profiled step's, and training stays plain PyTorch's bit for bit."""
     def train(options, steps=3):

@@ -295,7 +295,7 @@ class Wide(nn.Module):
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("planner", ["offload_all_prefetch", "dp"])
 @pytest.mark.parametrize("ooo", [False, True])
-def test_cuda_out_of_memory_inside_a_step_returns_the_memory_and_a_smaller_batch_trains(planner, ooo):
+def test_cuda_out_of_memory_inside_a_step_returns_the_memory_and_a_smaller_batch_trains(planner, ooo, unchecked_budget):
     # An index: set_per_process_memory_fraction raises ValueError for torch.device("cuda") (no index).
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.empty_cache()

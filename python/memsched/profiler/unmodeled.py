@@ -58,11 +58,19 @@ class DeviceCounters:
 
     @classmethod
     def for_device(cls, device) -> Optional["DeviceCounters"]:
-        """Counters for a CUDA device; None elsewhere (CPU memory is measured by the executor's count)."""
+        """Counters for a CUDA device; None elsewhere (CPU memory is measured by the executor's count),
+        and None where the allocator keeps no statistics (another pluggable allocator than memsched's:
+        torch's CUDAPluggableAllocator raises from getDeviceStats): the trace is then not corrected."""
         d = torch.device(device)
         if d.type != "cuda" or not torch.cuda.is_available():
             return None
-        return cls(d)
+        counters = cls(d)
+        try:
+            counters.reset()
+            counters.peak()
+        except Exception:
+            return None
+        return counters
 
 
 def add_unmodeled(trace, op_peaks: Dict[int, int], off_device: Optional[Dict[int, int]] = None) -> int:
@@ -84,11 +92,12 @@ def add_unmodeled(trace, op_peaks: Dict[int, int], off_device: Optional[Dict[int
     base = max(min(extra.values()), 0)
     last = ops - 1
     if base > 0:
-        trace.add_tensor(base, "uint8", "temporary", -1, [last], last, f"{UNMODELED_LABEL}:step")
+        # no uses: an op's inputs are what a recompute chain must recreate (csrc/core/recompute.cpp)
+        trace.add_tensor(base, "uint8", "temporary", -1, [], last, f"{UNMODELED_LABEL}:step")
     for i in sorted(extra):
         rest = extra[i] - base
         if rest >= kMinExtraBytes:
-            trace.add_tensor(rest, "uint8", "temporary", i, [i], i, f"{UNMODELED_LABEL}:op{i}")
+            trace.add_tensor(rest, "uint8", "temporary", i, [], i, f"{UNMODELED_LABEL}:op{i}")
     peak_op = max(op_peaks, key=lambda i: op_peaks[i])
     rest = extra.get(peak_op, 0) - base
     return base + (rest if rest >= kMinExtraBytes else 0)

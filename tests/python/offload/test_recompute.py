@@ -258,7 +258,7 @@ def test_saves_of_one_recomputed_storage_keep_their_own_view(monkeypatch):
 
 
 @pytest.mark.requires_cuda
-def test_cuda_recompute_is_bitwise_and_never_waits_for_the_gpu():
+def test_cuda_recompute_is_bitwise_and_never_waits_for_the_gpu(unchecked_budget):
     """On a GPU: dropout masks replay from the CUDA generator's (seed, offset), BatchNorm replays into
     copies of its statistics, and a recomputing step issues no synchronising CUDA call."""
     class Net(nn.Module):

@@ -99,6 +99,20 @@ def test_released_bytes_are_the_saves_an_offloaded_profile_holds_on_the_host():
     assert after_backward == 0
 
 
+def test_an_allocator_without_statistics_leaves_the_trace_uncorrected(monkeypatch):
+    """torch's CUDAPluggableAllocator (another allocator than memsched's) raises from getDeviceStats and
+    resetPeakStats: profiling must not fail on every op for it."""
+    import memsched.profiler.unmodeled as unmodeled
+
+    def refuse(device):
+        raise RuntimeError("CUDAPluggableAllocator does not yet support resetPeakStats")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(unmodeled.allocator, "is_installed", lambda: False)
+    monkeypatch.setattr(unmodeled._C, "reset_device_peak", refuse)
+    assert DeviceCounters.for_device("cuda:0") is None
+
+
 def test_cpu_profiles_measure_nothing_from_an_allocator():
     assert DeviceCounters.for_device("cpu") is None
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
