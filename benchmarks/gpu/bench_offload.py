@@ -8,7 +8,9 @@
 Models: a GPT-2-medium-sized decoder (24 layers, d=1024, 16 heads, sequence 1024, vocab 50257; plain
 torch.nn, random init) and ResNet-50 (torchvision; skipped with a message when it is not installed);
 bf16 autocast, AdamW.
-Rows: plain PyTorch; torch.autograd.graph.save_on_cpu(pin_memory=True); offload-all with one-step
+Rows: plain PyTorch; memsched.optimize(model, opt, budget=None) ("memsched budget None": the runtime's
+hooks with nothing offloaded when the step fits the device -- issue 10's overhead row);
+torch.autograd.graph.save_on_cpu(pin_memory=True); offload-all with one-step
 prefetch (memsched planner offload_all_prefetch, torchtune's OffloadActivations behaviour);
 torch.utils.checkpoint per block; memsched dp keeping 30%, 50% and 70% of plain's activation memory
 (budget = the step's peak with saved activations capped at f of theirs: profiled peak - (1 - f) *
@@ -23,7 +25,8 @@ A budget no plan of that planner meets is a row "infeasible: needs at least N B"
 Columns: median step time and its ratio to plain, peak allocated memory, bytes moved; for memsched rows
 the simulator's prediction; and per method the largest batch that fits --fit-budget (GPU only: found by
 doubling then bisection under torch.cuda.set_per_process_memory_fraction; searched after every row is
-measured, and not for the torch.compile row, which recompiles per batch size).
+measured, and not for the torch.compile row, which recompiles per batch size, nor for "memsched budget
+None", which keeps everything where plain fits).
 Models are built directly on the device (parameter init on the GPU is seconds faster per build).
 --time-budget S: rows not started within S seconds, and largest-batch searches that would likely not end
 within them, are recorded as skipped; with --out the JSON is rewritten after every row, so a run killed
@@ -161,7 +164,8 @@ class _Checkpointed(nn.Module):
 # -- methods ---------------------------------------------------------------------------------------
 COMPILE = "torch.compile budget 0.5"
 TRL = "trl OffloadActivations"
-METHODS = ["plain", "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched dp 30%", "memsched dp 50%",
+BUDGET_NONE = "memsched budget None"
+METHODS = ["plain", BUDGET_NONE, "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched dp 30%", "memsched dp 50%",
            "memsched dp 70%", "memsched greedy 50%", "memsched hybrid 50%", "memsched hybrid 30%", COMPILE, TRL]
 COMPILE_BUDGET = 0.5
 
@@ -309,6 +313,8 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
     if method.startswith("memsched") or method == "offload_all_prefetch":
         if method == "offload_all_prefetch":
             budget, planner = None, "offload_all_prefetch"
+        elif method == BUDGET_NONE:  # issue 10: hooks on, nothing offloaded where the step fits the device
+            budget, planner = None, "dp"
         else:
             _, planner, share = method.split()
             budget = float(share.rstrip("%")) / 100.0
@@ -608,6 +614,8 @@ def main(argv=None):
                 row["max_batch"] = "-"
             elif method == COMPILE:
                 row["max_batch"] = "n/a (recompiles per batch)"
+            elif method == BUDGET_NONE:  # keeps everything where the step fits: plain's batch, searched there
+                row["max_batch"] = "n/a (keeps all: plain's)"
             elif remaining() < 4 * row["wall_s"]:
                 row["max_batch"] = "skipped (time budget)"
             else:

@@ -52,7 +52,7 @@ GIB = 2 ** 30
 WEIGHTS = collections.OrderedDict([("build", 110), ("cuda_tests", 120), ("offload_gpt", 140),
                                    ("offload_resnet", 55), ("ooo", 45), ("allocator", 65), ("trainer", 50)])
 # bench_offload rows in order of what the issue asks first, so a short budget drops the least wanted.
-OFFLOAD_ORDER = ["plain", "torch.compile budget 0.5", "trl OffloadActivations", "offload_all_prefetch",
+OFFLOAD_ORDER = ["plain", "memsched budget None", "torch.compile budget 0.5", "trl OffloadActivations", "offload_all_prefetch",
                  "memsched dp 70%", "memsched dp 50%", "checkpoint", "save_on_cpu", "memsched hybrid 50%",
                  "memsched hybrid 30%", "memsched dp 30%", "memsched greedy 50%"]
 
