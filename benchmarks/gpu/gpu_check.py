@@ -16,7 +16,7 @@ Parts, in order (a part that fails or runs out of time is recorded with its log 
   cuda_tests      pytest -m requires_cuda tests/python (JUnit XML parsed: counts, failed tests, messages)
   offload_gpt     bench_offload.py --models gpt       (rows, then largest-batch searches, under --time-budget)
   offload_resnet  bench_offload.py --models resnet
-  ooo             bench_ooo_gpu.py
+  ooo             bench_ooo_gpu.py                    (plain, ooo, ooo_fused, optim_in_bwd: PyTorch's recipe)
   allocator       bench_allocator_gpu.py
   trainer         bench_trainer_gpu.py                (Hugging Face Trainer: plain, gradient_checkpointing,
                                                        MemschedCallback dp/hybrid 50%)
@@ -265,7 +265,7 @@ def ooo_md(res):
         return "(no results)"
     out = []
     for label, rows in res.get("models", {}).items():
-        for mode in ("plain", "ooo", "ooo_fused"):
+        for mode in ("plain", "ooo", "ooo_fused", "optim_in_bwd"):
             r = rows.get(mode)
             if r is None:
                 continue
