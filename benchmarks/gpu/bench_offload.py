@@ -27,6 +27,10 @@ the simulator's prediction; and per method the largest batch that fits --fit-bud
 doubling then bisection under torch.cuda.set_per_process_memory_fraction; searched after every row is
 measured, and not for the torch.compile row, which recompiles per batch size, nor for "memsched budget
 None", which keeps everything where plain fits).
+The JSON also carries, per memsched row, budget_with_state_bytes (the budget plus the optimizer state the
+profiled step did not hold: what the measured peak is held to), d2h_bytes / h2d_bytes per step, and per
+searched row max_batch_step_ms / max_batch_ms_per_sample (the step at the largest batch); gpu_check.py's
+verdicts read them.
 Models are built directly on the device (parameter init on the GPU is seconds faster per build).
 --time-budget S: rows not started within S seconds, and largest-batch searches that would likely not end
 within them, are recorded as skipped; with --out the JSON is rewritten after every row, so a run killed
