@@ -8,7 +8,9 @@
 Models: a GPT-2-medium-sized decoder (24 layers, d=1024, 16 heads, sequence 1024, vocab 50257; plain
 torch.nn, random init) and ResNet-50 (torchvision; skipped with a message when it is not installed);
 bf16 autocast, AdamW.
-Rows: plain PyTorch; torch.autograd.graph.save_on_cpu(pin_memory=True); offload-all with one-step
+Rows: plain PyTorch; memsched.optimize(model, opt, budget=None) ("memsched budget None": the runtime's
+hooks with nothing offloaded when the step fits the device -- issue 10's overhead row);
+torch.autograd.graph.save_on_cpu(pin_memory=True); offload-all with one-step
 prefetch (memsched planner offload_all_prefetch, torchtune's OffloadActivations behaviour);
 torch.utils.checkpoint per block; memsched dp keeping 30%, 50% and 70% of plain's activation memory
 (budget = the step's peak with saved activations capped at f of theirs: profiled peak - (1 - f) *
@@ -23,7 +25,12 @@ A budget no plan of that planner meets is a row "infeasible: needs at least N B"
 Columns: median step time and its ratio to plain, peak allocated memory, bytes moved; for memsched rows
 the simulator's prediction; and per method the largest batch that fits --fit-budget (GPU only: found by
 doubling then bisection under torch.cuda.set_per_process_memory_fraction; searched after every row is
-measured, and not for the torch.compile row, which recompiles per batch size).
+measured, and not for the torch.compile row, which recompiles per batch size, nor for "memsched budget
+None", which keeps everything where plain fits).
+The JSON also carries, per memsched row, budget_with_state_bytes (the budget plus the optimizer state the
+profiled step did not hold: what the measured peak is held to), d2h_bytes / h2d_bytes per step, and per
+searched row max_batch_step_ms / max_batch_ms_per_sample (the step at the largest batch); gpu_check.py's
+verdicts read them.
 Models are built directly on the device (parameter init on the GPU is seconds faster per build).
 --time-budget S: rows not started within S seconds, and largest-batch searches that would likely not end
 within them, are recorded as skipped; with --out the JSON is rewritten after every row, so a run killed
@@ -161,7 +168,8 @@ class _Checkpointed(nn.Module):
 # -- methods ---------------------------------------------------------------------------------------
 COMPILE = "torch.compile budget 0.5"
 TRL = "trl OffloadActivations"
-METHODS = ["plain", "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched dp 30%", "memsched dp 50%",
+BUDGET_NONE = "memsched budget None"
+METHODS = ["plain", BUDGET_NONE, "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched dp 30%", "memsched dp 50%",
            "memsched dp 70%", "memsched greedy 50%", "memsched hybrid 50%", "memsched hybrid 30%", COMPILE, TRL]
 COMPILE_BUDGET = 0.5
 
@@ -309,6 +317,8 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
     if method.startswith("memsched") or method == "offload_all_prefetch":
         if method == "offload_all_prefetch":
             budget, planner = None, "offload_all_prefetch"
+        elif method == BUDGET_NONE:  # issue 10: hooks on, nothing offloaded where the step fits the device
+            budget, planner = None, "dp"
         else:
             _, planner, share = method.split()
             budget = float(share.rstrip("%")) / 100.0
@@ -336,6 +346,12 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
             row["sim_step_ms"] = run.simulation.step_time_us / 1e3
             row["sim_peak_bytes"] = run.simulation.peak_bytes
         row["budget_bytes"] = run.budget_bytes
+        # what the measured peak is held to (issue 11: at most this + 2%): the budget plus the optimizer
+        # state the profiled step did not hold (Note [Optimizer state the profiled step did not see])
+        row["budget_with_state_bytes"] = run._budget_with_state()
+        # per direction, for issue 10's copy-throughput figure (a lower bound: bytes / whole step time)
+        row["d2h_bytes"] = statistics.median(s.d2h_bytes for s in executed) if executed else 0
+        row["h2d_bytes"] = statistics.median(s.h2d_bytes for s in executed) if executed else 0
         # issue 11: keep_all's simulated peak on this row's trace (plus the optimizer state the profiled
         # step did not hold yet), to set against plain's measured max_memory_allocated
         keep_all = memsched.simulate(run.trace, memsched.plan(run.trace, planner="keep_all"))
@@ -403,16 +419,19 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
 def largest_batch(spec, method, device, fit_bytes, device_model, start, extra=None, deadline=None):
     """Largest batch that trains 3 steps under a fit_bytes allocator cap (doubling, then bisection).
     Past `deadline` (time.monotonic()) the search stops and returns the largest batch seen to fit, as
-    (batch, True); otherwise (batch, False)."""
+    (batch, True, step_ms); otherwise (batch, False, step_ms). step_ms: the (single timed) step time at
+    that batch, None when no batch fit."""
     index = _fraction_device(device)
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, fit_bytes / total), index)
     budget = int(0.9 * fit_bytes) if method.startswith("memsched") else None
 
+    step_ms = {}
+
     def fits(b):
         try:
-            run_method(spec, method, b, device, steps=1, warmup=2, device_model=device_model,
-                       budget_bytes=budget, extra=extra)
+            step_ms[b] = run_method(spec, method, b, device, steps=1, warmup=2, device_model=device_model,
+                                    budget_bytes=budget, extra=extra)["step_ms"]
             return True
         except (torch.cuda.OutOfMemoryError, memsched.MemschedError):
             return False
@@ -428,15 +447,15 @@ def largest_batch(spec, method, device, fit_bytes, device_model, start, extra=No
         while fits(hi):
             lo, hi = hi, hi * 2
             if hi > 4096:
-                return lo, False
+                return lo, False, step_ms.get(lo)
             if late():
-                return lo, True
+                return lo, True, step_ms.get(lo)
         while hi - lo > 1:
             if late():
-                return lo, True
+                return lo, True, step_ms.get(lo)
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo, False
+        return lo, False, step_ms.get(lo)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
 
@@ -608,14 +627,19 @@ def main(argv=None):
                 row["max_batch"] = "-"
             elif method == COMPILE:
                 row["max_batch"] = "n/a (recompiles per batch)"
+            elif method == BUDGET_NONE:  # keeps everything where the step fits: plain's batch, searched there
+                row["max_batch"] = "n/a (keeps all: plain's)"
             elif remaining() < 4 * row["wall_s"]:
                 row["max_batch"] = "skipped (time budget)"
             else:
                 try:
-                    found, cut = largest_batch(spec, method, device, memsched.parse_bytes(args.fit_budget),
+                    found, cut, found_ms = largest_batch(spec, method, device, memsched.parse_bytes(args.fit_budget),
                                                device_model, batch, extra=extra,
                                                deadline=None if deadline is None else deadline)
                     row["max_batch"] = f">= {found} (time budget)" if cut else found
+                    if found_ms is not None:  # issue 11: step time per sample at the largest batch
+                        row["max_batch_step_ms"] = found_ms
+                        row["max_batch_ms_per_sample"] = found_ms / found
                 except Exception as e:
                     row["max_batch"] = f"error: {type(e).__name__}"
                     row["max_batch_error"] = f"{type(e).__name__}: {e}"

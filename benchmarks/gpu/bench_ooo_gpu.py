@@ -1,4 +1,5 @@
-"""bench_ooo_gpu.py -- out-of-order backward on one GPU: plain vs ooo vs ooo+fused, side by side, one run.
+"""bench_ooo_gpu.py -- out-of-order backward on one GPU: plain vs ooo vs ooo+fused vs PyTorch's optimizer in
+backward, side by side, one run.
 
     python benchmarks/gpu/bench_ooo_gpu.py                       # GPU: MobileNetV3-small b32 + transformer b32
     python benchmarks/gpu/bench_ooo_gpu.py --small --device cpu  # reduced sizes on CPU (smoke test only)
@@ -10,12 +11,16 @@ depthwise-separable blocks is used and the row says so), and memsched.models' "r
 (4 layers, d=256, seq 128, vocab 2048, tied embedding). fp32, AdamW.
 Rows: plain PyTorch (loss.backward(); optimizer.step()); ooo (memsched.ooo.OutOfOrderBackward, stream
 executor: dW of Linear/Conv on a side CUDA stream, caller runs optimizer.step()); ooo+fused (each
-parameter stepped by torch's AdamW on the side stream as soon as its gradient is final, no optimizer.step()).
+parameter stepped by torch's AdamW on the side stream as soon as its gradient is final, no optimizer.step());
+optim_in_bwd (PyTorch's optimizer-in-backward recipe, tutorial "How to save memory by fusing the optimizer
+step into the backward pass": one AdamW per parameter, same hyper-parameters, foreach=False as there,
+stepped and zeroed from Tensor.register_post_accumulate_grad_hook; loss.backward() is the whole step).
 Columns: median step time [IQR] over --steps after --warmup, ratio to plain (source S4 reports 1.03-1.58x
 single-GPU speedup; the goal is >= 1.1x on one model), peak allocated memory, and the largest
 |parameter difference| to plain after the timed steps (cuBLAS/cuDNN may pick other algorithms for a
-separate dW call: rounding-level differences, not bitwise).
-Timing: the three variants run interleaved step by step on identical copies; torch.cuda.synchronize()
+separate dW call: rounding-level differences, not bitwise). Every row also carries param_grad_bytes (the
+bytes of one gradient per trainable parameter), the figure issue 13's fused-update peak goal is stated in.
+Timing: the four variants run interleaved step by step on identical copies; torch.cuda.synchronize()
 before each clock read. Results go to stdout and, with --out, to JSON with GPU model, torch and CUDA
 versions. A CPU run prints CPU numbers and says so.
 """
@@ -35,7 +40,8 @@ import torch.nn.functional as F
 from memsched import models
 from memsched.ooo import OutOfOrderBackward
 
-MODES = ("plain", "ooo", "ooo_fused")
+MODES = ("plain", "ooo", "ooo_fused", "optim_in_bwd")
+LR = 1e-4  # AdamW's learning rate for every variant; the other hyper-parameters are torch's defaults
 
 
 class _DwSeparable(nn.Module):
@@ -98,10 +104,24 @@ class Variant:
     def __init__(self, mode, base, x, y, loss_fn):
         self.mode = mode
         self.model = copy.deepcopy(base)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.x, self.y, self.loss_fn = x, y, loss_fn
         self.ooo = None
-        if mode != "plain":
+        self.handles = []
+        if mode == "optim_in_bwd":
+            # PyTorch's recipe: an optimizer per parameter, stepped as soon as its gradient is accumulated.
+            self.opt = None
+            per_param = {p: torch.optim.AdamW([p], lr=LR, foreach=False)
+                         for p in self.model.parameters() if p.requires_grad}
+
+            def hook(p):
+                per_param[p].step()
+                per_param[p].zero_grad(set_to_none=True)
+
+            self.handles = [p.register_post_accumulate_grad_hook(hook) for p in per_param]
+            self.per_param = per_param
+        else:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        if mode in ("ooo", "ooo_fused"):
             self.ooo = OutOfOrderBackward(self.model, optimizer=self.opt, fuse_optimizer=(mode == "ooo_fused"))
             self.ooo.install()
         self.times = []
@@ -109,6 +129,8 @@ class Variant:
     def step(self):
         loss = self.loss_fn(self.model(self.x), self.y)
         loss.backward()
+        if self.mode == "optim_in_bwd":
+            return  # stepped and zeroed inside backward
         if self.ooo is None or self.ooo.step():
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -116,6 +138,8 @@ class Variant:
     def close(self):
         if self.ooo is not None:
             self.ooo.remove()
+        for h in self.handles:
+            h.remove()
 
 
 def _sync(device):
@@ -126,6 +150,7 @@ def _sync(device):
 def run_model(name, args, device):
     base, x, y, loss_fn, label = build(name, args.small, args.batch, device)
     variants = [Variant(m, base, x, y, loss_fn) for m in MODES]
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
     try:
         for r in range(args.warmup + args.steps):
             for v in variants:
@@ -151,7 +176,7 @@ def run_model(name, args, device):
             q = statistics.quantiles(v.times, n=4)
             rows[v.mode] = {"median_ms": statistics.median(v.times) * 1e3, "iqr_ms": (q[2] - q[0]) * 1e3,
                             "peak_allocated_bytes": peak, "step_peak_above_resident_bytes": step_peak,
-                            "max_abs_param_diff_vs_plain": diff,
+                            "max_abs_param_diff_vs_plain": diff, "param_grad_bytes": grad_bytes,
                             "report": v.ooo.report() if v.ooo is not None else None}
         for m in MODES[1:]:
             rows[m]["speedup_vs_plain"] = rows["plain"]["median_ms"] / rows[m]["median_ms"]
@@ -187,7 +212,7 @@ def main(argv=None):
                 json.dump(results, f, indent=2)
             os.replace(args.out + ".tmp", args.out)
         print(f"\n{label}")
-        print(f"  {'variant':10s} {'median ms':>10s} {'IQR':>8s} {'speedup':>8s} {'peak MiB':>9s} "
+        print(f"  {'variant':12s} {'median ms':>10s} {'IQR':>8s} {'speedup':>8s} {'peak MiB':>9s} "
               f"{'step +MiB':>9s} {'max|dp|':>9s}")
         for m in MODES:
             r = rows[m]
@@ -195,7 +220,7 @@ def main(argv=None):
             above = r.get("step_peak_above_resident_bytes")
             above = "-" if above is None else f"{above / 2**20:9.1f}"
             sp = f"x{r['speedup_vs_plain']:.3f}" if "speedup_vs_plain" in r else ""
-            print(f"  {m:10s} {r['median_ms']:10.2f} {r['iqr_ms']:8.2f} {sp:>8s} {peak:>9s} {above:>9s} "
+            print(f"  {m:12s} {r['median_ms']:10.2f} {r['iqr_ms']:8.2f} {sp:>8s} {peak:>9s} {above:>9s} "
                   f"{r['max_abs_param_diff_vs_plain']:9.2e}", flush=True)
 
 

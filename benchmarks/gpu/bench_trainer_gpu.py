@@ -17,8 +17,9 @@ Columns: median step time [min-max] over --steps after --warmup (a timing callba
 at each step's start and end, the same for every row), its ratio to plain, peak allocated memory over the
 timed steps (torch.cuda.max_memory_allocated, reset after the warmup), the last logged loss, and for the
 memsched rows the run's planned/measured figures (steps planned, mismatches, bytes offloaded and recomputed
-per step). Rows run one after another in one process; a row that fails (out of memory) is recorded with
-its error and the next runs. A CPU run prints CPU numbers and says so.
+per step, the budget with optimizer state, and keep_all's simulated peak on the run's trace). Rows run
+one after another in one process; a row that fails (out of memory) is recorded with its error and the
+next runs. A CPU run prints CPU numbers and says so.
 """
 import argparse
 import gc
@@ -88,6 +89,7 @@ def _peak_reset(transformers, device, warmup):
 
 
 def run_row(row, args, transformers):
+    import memsched
     from memsched.integrations.transformers import MemschedCallback
 
     torch.manual_seed(0)
@@ -125,6 +127,13 @@ def run_row(row, args, transformers):
                    offloaded_bytes_per_step=statistics.median(s.offloaded_bytes for s in planned) if planned else 0,
                    recomputed_bytes_per_step=statistics.median(s.recomputed_bytes for s in planned) if planned else 0,
                    planned=run.planned_figures())
+        # issue 11 on a transformers decoder: the budget the measured peak is held to (with the optimizer
+        # state the profiled step did not hold), and keep_all's simulated peak on this run's trace, to set
+        # against plain Trainer's measured peak
+        out["budget_with_state_bytes"] = run._budget_with_state()
+        if run.trace is not None:
+            keep_all = memsched.simulate(run.trace, memsched.plan(run.trace, planner="keep_all"))
+            out["keep_all_sim_peak_bytes"] = keep_all.peak_bytes + run.optimizer_state_extra_
     del trainer, model
     gc.collect()
     if args.device == "cuda":

@@ -16,7 +16,7 @@ Parts, in order (a part that fails or runs out of time is recorded with its log 
   cuda_tests      pytest -m requires_cuda tests/python (JUnit XML parsed: counts, failed tests, messages)
   offload_gpt     bench_offload.py --models gpt       (rows, then largest-batch searches, under --time-budget)
   offload_resnet  bench_offload.py --models resnet
-  ooo             bench_ooo_gpu.py
+  ooo             bench_ooo_gpu.py                    (plain, ooo, ooo_fused, optim_in_bwd: PyTorch's recipe)
   allocator       bench_allocator_gpu.py
   trainer         bench_trainer_gpu.py                (Hugging Face Trainer: plain, gradient_checkpointing,
                                                        MemschedCallback dp/hybrid 50%)
@@ -24,6 +24,10 @@ Time: --budget (default 500 s, so under 9 minutes in all) is shared by the parts
 weights; time a part leaves unused goes to the parts after it. Each benchmark gets --time-budget a little
 under its timeout so it ends on its own with what it measured; at the timeout its process group is killed
 and its JSON (rewritten after every row) is still read.
+Verdicts: gpu_check.md's "## Done when" table and gpu_check.json's "verdicts" list judge every GPU "Done
+when" criterion of issues 10, 11, 12, 13, 14 and 17 from the parts' results: issue, criterion, measured,
+goal, and "met", "NOT met" or "not measured: <why>" (part failed, row missing, a figure no bench records);
+a CPU run judges nothing ("not measured (CPU run)"). See Note [Verdicts].
 Output: DIR (--out, else $GPU_CHECK_OUT, else gpu_check_out/) gets gpu_check.md, gpu_check.json and
 gpu_check.log (every part's whole output) -- three files, within the device tool's eight. The tree digest
 (sha256 of the sources; `--digest` prints it here) ties a result to a checkout where .git did not travel.
@@ -35,6 +39,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,7 +57,7 @@ GIB = 2 ** 30
 WEIGHTS = collections.OrderedDict([("build", 110), ("cuda_tests", 120), ("offload_gpt", 140),
                                    ("offload_resnet", 55), ("ooo", 45), ("allocator", 65), ("trainer", 50)])
 # bench_offload rows in order of what the issue asks first, so a short budget drops the least wanted.
-OFFLOAD_ORDER = ["plain", "torch.compile budget 0.5", "trl OffloadActivations", "offload_all_prefetch",
+OFFLOAD_ORDER = ["plain", "memsched budget None", "torch.compile budget 0.5", "trl OffloadActivations", "offload_all_prefetch",
                  "memsched dp 70%", "memsched dp 50%", "checkpoint", "save_on_cpu", "memsched hybrid 50%",
                  "memsched hybrid 30%", "memsched dp 30%", "memsched greedy 50%"]
 
@@ -197,20 +202,24 @@ def parse_junit(path):
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
         return None
-    out = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
+    out = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "outcomes": {}}
     for case in root.iter("testcase"):
         out["tests"] += 1
-        name = f"{case.get('classname', '')}::{case.get('name', '')}".split(".")[-1]
+        # module::test[params]; the split keeps dots inside the parameters ("[0.7-mlp]")
+        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name', '')}"
         bad = [c for c in case if c.tag in ("failure", "error")]
         if bad:
             kind = "failed" if bad[0].tag == "failure" else "errors"
             out[kind] += 1
             msg = (bad[0].get("message") or (bad[0].text or "")).strip().splitlines()
             out["failures"].append({"test": name, "kind": bad[0].tag, "message": (msg[0] if msg else "")[:300]})
+            out["outcomes"][name] = kind
         elif any(c.tag == "skipped" for c in case):
             out["skipped"] += 1
+            out["outcomes"][name] = "skipped"
         else:
             out["passed"] += 1
+            out["outcomes"][name] = "passed"
     return out
 
 
@@ -265,7 +274,7 @@ def ooo_md(res):
         return "(no results)"
     out = []
     for label, rows in res.get("models", {}).items():
-        for mode in ("plain", "ooo", "ooo_fused"):
+        for mode in ("plain", "ooo", "ooo_fused", "optim_in_bwd"):
             r = rows.get(mode)
             if r is None:
                 continue
@@ -324,6 +333,503 @@ def tests_md(t):
     return s
 
 
+# -- verdicts: the issues' GPU "Done when" criteria, judged from the parts' results ---------------------
+# Note [Verdicts]
+#   Every value comes from what the parts wrote (bench JSONs, JUnit); nothing is estimated. A criterion is
+#   "met" or "NOT met" only when the figures settle it; otherwise "not measured: <why>" (part failed or
+#   skipped, row missing or failed, a figure no bench records). A CPU run (--cpu-smoke, or no CUDA
+#   device) judges nothing: every verdict is "not measured (CPU run)". A lower bound settles a criterion
+#   only in the direction it bounds (max_batch ">= N (time budget)"; copy bytes / whole step time).
+MET, NOT_MET = "met", "NOT met"
+OFFLOAD_MODELS = ("gpt", "resnet")
+PLANNED_PREFIXES = ("memsched", "offload_all_prefetch")  # rows run under memsched.optimize
+
+
+def _nm(why):
+    return "not measured: " + why
+
+
+def _part_why(report, part):
+    p = report.get("parts", {}).get(part)
+    if p is None:
+        return f"part {part} not run"
+    if p.get("status") == "ok":
+        return f"part {part} ok but wrote no result"
+    return f"part {part} {p.get('status')}" + (f" ({p['note'][:80]})" if p.get("note") else "")
+
+
+def _combine(pieces):
+    """pieces: [(label, measured, verdict)] -> (measured, verdict). NOT met if any is; else not measured
+    if any is; else met."""
+    measured = "; ".join(f"{lab}: {m}" if lab else m for lab, m, _ in pieces if m) or "-"
+    verdicts_ = [v for _, _, v in pieces]
+    if any(v == NOT_MET for v in verdicts_):
+        return measured, NOT_MET
+    missing = [(lab + ": " if lab else "") + v[len("not measured: "):] for lab, _, v in pieces if v != MET]
+    if missing or not pieces:
+        return measured, _nm("; ".join(missing) or "nothing to judge")
+    return measured, MET
+
+
+def _offload(report, model):
+    """({method: row}, None) or (None, why)."""
+    res = report.get("results", {}).get("offload", {}).get(model)
+    if res is None:
+        return None, _part_why(report, "offload_" + model)
+    if "skipped" in res:
+        return None, f"{model} skipped ({res['skipped'][:80]})"
+    return {r["method"]: r for r in res.get("rows", [])}, None
+
+
+def _measured_row(report, rows, model, method):
+    """(row, None) when the row has a step time, else (None, why)."""
+    r = rows.get(method)
+    if r is None:
+        return None, f"row '{method}' missing ({_part_why(report, 'offload_' + model)})"
+    if "step_ms" not in r:
+        return None, f"row '{method}': {(r.get('error') or r.get('skipped') or 'no step time')[:100]}"
+    return r, None
+
+
+def _per_offload_model(report, judge):
+    """judge(rows, model) -> (measured, verdict), for each bench_offload model, combined."""
+    pieces = []
+    for model in OFFLOAD_MODELS:
+        rows, why = _offload(report, model)
+        pieces.append((model, "", _nm(why)) if rows is None else (model, *judge(rows, model)))
+    return _combine(pieces)
+
+
+def _ratio_goal(report, method, limit):
+    """step time of `method` over plain's, at most `limit`."""
+    def judge(rows, model):
+        plain, why = _measured_row(report, rows, model, "plain")
+        row, why2 = _measured_row(report, rows, model, method)
+        if plain is None or row is None:
+            return "", _nm(why or why2)
+        ratio = row["step_ms"] / plain["step_ms"]
+        return f"{ratio:.3f}x ({row['step_ms']:.1f} / {plain['step_ms']:.1f} ms)", MET if ratio <= limit else NOT_MET
+    return _per_offload_model(report, judge)
+
+
+def _gib(n):
+    return f"{n / GIB:.2f} GiB"
+
+
+def _faster_at_no_more_peak(a, b):
+    """a faster than b with peak at most b's (rows with step_ms and peak_bytes): (measured, verdict)."""
+    if a.get("peak_bytes") is None or b.get("peak_bytes") is None:
+        return "", _nm("no peak (not a GPU run)")
+    m = (f"{a['step_ms']:.1f} vs {b['step_ms']:.1f} ms, peak {_gib(a['peak_bytes'])} vs {_gib(b['peak_bytes'])}")
+    return m, MET if a["step_ms"] < b["step_ms"] and a["peak_bytes"] <= b["peak_bytes"] else NOT_MET
+
+
+def v10_prefetch_vs_trl(report):
+    def judge(rows, model):
+        oap, why = _measured_row(report, rows, model, "offload_all_prefetch")
+        trl, why2 = _measured_row(report, rows, model, "trl OffloadActivations")
+        if oap is None or trl is None:
+            return "", _nm(why or why2)
+        return _faster_at_no_more_peak(oap, trl)
+    return _per_offload_model(report, judge)
+
+
+def v10_copy_throughput(report):
+    """A lower bound: each direction's bytes per step over the whole step's time. It settles 'met' when it
+    reaches the goal; below it, the copies' own durations (not recorded) would be needed."""
+    def judge(rows, model):
+        best = None
+        for r in rows.values():
+            if r["method"].startswith(PLANNED_PREFIXES) and "step_ms" in r and r.get("d2h_bytes"):
+                gbs = min(r["d2h_bytes"], r.get("h2d_bytes") or 0) / (r["step_ms"] / 1e3) / 1e9
+                if best is None or gbs > best[0]:
+                    best = (gbs, r["method"])
+        if best is None:
+            return "", _nm("no offloading row with d2h/h2d bytes")
+        m = f">= {best[0]:.1f} GB/s per direction ({best[1]}: bytes per step / whole step time)"
+        if best[0] >= 45:
+            return m, MET
+        return m, _nm("that lower bound is under 45 GB/s; the copies' own durations are not recorded "
+                      "(StepStats.copies needs optimize(timeline=True))")
+    return _per_offload_model(report, judge)
+
+
+def _junit(report):
+    t = report.get("results", {}).get("cuda_tests")
+    return t, (None if t else _part_why(report, "cuda_tests") + ": no JUnit results")
+
+
+def v_cuda_tests_pass(report, must_pass=()):
+    t, why = _junit(report)
+    if t is None:
+        return "-", _nm(why)
+    m = f"{t['tests']} selected: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
+    outcomes = t.get("outcomes", {})
+    named = []
+    for name in must_pass:
+        got = [o for k, o in outcomes.items() if k.split("::")[-1].split("[")[0] == name]
+        named.append((name, got))
+        m += f"; {name}: {', '.join(got) or 'not run'}"
+    if t["failed"] or t["errors"] or any(g and any(o in ("failed", "errors") for o in g) for _, g in named):
+        bad = ", ".join(f["test"] for f in t.get("failures", [])[:5])
+        return m + (f" ({bad})" if bad else ""), NOT_MET
+    if t["tests"] == 0:
+        return m, _nm("no test selected")
+    for name, got in named:
+        if not got or any(o != "passed" for o in got):
+            return m, _nm(f"{name} not passed ({', '.join(got) or 'not in the JUnit results'})")
+    if t["skipped"]:
+        skipped = [k for k, o in outcomes.items() if o == "skipped"][:5]
+        return m, _nm(f"{t['skipped']} skipped, so not every test ran" + (f" ({', '.join(skipped)})" if skipped else ""))
+    return m, MET
+
+
+def v11_keep_all(report):
+    pieces = []
+    for model in OFFLOAD_MODELS:
+        res = report.get("results", {}).get("offload", {}).get(model)
+        rows, why = _offload(report, model)
+        fid = (res or {}).get("keep_all_fidelity")
+        if rows is None:
+            pieces.append((model, "", _nm(why)))
+        elif not fid:
+            pieces.append((model, "", _nm("no keep_all figure (needs plain's measured peak and a memsched row's "
+                                          "trace)")))
+        else:
+            pieces.append((model, f"{fid['ratio']:.3f}x ({_gib(fid['sim_peak_bytes'])} sim vs "
+                                  f"{_gib(fid['plain_peak_bytes'])})", MET if abs(fid["ratio"] - 1) <= 0.03 else NOT_MET))
+    rows, why = _trainer_rows(report)
+    if rows is None:
+        pieces.append(("transformers", "", _nm(why)))
+    else:
+        plain = rows.get("plain")
+        traced = next((r for r in rows.values() if r.get("keep_all_sim_peak_bytes")), None)
+        if plain is None or plain.get("peak_allocated_bytes") is None or traced is None:
+            pieces.append(("transformers", "", _nm("needs plain Trainer's measured peak and a memsched row's "
+                                                   "keep_all_sim_peak_bytes")))
+        else:
+            ratio = traced["keep_all_sim_peak_bytes"] / plain["peak_allocated_bytes"]
+            pieces.append(("transformers", f"{ratio:.3f}x", MET if abs(ratio - 1) <= 0.03 else NOT_MET))
+    return _combine(pieces)
+
+
+def _trainer_rows(report):
+    res = report.get("results", {}).get("trainer")
+    if not res:
+        return None, _part_why(report, "trainer")
+    return {r["row"]: r for r in res.get("rows", [])}, None
+
+
+def _within_budget(rows):
+    """[(method, peak, budget)] of the measured planned rows with a budget."""
+    out = []
+    for r in rows:
+        name = r.get("method") or r.get("row")
+        budget = r.get("budget_with_state_bytes", r.get("budget_bytes"))
+        peak = r.get("peak_bytes", r.get("peak_allocated_bytes"))
+        if name.startswith(PLANNED_PREFIXES) and budget is not None and peak is not None:
+            out.append((name, peak, budget))
+    return out
+
+
+def v11_budget_held(report):
+    pieces = []
+    groups = []
+    for model in OFFLOAD_MODELS:
+        rows, why = _offload(report, model)
+        groups.append((model, None if rows is None else list(rows.values()), why))
+    rows, why = _trainer_rows(report)
+    groups.append(("transformers", None if rows is None else list(rows.values()), why))
+    for label, rows, why in groups:
+        if rows is None:
+            pieces.append((label, "", _nm(why)))
+            continue
+        held = _within_budget(rows)
+        failed = sum(1 for r in rows if (r.get("method") or r.get("row")).startswith(PLANNED_PREFIXES)
+                     and "error" in r)
+        if not held:
+            pieces.append((label, "", _nm("no planned row with a measured peak and a budget")))
+            continue
+        worst = max(held, key=lambda x: x[1] / x[2])
+        over = [n for n, p, b in held if p > 1.02 * b]
+        m = (f"{len(held)} rows, worst {worst[0]} {worst[1] / worst[2]:.3f}x its budget"
+             + (f", over: {', '.join(over)}" if over else "") + (f" ({failed} planned rows failed)" if failed else ""))
+        pieces.append((label, m, NOT_MET if over else MET))
+    return _combine(pieces)
+
+
+def _batch(x):
+    """max_batch cell -> (n, exact) or None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x, True
+    if isinstance(x, str):
+        found = re.match(r">= (\d+)", x)
+        if found:
+            return int(found.group(1)), False
+    return None
+
+
+def _at_least(cands, ref, factor, strict):
+    """cands: [(n, exact)]; ref: (n, exact). Whether some candidate is >= factor * ref (> when strict):
+    MET, NOT_MET or None (a lower bound leaves it open)."""
+    ok = lambda n: n > factor * ref[0] if strict else n >= factor * ref[0]
+    if ref[1] and any(ok(n) for n, _ in cands):
+        return MET
+    if all(exact for _, exact in cands) and not any(ok(n) for n, _ in cands):
+        return NOT_MET
+    return None
+
+
+def v11_largest_batch(report):
+    def judge(rows, model):
+        plain, ckpt = _batch((rows.get("plain") or {}).get("max_batch")), _batch((rows.get("checkpoint") or {}).get("max_batch"))
+        ms = [(r["method"], _batch(r.get("max_batch")), r.get("max_batch_ms_per_sample"))
+              for r in rows.values() if r["method"].startswith(PLANNED_PREFIXES)]
+        cands = [(name, b, per) for name, b, per in ms if b is not None]
+        if plain is None or ckpt is None or not cands:
+            what = [n for n, v in (("plain", plain), ("checkpoint", ckpt)) if v is None] + ([] if cands else ["memsched"])
+            return "", _nm("no largest batch for " + ", ".join(what))
+        best = max(cands, key=lambda c: c[1][0])
+        fmt = lambda b: f"{'' if b[1] else '>= '}{b[0]}"
+        m = (f"memsched {fmt(best[1])} ({best[0]}" + (f", {best[2]:.1f} ms/sample" if best[2] else "") +
+             f"), plain {fmt(plain)}, checkpoint {fmt(ckpt)}")
+        a = _at_least([c[1] for c in cands], plain, 2.5, strict=False)
+        b = _at_least([c[1] for c in cands], ckpt, 1.0, strict=True)
+        if NOT_MET in (a, b):
+            return m, NOT_MET
+        if a is None or b is None:
+            return m, _nm("a lower bound (search cut by the time budget) leaves it open")
+        return m, MET
+    return _per_offload_model(report, judge)
+
+
+def v12_hybrid_vs_checkpoint(report):
+    def judge(rows, model):
+        ckpt, why = _measured_row(report, rows, model, "checkpoint")
+        if ckpt is None:
+            return "", _nm(why)
+        if ckpt.get("peak_bytes") is None:
+            return "", _nm("no peak (not a GPU run)")
+        hybrids, missing = [], []
+        for method in ("memsched hybrid 50%", "memsched hybrid 30%"):
+            r, why = _measured_row(report, rows, model, method)
+            (hybrids.append(r) if r is not None and r.get("peak_bytes") is not None else missing.append(why or method))
+        m = f"checkpoint {ckpt['step_ms']:.1f} ms at {_gib(ckpt['peak_bytes'])}; " + ", ".join(
+            f"{r['method'].split()[-1]} {r['step_ms']:.1f} ms at {_gib(r['peak_bytes'])}" for r in hybrids)
+        if any(r["peak_bytes"] <= ckpt["peak_bytes"] and r["step_ms"] < ckpt["step_ms"] for r in hybrids):
+            return m, MET
+        return m, _nm("; ".join(missing)) if missing else NOT_MET
+    return _per_offload_model(report, judge)
+
+
+def _ooo_models(report):
+    res = report.get("results", {}).get("ooo")
+    if not res or not res.get("models"):
+        return None, _part_why(report, "ooo")
+    return res["models"], None
+
+
+def _per_ooo_model(report, judge, only=None):
+    models, why = _ooo_models(report)
+    if models is None:
+        return "-", _nm(why)
+    pieces = []
+    for label, rows in models.items():
+        if only is not None and not only(label):
+            continue
+        short = label.split(" (")[0].split(" b")[0]
+        missing = [m for m in ("plain", "ooo", "ooo_fused", "optim_in_bwd") if m not in rows]
+        pieces.append((short, *judge(rows)) if not missing else (short, "", _nm("rows missing: " + ", ".join(missing))))
+    return _combine(pieces)
+
+
+def v13_ooo_speed(limit, only=None):
+    def verdict(report):
+        def judge(rows):
+            s = rows["ooo"]["speedup_vs_plain"]
+            return f"{s:.3f}x", MET if s >= limit else NOT_MET
+        if only is not None:
+            models, why = _ooo_models(report)
+            if models is None:
+                return "-", _nm(why)
+            if not any(only(label) for label in models):
+                return "-", _nm("no MobileNetV3-small (torchvision) b32 224px row (" + ", ".join(models) + ")")
+        return _per_ooo_model(report, judge, only)
+    return verdict
+
+
+def v13_fused_time(report):
+    def judge(rows):
+        ratio = rows["ooo_fused"]["median_ms"] / rows["plain"]["median_ms"]
+        return f"{ratio:.3f}x plain's time", MET if ratio <= 1.03 else NOT_MET
+    return _per_ooo_model(report, judge)
+
+
+def v13_fused_peak(report):
+    def judge(rows):
+        plain, fused = rows["plain"], rows["ooo_fused"]
+        grads = fused.get("param_grad_bytes")
+        if plain.get("step_peak_above_resident_bytes") is None or fused.get("step_peak_above_resident_bytes") is None:
+            return "", _nm("no peak (not a GPU run)")
+        if not grads:
+            return "", _nm("param_grad_bytes not recorded")
+        saved = plain["step_peak_above_resident_bytes"] - fused["step_peak_above_resident_bytes"]
+        return f"{saved / grads:.2f} of the gradient bytes ({saved / 2**20:.1f} of {grads / 2**20:.1f} MiB)", \
+            MET if saved >= 0.7 * grads else NOT_MET
+    return _per_ooo_model(report, judge)
+
+
+def v13_fused_vs_optim_in_bwd(report):
+    def judge(rows):
+        f, o = rows["ooo_fused"], rows["optim_in_bwd"]
+        if f.get("step_peak_above_resident_bytes") is None or o.get("step_peak_above_resident_bytes") is None:
+            return "", _nm("no peak (not a GPU run)")
+        m = (f"{f['median_ms']:.2f} vs {o['median_ms']:.2f} ms, step peak {f['step_peak_above_resident_bytes'] / 2**20:.1f} "
+             f"vs {o['step_peak_above_resident_bytes'] / 2**20:.1f} MiB")
+        ok = f["median_ms"] < o["median_ms"] and f["step_peak_above_resident_bytes"] <= o["step_peak_above_resident_bytes"]
+        return m, MET if ok else NOT_MET
+    return _per_ooo_model(report, judge)
+
+
+def v14_stress(report):
+    t, why = _junit(report)
+    got = "-"
+    if t is not None:
+        got = ", ".join(o for k, o in t.get("outcomes", {}).items()
+                        if k.endswith("test_memsched_never_hands_out_a_block_a_stream_may_still_touch")) or "not run"
+        got = f"20,000-op pytest run: {got}"
+    return got, _nm("gpu_check runs the stress test at 20,000 operations (pytest); the 1M-operation run "
+                    "(`python tests/python/alloc_stress.py --ops 1000000`) is no part of it")
+
+
+def _allocator(report):
+    res = report.get("results", {}).get("allocator")
+    if not res or not res.get("step_ratio"):
+        return None, _part_why(report, "allocator") + (": no step ratios" if res else "")
+    return res["step_ratio"], None
+
+
+def v14_step_time(report):
+    ratios, why = _allocator(report)
+    if ratios is None:
+        return "-", _nm(why)
+    return _combine([(fam, f"{r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}]", MET if r["median"] <= 1.02 else NOT_MET)
+                     for fam, r in ratios.items()])
+
+
+def v14_fragmentation(report):
+    ratios, why = _allocator(report)
+    if ratios is None:
+        return "-", _nm(why)
+    pieces = []
+    for fam, r in ratios.items():
+        frag = r.get("fragmentation") or {}
+        if "memsched" not in frag or "native" not in frag:
+            pieces.append((fam, "", _nm("no fragmentation figure")))
+            continue
+        pieces.append((fam, f"{frag['memsched']:.3f} vs native {frag['native']:.3f}",
+                       MET if frag["memsched"] <= frag["native"] else NOT_MET))
+    return _combine(pieces)
+
+
+def v17_trainer(report):
+    rows, why = _trainer_rows(report)
+    if rows is None:
+        return "-", _nm(why)
+    pieces = []
+    for name in ["plain", "checkpointing"] + [n for n in rows if n.startswith("memsched-")]:
+        r = rows.get(name)
+        if r is None:
+            pieces.append((name, "", _nm("row missing")))
+        elif "median_ms" not in r:
+            bad = r.get("error")
+            pieces.append((name, (bad or "")[:80], NOT_MET if bad and name.startswith("memsched-") else
+                           _nm((bad or r.get("skipped") or "no figures")[:80])))
+        elif r.get("peak_allocated_bytes") is None:
+            pieces.append((name, f"{r['median_ms']:.1f} ms", _nm("no peak (not a GPU run)")))
+        else:
+            extra = f", {r['mismatches']} mismatches" if "mismatches" in r else ""
+            pieces.append((name, f"{r['median_ms']:.1f} ms, {_gib(r['peak_allocated_bytes'])}{extra}", MET))
+    if not any(n.startswith("memsched-") for n in rows):
+        pieces.append(("memsched", "", _nm("no MemschedCallback row")))
+    return _combine(pieces)
+
+
+# (issue, criterion, goal, judge(report) -> (measured, verdict))
+CRITERIA = [
+    (10, "step time, budget=None vs plain (bench_offload)", "<= 1.02x, every model",
+     lambda rep: _ratio_goal(rep, "memsched budget None", 1.02)),
+    (10, "step time, dp 70% vs plain", "<= 1.10x, every model", lambda rep: _ratio_goal(rep, "memsched dp 70%", 1.10)),
+    (10, "offload_all_prefetch vs TRL OffloadActivations", "faster, at no more peak", v10_prefetch_vs_trl),
+    (10, "copy throughput while copies are the bottleneck", ">= 45 GB/s per direction", v10_copy_throughput),
+    (10, "CUDA tests pass, test_pinned_pool_on_gpu included", "all pass",
+     lambda rep: v_cuda_tests_pass(rep, ("test_pinned_pool_on_gpu",))),
+    (11, "keep_all simulated peak vs plain's max_memory_allocated (bench_offload; Trainer's transformers decoder)",
+     "within 3%", v11_keep_all),
+    (11, "every planned row's measured peak vs its budget (with optimizer state)", "<= budget + 2%", v11_budget_held),
+    (11, "largest batch in 16 GiB: memsched vs plain and per-block checkpoint", ">= 2.5x plain's and > checkpoint's",
+     v11_largest_batch),
+    (12, "step time, hybrid 50% vs plain eager", "<= 1.05x, every model",
+     lambda rep: _ratio_goal(rep, "memsched hybrid 50%", 1.05)),
+    (12, "step time, hybrid 30% vs plain", "<= 1.20x, every model",
+     lambda rep: _ratio_goal(rep, "memsched hybrid 30%", 1.20)),
+    (12, "hybrid at <= per-block checkpoint's peak vs checkpoint", "faster", v12_hybrid_vs_checkpoint),
+    (13, "ooo speedup vs plain (bench_ooo_gpu)", ">= 1.0x, every model", v13_ooo_speed(1.0)),
+    (13, "ooo speedup on MobileNetV3-small b32", ">= 1.05x",
+     v13_ooo_speed(1.05, only=lambda label: label.startswith("MobileNetV3-small (torchvision) b32 224px"))),
+    (13, "ooo_fused step time vs plain", "<= 1.03x, every model", v13_fused_time),
+    (13, "ooo_fused step peak (above resident) below plain's", ">= 0.7 x parameter-gradient bytes", v13_fused_peak),
+    (13, "ooo_fused vs PyTorch's optimizer in backward (optim_in_bwd)", "faster, at equal or lower step peak",
+     v13_fused_vs_optim_in_bwd),
+    (14, "every pytest -m requires_cuda test passes", "all pass", lambda rep: v_cuda_tests_pass(rep)),
+    (14, "allocator stress test, 1M operations", "no violation", v14_stress),
+    (14, "whole-step time, memsched allocator vs native (bench_allocator_gpu)", "<= 1.02x, every family", v14_step_time),
+    (14, "fragmentation (reserved / peak allocated) vs native", "no worse, every family", v14_fragmentation),
+    (17, "Trainer + MemschedCallback beside plain and gradient_checkpointing (bench_trainer_gpu)",
+     "step time and peak reported for each", v17_trainer),
+]
+
+
+def is_cpu_run(report):
+    return str(report.get("mode", "")).startswith("cpu") or not report.get("environment", {}).get("cuda_available")
+
+
+def verdicts(report):
+    """One entry per GPU criterion of issues 10-14 and 17: issue, criterion, measured, goal, verdict.
+    See Note [Verdicts]."""
+    out = []
+    cpu = is_cpu_run(report)
+    for issue, criterion, goal, judge in CRITERIA:
+        if cpu:
+            measured, verdict = "-", "not measured (CPU run)"
+        else:
+            try:
+                measured, verdict = judge(report)
+            except Exception as e:  # a result of an unexpected shape: say so, judge the rest
+                measured, verdict = "-", _nm(f"could not read the results ({type(e).__name__}: {e})"[:200])
+        out.append({"issue": issue, "criterion": criterion, "measured": measured, "goal": goal, "verdict": verdict})
+    return out
+
+
+def verdicts_md(report):
+    vs = report.get("verdicts") or verdicts(report)
+    env = report.get("environment", {})
+    lines = []
+    if is_cpu_run(report):
+        lines.append("CPU run: no figure here is a GPU figure, so no criterion is judged.")
+    elif "H100" not in str(env.get("gpu") or ""):
+        lines.append(f"Measured on {env.get('gpu')}; the issues state their goals for an H100.")
+    n = collections.Counter("met" if v["verdict"] == MET else "NOT met" if v["verdict"] == NOT_MET
+                            else "not measured" for v in vs)
+    lines.append(f"{n['met']} met, {n['NOT met']} NOT met, {n['not measured']} not measured "
+                 "(CPU criteria of these issues are judged by their own tests, not here).")
+    return "\n\n".join(lines) + "\n\n" + md_table(["issue", "criterion", "measured", "goal", "verdict"],
+                                                  [[v["issue"], v["criterion"], v["measured"], v["goal"], v["verdict"]]
+                                                   for v in vs])
+
+
 def render_md(report):
     env = report["environment"]
     gpu = bool(env.get("cuda_available"))
@@ -345,6 +851,7 @@ def render_md(report):
                       f"{p['timeout_s']:.0f} s" if p.get("timeout_s") else "-", note[:400]])
     r = report["results"]
     md = ["# memsched gpu-check", "", md_table(["", ""], head), "",
+          "## Done when", "", verdicts_md(report), "",
           "## Parts", "", md_table(["part", "status", "time", "timeout", "note / log tail"], parts), "",
           "## CUDA tests (`pytest -m requires_cuda tests/python`)", "", tests_md(r.get("cuda_tests")), "",
           "## bench_offload.py: GPT", "", offload_md(r.get("offload", {}).get("gpt"), gpu), "",
@@ -402,6 +909,7 @@ def main(argv=None):
 
     def write():
         report["wall_s"] = time.monotonic() - started_wall
+        report["verdicts"] = verdicts(report)  # See Note [Verdicts]
         with open(os.path.join(out_dir, "gpu_check.json.tmp"), "w") as f:
             json.dump(report, f, indent=2, default=str)
         os.replace(os.path.join(out_dir, "gpu_check.json.tmp"), os.path.join(out_dir, "gpu_check.json"))

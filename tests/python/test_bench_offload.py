@@ -17,13 +17,13 @@ def test_bench_offload_small_runs_on_cpu(tmp_path):
     assert "CPU (not a GPU number)" in proc.stdout
     res = json.loads(out.read_text())
     rows = res["models"]["gpt"]["rows"]
-    assert [r["method"] for r in rows] == ["plain", "save_on_cpu", "offload_all_prefetch", "checkpoint",
+    assert [r["method"] for r in rows] == ["plain", "memsched budget None", "save_on_cpu", "offload_all_prefetch", "checkpoint",
                                            "memsched dp 30%", "memsched dp 50%", "memsched dp 70%",
                                            "memsched greedy 50%", "memsched hybrid 50%", "memsched hybrid 30%",
                                            "torch.compile budget 0.5",
                                            "trl OffloadActivations"]
     by = {r["method"]: r for r in rows}
-    for name in ("plain", "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched greedy 50%"):
+    for name in ("plain", "memsched budget None", "save_on_cpu", "offload_all_prefetch", "checkpoint", "memsched greedy 50%"):
         assert "error" not in by[name], by[name]
         assert by[name]["step_ms"] > 0
     assert by["plain"]["bytes_moved"] == 0 and by["checkpoint"]["bytes_moved"] == 0
@@ -31,6 +31,9 @@ def test_bench_offload_small_runs_on_cpu(tmp_path):
     # activations both ways.
     assert by["save_on_cpu"]["bytes_moved"] > by["offload_all_prefetch"]["bytes_moved"] > 0
     assert by["offload_all_prefetch"]["plain_steps"] == 0
+    # issue 10's overhead row: optimize(budget=None) keeps everything on a device the step fits (CPU: always)
+    none = by["memsched budget None"]
+    assert none["budget_bytes"] is None and none["offloaded"] == 0 and none["bytes_moved"] == 0, none
     # A dp row either ran or says which budget it needs (the planner's infeasible-budget error).
     for name in ("memsched dp 30%", "memsched dp 50%", "memsched dp 70%"):
         assert "step_ms" in by[name] or "needs at least" in by[name]["error"], by[name]

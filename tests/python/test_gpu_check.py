@@ -39,7 +39,13 @@ def test_cpu_smoke_writes_one_markdown_and_one_json(tmp_path):
         assert set(rows) == {"plain", "checkpointing", "memsched-dp-50%", "memsched-hybrid-50%"}
         assert all("median_ms" in r for r in rows.values()), rows
         assert rows["memsched-dp-50%"]["steps_planned"] >= 1 and rows["memsched-dp-50%"]["mismatches"] == 0
+    ooo_rows = next(iter(report["results"]["ooo"]["models"].values()))
+    assert "optim_in_bwd" in ooo_rows  # issue 13's comparison row runs in the reduced CPU mode
+    # a CPU run judges no GPU criterion
+    assert {v["issue"] for v in report["verdicts"]} == {10, 11, 12, 13, 14, 17}
+    assert all(v["verdict"] == "not measured (CPU run)" for v in report["verdicts"]), report["verdicts"]
     md = (tmp_path / "gpu_check.md").read_text()
+    assert "## Done when" in md and "not measured (CPU run)" in md and "| met |" not in md
     assert "## bench_ooo_gpu.py" in md and "## bench_trainer_gpu.py" in md and report["tree"]["digest"] in md
 
 

@@ -1,0 +1,245 @@
+"""gpu_check.py's "Done when" verdicts, fed hand-written results: for each issue a met and a not-met case,
+"not measured" where a figure is missing, and a CPU run that judges nothing."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GIB = 2 ** 30
+MIB = 2 ** 20
+
+
+def _load():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks", "gpu"))
+    return gpu_check
+
+
+gc = _load()
+
+
+def _row(method, ms, peak, **kw):
+    return dict(method=method, step_ms=ms, peak_bytes=peak, **kw)
+
+
+def _offload_model():
+    """Every bench_offload criterion met (figures shaped as bench_offload.py writes them)."""
+    rows = [
+        _row("plain", 100.0, 16 * GIB, max_batch=7),
+        _row("memsched budget None", 101.0, 16 * GIB, budget_bytes=None, budget_with_state_bytes=None,
+             max_batch="n/a (keeps all: plain's)"),
+        _row("torch.compile budget 0.5", 80.0, 12 * GIB, max_batch="n/a (recompiles per batch)"),
+        _row("trl OffloadActivations", 460.0, 10 * GIB, max_batch=15),
+        _row("offload_all_prefetch", 300.0, 9 * GIB, budget_bytes=15 * GIB, budget_with_state_bytes=16 * GIB,
+             d2h_bytes=15e9, h2d_bytes=14e9, max_batch=18, max_batch_ms_per_sample=40.0),
+        _row("memsched dp 70%", 108.0, 14 * GIB, budget_bytes=13 * GIB, budget_with_state_bytes=14 * GIB,
+             d2h_bytes=1e9, h2d_bytes=1e9, max_batch=10),
+        {"method": "memsched dp 50%", "error": "MemschedError: budget ... needs at least 123 B"},
+        _row("checkpoint", 125.0, 10 * GIB, max_batch=14),
+        _row("memsched hybrid 50%", 104.0, 11 * GIB, budget_bytes=11 * GIB, budget_with_state_bytes=12 * GIB,
+             max_batch=20, max_batch_ms_per_sample=14.0),
+        _row("memsched hybrid 30%", 115.0, 9.5 * GIB, budget_bytes=9 * GIB, budget_with_state_bytes=10 * GIB,
+             max_batch=">= 24 (time budget)"),
+    ]
+    return {"title": "t", "batch": 8, "rows": rows,
+            "keep_all_fidelity": {"sim_peak_bytes": 16.2 * GIB, "plain_peak_bytes": 16 * GIB, "ratio": 16.2 / 16}}
+
+
+def _ooo_rows(plain_ms=10.0, ooo_ms=9.0, fused_ms=10.2, oib_ms=11.0, plain_peak=300 * MIB, fused_peak=220 * MIB,
+              oib_peak=230 * MIB, grads=100 * MIB):
+    def r(ms, peak):
+        return {"median_ms": ms, "iqr_ms": 0.1, "peak_allocated_bytes": 2 * GIB, "step_peak_above_resident_bytes": peak,
+                "max_abs_param_diff_vs_plain": 1e-7, "param_grad_bytes": grads, "report": None}
+    rows = {"plain": r(plain_ms, plain_peak), "ooo": r(ooo_ms, plain_peak), "ooo_fused": r(fused_ms, fused_peak),
+            "optim_in_bwd": r(oib_ms, oib_peak)}
+    for m in ("ooo", "ooo_fused", "optim_in_bwd"):
+        rows[m]["speedup_vs_plain"] = plain_ms / rows[m]["median_ms"]
+    return rows
+
+
+def _junit(**outcomes):
+    out = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "outcomes": {}}
+    for name, o in outcomes.items():
+        out["tests"] += 1
+        out[o] += 1
+        out["outcomes"][f"test_mod::{name}"] = o
+        if o in ("failed", "errors"):
+            out["failures"].append({"test": f"test_mod::{name}", "kind": "failure", "message": "boom"})
+    return out
+
+
+def met_report():
+    ok = {"status": "ok", "wall_s": 1.0}
+    return {
+        "mode": "gpu", "environment": {"cuda_available": True, "gpu": "NVIDIA H100 80GB HBM3"},
+        "parts": {p: dict(ok) for p in ("env", "build", "cuda_tests", "offload_gpt", "offload_resnet", "ooo",
+                                          "allocator", "trainer")},
+        "results": {
+            "cuda_tests": _junit(test_pinned_pool_on_gpu="passed",
+                                 test_memsched_never_hands_out_a_block_a_stream_may_still_touch="passed",
+                                 **{"test_budget[0.7-mlp]": "passed"}),
+            "offload": {"gpt": _offload_model(), "resnet": _offload_model()},
+            "ooo": {"env": {}, "models": {"MobileNetV3-small (torchvision) b32 224px": _ooo_rows(ooo_ms=9.0),
+                                          "memsched transformer (realistic) b32": _ooo_rows(ooo_ms=9.9)}},
+            "allocator": {"step_ratio": {f: {"median": 1.01, "min": 0.99, "max": 1.02,
+                                             "fragmentation": {"native": 1.3, "memsched": 1.29}}
+                                         for f in ("transformer", "cnn", "mlp")}},
+            "trainer": {"rows": [
+                {"row": "plain", "median_ms": 100.0, "min_ms": 99, "max_ms": 101, "peak_allocated_bytes": 17 * GIB},
+                {"row": "checkpointing", "median_ms": 130.0, "min_ms": 129, "max_ms": 131,
+                 "peak_allocated_bytes": 10 * GIB},
+                {"row": "memsched-dp-50%", "median_ms": 120.0, "min_ms": 119, "max_ms": 121,
+                 "peak_allocated_bytes": 12 * GIB, "budget_with_state_bytes": 12 * GIB, "mismatches": 0,
+                 "steps_planned": 5, "keep_all_sim_peak_bytes": 17.2 * GIB}]},
+        }}
+
+
+def by_criterion(report):
+    vs = gc.verdicts(report)
+    assert len(vs) == len(gc.CRITERIA)
+    return {(v["issue"], v["criterion"]): v for v in vs}
+
+
+def _find(vs, issue, words):
+    (key,) = [k for k in vs if k[0] == issue and words in k[1]]
+    return vs[key]
+
+
+def test_all_met():
+    vs = by_criterion(met_report())
+    not_met = {k: v for k, v in vs.items() if v["verdict"] != "met"}
+    # the one criterion no bench can settle: the 1M-operation stress run is not a part
+    assert list(not_met) == [(14, "allocator stress test, 1M operations")], not_met
+    assert "20,000-op pytest run: passed" in not_met[(14, "allocator stress test, 1M operations")]["measured"]
+    assert "1.010x" in _find(vs, 10, "budget=None")["measured"]
+
+
+# (issue, words of its criterion, how to break the met report[, other criteria the same break fails])
+def _set(path, value):
+    def apply(rep):
+        obj = rep
+        for k in path[:-1]:
+            obj = obj[k]
+        obj[path[-1]] = value
+    return apply
+
+
+def _offload_row(model, method, **changes):
+    def apply(rep):
+        row = next(r for r in rep["results"]["offload"][model]["rows"] if r["method"] == method)
+        row.update(changes)
+    return apply
+
+
+def _ooo(label, mode, **changes):
+    def apply(rep):
+        rep["results"]["ooo"]["models"][label][mode].update(changes)
+    return apply
+
+
+MOBILE = "MobileNetV3-small (torchvision) b32 224px"
+TRANSFORMER = "memsched transformer (realistic) b32"
+BREAKS = [
+    (10, "budget=None", _offload_row("resnet", "memsched budget None", step_ms=103.0)),
+    (10, "dp 70%", _offload_row("gpt", "memsched dp 70%", step_ms=111.0)),
+    (10, "TRL", _offload_row("gpt", "offload_all_prefetch", peak_bytes=11 * GIB)),  # faster, but more peak
+    (10, "test_pinned_pool_on_gpu", _set(["results", "cuda_tests"], _junit(test_pinned_pool_on_gpu="failed")),
+     [(14, "every pytest")]),
+    (11, "keep_all", _set(["results", "offload", "gpt", "keep_all_fidelity", "ratio"], 0.77)),
+    (11, "keep_all", _set(["results", "trainer", "rows", 2, "keep_all_sim_peak_bytes"], 13 * GIB)),
+    (11, "budget", _offload_row("resnet", "memsched hybrid 30%", budget_with_state_bytes=9 * GIB)),
+    (11, "budget", _set(["results", "trainer", "rows", 2, "peak_allocated_bytes"], 13 * GIB)),
+    (11, "largest batch", lambda rep: [_offload_row("gpt", m, max_batch=14)(rep) for m in
+                                       ("offload_all_prefetch", "memsched hybrid 50%", "memsched hybrid 30%")]),
+    (12, "hybrid 50%", _offload_row("gpt", "memsched hybrid 50%", step_ms=106.0)),
+    (12, "hybrid 30%", _offload_row("resnet", "memsched hybrid 30%", step_ms=121.0)),
+    (12, "checkpoint's peak", _offload_row("gpt", "checkpoint", peak_bytes=9 * GIB)),
+    (13, "ooo speedup vs plain", _ooo(TRANSFORMER, "ooo", speedup_vs_plain=0.98)),
+    (13, "MobileNetV3-small b32", _ooo(MOBILE, "ooo", speedup_vs_plain=1.04)),
+    (13, "step time vs plain", _ooo(TRANSFORMER, "ooo_fused", median_ms=10.4)),
+    (13, "step peak", _ooo(MOBILE, "ooo_fused", step_peak_above_resident_bytes=240 * MIB), [(13, "optim_in_bwd")]),
+    (13, "optim_in_bwd", _ooo(TRANSFORMER, "optim_in_bwd", median_ms=10.1)),
+    (14, "every pytest", _set(["results", "cuda_tests"], _junit(test_a="passed", test_b="errors")),
+     [(10, "test_pinned_pool_on_gpu")]),
+    (14, "whole-step", _set(["results", "allocator", "step_ratio", "cnn", "median"], 1.13)),
+    (14, "fragmentation", _set(["results", "allocator", "step_ratio", "mlp", "fragmentation", "memsched"], 1.4)),
+    (17, "Trainer", _set(["results", "trainer", "rows", 2], {"row": "memsched-dp-50%",
+                                                             "error": "OutOfMemoryError: CUDA out of memory"})),
+]
+
+
+@pytest.mark.parametrize("case", BREAKS, ids=[f"{c[0]}-{c[1]}" for c in BREAKS])
+def test_not_met(case):
+    issue, words, brk = case[:3]
+    rep = met_report()
+    brk(rep)
+    vs = by_criterion(rep)
+    v = _find(vs, issue, words)
+    assert v["verdict"] == "NOT met", v
+    # nothing else changed its verdict to NOT met, but what the same figure also fails
+    expected = {(v["issue"], v["criterion"])} | {
+        (x["issue"], x["criterion"]) for i, w in (case[3] if len(case) > 3 else []) for x in [_find(vs, i, w)]}
+    assert {k for k, x in vs.items() if x["verdict"] == "NOT met"} == expected
+
+
+def test_each_issue_has_a_met_and_a_not_met_case():
+    vs = by_criterion(met_report())
+    for issue in (10, 11, 12, 13, 14, 17):
+        assert any(v["verdict"] == "met" for k, v in vs.items() if k[0] == issue)
+        assert any(c[0] == issue for c in BREAKS)
+
+
+def test_missing_figures_are_not_measured_with_why():
+    rep = met_report()
+    rep["results"]["offload"]["gpt"]["rows"] = [r for r in rep["results"]["offload"]["gpt"]["rows"]
+                                                if r["method"] != "trl OffloadActivations"]
+    rep["results"]["offload"]["resnet"] = {"skipped": "No module named 'torchvision'"}
+    del rep["results"]["allocator"]
+    rep["parts"]["allocator"] = {"status": "timeout after 60 s (what it wrote is kept)"}
+    rep["results"]["cuda_tests"] = _junit(test_pinned_pool_on_gpu="passed", test_two_gpus="skipped")
+    rep["results"]["ooo"]["models"] = {"MobileNetV3-small STAND-IN (no torchvision) b32 224px": _ooo_rows()}
+    del rep["results"]["offload"]["gpt"]["rows"][0]["max_batch"]
+    vs = by_criterion(rep)
+    trl = _find(vs, 10, "TRL")["verdict"]
+    assert trl.startswith("not measured") and "trl OffloadActivations' missing" in trl and "torchvision" in trl
+    assert _find(vs, 14, "whole-step")["verdict"] == "not measured: part allocator timeout after 60 s (what it wrote is kept)"
+    assert "1 skipped" in _find(vs, 14, "every pytest")["verdict"]
+    assert "no MobileNetV3-small (torchvision) b32" in _find(vs, 13, "MobileNetV3-small b32")["verdict"]
+    assert "no largest batch for plain" in _find(vs, 11, "largest batch")["verdict"]
+    # copy throughput: bytes per step / whole step is only a lower bound; under 45 GB/s it settles nothing
+    rep = met_report()
+    for model in ("gpt", "resnet"):
+        _offload_row(model, "offload_all_prefetch", step_ms=400.0)(rep)
+    v = _find(by_criterion(rep), 10, "copy throughput")
+    assert v["verdict"].startswith("not measured") and ">= 35.0 GB/s" in v["measured"]
+    # a largest batch cut by the time budget settles only what its lower bound settles
+    rep = met_report()
+    _offload_row("gpt", "plain", max_batch=">= 7 (time budget)")(rep)
+    assert _find(by_criterion(rep), 11, "largest batch")["verdict"].startswith("not measured")
+
+
+def test_cpu_run_judges_nothing():
+    rep = met_report()  # figures that would all be met on a GPU
+    rep["mode"] = "cpu-smoke (reduced sizes; CPU numbers)"
+    vs = gc.verdicts(rep)
+    assert vs and all(v["verdict"] == "not measured (CPU run)" and v["measured"] == "-" for v in vs)
+    rep = met_report()
+    rep["environment"]["cuda_available"] = False  # gpu mode asked for, but no CUDA device visible
+    assert all(v["verdict"] == "not measured (CPU run)" for v in gc.verdicts(rep))
+    md = gc.verdicts_md(rep)
+    assert "CPU run" in md and "| met |" not in md and "NOT met |" not in md
+
+
+def test_render_md_has_the_done_when_table():
+    rep = met_report()
+    rep.update(tree={"digest": "d", "git": None}, started="now", wall_s=1.0, budget_s=500)
+    rep["environment"].update(gpu_memory_bytes=80 * GIB, capability="9.0")
+    for p in rep["parts"].values():
+        p.setdefault("timeout_s", 10)
+    md = gc.render_md(rep)
+    assert "## Done when" in md and "| 13 | ooo_fused vs PyTorch's optimizer in backward (optim_in_bwd) |" in md
+    assert "20 met, 0 NOT met, 1 not measured" in md
