@@ -14,6 +14,8 @@ Parts, in order (a part that fails or runs out of time is recorded with its log 
                   `make gpu-check-deps` fills and the device call carries. Skipped by --cpu-smoke (it uses
                   the extension already built here) unless --build.
   cuda_tests      pytest -m requires_cuda tests/python (JUnit XML parsed: counts, failed tests, messages)
+  copy            bench_copy_engine.py                (the CopyEngine's GB/s per direction and both at once,
+                                                       beside torch's non_blocking copies)
   offload_gpt     bench_offload.py --models gpt       (rows, then largest-batch searches, under --time-budget)
   offload_resnet  bench_offload.py --models resnet
   ooo             bench_ooo_gpu.py                    (plain, ooo, ooo_fused, optim_in_bwd: PyTorch's recipe)
@@ -54,7 +56,7 @@ GIB = 2 ** 30
 
 # Share of the budget per part (seconds out of ~500 on an H100: build 31 s measured, the rest estimated
 # from the first GPU run's figures; see ../shared/evidence in the project's history).
-WEIGHTS = collections.OrderedDict([("build", 110), ("cuda_tests", 120), ("offload_gpt", 140),
+WEIGHTS = collections.OrderedDict([("build", 110), ("cuda_tests", 120), ("copy", 15), ("offload_gpt", 140),
                                    ("offload_resnet", 55), ("ooo", 45), ("allocator", 65), ("trainer", 50)])
 # bench_offload rows in order of what the issue asks first, so a short budget drops the least wanted.
 OFFLOAD_ORDER = ["plain", "memsched budget None", "torch.compile budget 0.5", "trl OffloadActivations", "offload_all_prefetch",
@@ -269,6 +271,15 @@ def offload_md(model_res, gpu):
                                       "sim step ms", "sim peak", "max batch"], out)
 
 
+def copy_md(res):
+    if not res:
+        return "(no results)"
+    rows = [[name, f"{r['gbps_median']:.2f}", " ".join(f"{x:.1f}" for x in r.get("gbps_rounds", []))]
+            for name, r in res.get("rows", {}).items()]
+    return (f"{res.get('count')} x {res.get('mib')} MiB per direction, median of {res.get('rounds')} rounds\n\n" +
+            md_table(["copies", "GB/s (median)", "rounds"], rows))
+
+
 def ooo_md(res):
     if not res:
         return "(no results)"
@@ -435,8 +446,22 @@ def v10_prefetch_vs_trl(report):
 
 
 def v10_copy_throughput(report):
-    """A lower bound: each direction's bytes per step over the whole step's time. It settles 'met' when it
-    reaches the goal; below it, the copies' own durations (not recorded) would be needed."""
+    """bench_copy_engine.py's medians (the CopyEngine alone, timed by its copies' own events); without
+    them, a lower bound from bench_offload: each direction's bytes per step over the whole step's time,
+    which settles 'met' when it reaches the goal and nothing below it."""
+    copy = report.get("results", {}).get("copy")
+    if copy and copy.get("rows"):
+        rows = copy["rows"]
+        d2h, h2d = rows.get("memsched d2h"), rows.get("memsched h2d")
+        if d2h and h2d:
+            both = rows.get("memsched both", {}).get("gbps_median")
+            torch_d2h = rows.get("torch d2h", {}).get("gbps_median")
+            m = (f"d2h {d2h['gbps_median']:.1f}, h2d {h2d['gbps_median']:.1f} GB/s"
+                 + (f", both at once {both:.1f}" if both else "")
+                 + (f" (torch's own d2h {torch_d2h:.1f})" if torch_d2h else "")
+                 + f"; {copy.get('count')} x {copy.get('mib')} MiB")
+            return m, MET if min(d2h["gbps_median"], h2d["gbps_median"]) >= 45 else NOT_MET
+
     def judge(rows, model):
         best = None
         for r in rows.values():
@@ -856,6 +881,7 @@ def render_md(report):
           "## CUDA tests (`pytest -m requires_cuda tests/python`)", "", tests_md(r.get("cuda_tests")), "",
           "## bench_offload.py: GPT", "", offload_md(r.get("offload", {}).get("gpt"), gpu), "",
           "## bench_offload.py: ResNet-50", "", offload_md(r.get("offload", {}).get("resnet"), gpu), "",
+          "## bench_copy_engine.py", "", copy_md(r.get("copy")), "",
           "## bench_ooo_gpu.py", "", ooo_md(r.get("ooo")), "",
           "## bench_allocator_gpu.py", "", allocator_md(r.get("allocator")), "",
           "## bench_trainer_gpu.py", "", trainer_md(r.get("trainer")), ""]
@@ -971,6 +997,9 @@ def main(argv=None):
                       "--out", result_file, "--time-budget", f"{bench_budget(timeout):.0f}"] +
                      (small + ["--steps", "1", "--warmup", "2"] + (["--compile-on-cpu"] if model == "gpt" else [])
                       if smoke else ["--steps", "5", "--warmup", "3"]), {})]
+        elif name == "copy":
+            cmds = [([py, os.path.join(GPU_DIR, "bench_copy_engine.py"), "--out", result_file] +
+                     (["--small"] if smoke else []), {})]
         elif name == "ooo":
             cmds = [([py, os.path.join(GPU_DIR, "bench_ooo_gpu.py"), "--out", result_file] +
                      (small + ["--steps", "3", "--warmup", "1", "--batch", "4"] if smoke
@@ -1017,6 +1046,8 @@ def main(argv=None):
                 part["note"] = f"{len(rows)} rows: {bad} failed, {skipped} skipped"
                 if "skipped" in (res.get("models", {}).get(model) or {}):
                     part["note"] = res["models"][model]["skipped"]
+        elif name == "copy":
+            report["results"]["copy"] = read_json(result_file)
         elif name == "ooo":
             report["results"]["ooo"] = read_json(result_file)
         elif name == "trainer":

@@ -222,6 +222,21 @@ def test_missing_figures_are_not_measured_with_why():
     assert _find(by_criterion(rep), 11, "largest batch")["verdict"].startswith("not measured")
 
 
+def test_copy_throughput_from_bench_copy_engine():
+    """bench_copy_engine.py's own medians settle the criterion both ways (the bench_offload bound only
+    settles 'met')."""
+    def copy(d2h, h2d):
+        return {"count": 16, "mib": 64, "rounds": 5,
+                "rows": {"memsched d2h": {"gbps_median": d2h}, "memsched h2d": {"gbps_median": h2d},
+                         "memsched both": {"gbps_median": d2h + h2d - 10}, "torch d2h": {"gbps_median": 53.0}}}
+    rep = met_report()
+    rep["results"]["copy"] = copy(52.0, 47.5)
+    v = _find(by_criterion(rep), 10, "copy throughput")
+    assert v["verdict"] == "met" and "d2h 52.0, h2d 47.5 GB/s" in v["measured"] and "torch's own d2h 53.0" in v["measured"]
+    rep["results"]["copy"] = copy(52.0, 41.0)
+    assert _find(by_criterion(rep), 10, "copy throughput")["verdict"] == "NOT met"
+
+
 def test_cpu_run_judges_nothing():
     rep = met_report()  # figures that would all be met on a GPU
     rep["mode"] = "cpu-smoke (reduced sizes; CPU numbers)"
