@@ -1,5 +1,5 @@
 """Issue 11, GPU part in miniature: every planned step's max_memory_allocated stays within its budget
-plus 2%, for the built-in models at their realistic size under bf16 autocast with AdamW -- where the
+plus 2%, for the built-in models at their realistic size under bf16 autocast (the LSTM in fp32) with AdamW -- where the
 allocator's workspaces and rounding, the autocast cache, optimizer state and copies in flight all
 take memory the tensor-sized model of the step does not see. What makes it hold: the unmodeled
 device memory in the trace (Note [Memory the trace does not model]), releases in stream order and
@@ -30,7 +30,9 @@ def test_planned_steps_stay_within_the_budget_on_cuda(name, budget):
     try:
         with memsched.optimize(model, opt, budget=budget, planner="dp") as run:
             for _ in range(STEPS):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                # bf16 autocast (its weight cache is memory too), except the LSTM: cuDNN's RNN kernels
+                # are not this test's subject
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name != "lstm"):
                     loss = models.loss_fn(name, model(x), y)
                 loss.backward()
                 run.step()
