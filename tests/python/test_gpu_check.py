@@ -49,6 +49,19 @@ def test_cpu_smoke_writes_one_markdown_and_one_json(tmp_path):
     assert "## bench_ooo_gpu.py" in md and "## bench_trainer_gpu.py" in md and report["tree"]["digest"] in md
 
 
+def test_the_stress_part_runs_only_when_named(tmp_path):
+    """The 1M-operation allocator stress run takes minutes: it is no default part, --parts names it."""
+    gc = _load()
+    assert "stress" not in gc.WEIGHTS and "stress" in gc.ALL_WEIGHTS
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, SCRIPT, "--cpu-smoke", "--parts", "stress", "--budget", "60",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(report["parts"]) == ["env", "stress"]
+    assert report["parts"]["stress"]["status"] == "skipped" and "CUDA" in report["parts"]["stress"]["note"]
+
+
 def test_failed_part_shows_its_log_tail():
     gc = _load()
     report = {"mode": "gpu", "environment": {"cuda_available": False, "torch": "x"}, "tree": {"digest": "d", "git": None},

@@ -237,6 +237,19 @@ def test_copy_throughput_from_bench_copy_engine():
     assert _find(by_criterion(rep), 10, "copy throughput")["verdict"] == "NOT met"
 
 
+def test_stress_from_the_optional_part():
+    rep = met_report()
+    run = {"ops": 1_000_000, "allocator": "memsched", "busy_reuse": 0, "canary_errors": 0,
+           "forget_record_stream": False, "gpu": "NVIDIA H100 80GB HBM3", "seconds": 95.0}
+    rep["results"]["stress"] = dict(run)
+    v = _find(by_criterion(rep), 14, "stress")
+    assert v["verdict"] == "met" and "1,000,000 ops" in v["measured"]
+    rep["results"]["stress"] = dict(run, busy_reuse=3)
+    assert _find(by_criterion(rep), 14, "stress")["verdict"] == "NOT met"
+    rep["results"]["stress"] = dict(run, ops=20_000)
+    assert _find(by_criterion(rep), 14, "stress")["verdict"].startswith("not measured")
+
+
 def test_cpu_run_judges_nothing():
     rep = met_report()  # figures that would all be met on a GPU
     rep["mode"] = "cpu-smoke (reduced sizes; CPU numbers)"
