@@ -5,13 +5,12 @@ gradient on every rank, so every replica steps it alike. gloo on CPU, two proces
 AdamW steps with zero_grad(set_to_none=True), both ranks' parameters must equal each other and plain
 DDP's bit for bit -- for ooo alone and with the fused update."""
 import os
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
+
+from spawn_helpers import free_port, spawn_and_wait
 
 STEPS = 3
 WORLD = 2
@@ -29,11 +28,6 @@ class TwoHeads(nn.Module):
     def forward(self, x, head):
         return self.heads[head](torch.tanh(self.body(x)))
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(mode, rank):
@@ -78,13 +72,7 @@ def _worker(rank, port, out):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ddp2") / "params.pt")
-    ctx = mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the DDP workers did not finish within 300 s")
+    spawn_and_wait(_worker, (free_port(), out), WORLD)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
 
 

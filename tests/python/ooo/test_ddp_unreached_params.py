@@ -4,23 +4,16 @@ zero_grad(set_to_none=False) plain DDP (find_unused_parameters=True) reduces the
 optimizer.step() updates them. gloo on CPU, world size 1, in a subprocess; parameters and optimizer
 state after 4 steps bitwise equal to plain DDP's, with and without gradient accumulation."""
 import os
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from spawn_helpers import free_port, spawn_and_wait
 from test_fused_unreached_params import OPTIMIZERS, STEPS, ZEROING, Branchy, _batch
 
 CASES = [(z, o, k) for z in ("optimizer_keyword", "model", "zeros_like_by_hand") for o in sorted(OPTIMIZERS)
          for k in (1, 2)]
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(fused, zeroing, opt_name, accumulation):
@@ -77,13 +70,7 @@ def _worker(rank, port, out):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ddp") / "results.pt")
-    ctx = mp.start_processes(_worker, args=(_free_port(), out), nprocs=1, join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the DDP worker did not finish within 300 s")
+    spawn_and_wait(_worker, (free_port(), out), 1)
     return torch.load(out, weights_only=False)
 
 

@@ -1,0 +1,25 @@
+"""Shared by the tests that spawn torch.distributed worker processes (gloo on CPU)."""
+import socket
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def free_port():
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_and_wait(worker, args, nprocs, seconds=300):
+    """mp.start_processes(worker, args, nprocs) with the spawn method; fails the test, killing the
+    workers, when they have not all finished within `seconds`."""
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + seconds
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {nprocs} worker process(es) did not finish within {seconds} s")
