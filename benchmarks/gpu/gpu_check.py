@@ -911,7 +911,9 @@ def render_md(report):
 
 # -- main ------------------------------------------------------------------------------------------
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()) + " Its 'Done when' table "
+                                 "judges each GPU criterion of issues 10-14 and 17 (the project's issue tracker): "
+                                 "met, NOT met, or not measured with the reason.")
     ap.add_argument("--out", default=None, help="output folder (default: $GPU_CHECK_OUT, else gpu_check_out)")
     ap.add_argument("--budget", type=float, default=500.0,
                     help="seconds for all parts, `env` included (default 500: with the kill grace and start-up "

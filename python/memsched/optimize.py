@@ -341,6 +341,8 @@ class Run:
         self.steps_not_profiled = 0  # COUNT of steps run plainly because profiling them was unsafe
         self.profile_ = None         # profiler session while profiling
         self.profile_armed_ = False  # the next forward starts a profiler session
+        self.forwards_since_boundary_ = 0  # root forwards since the last run.step() / optimizer.step()
+        self.warned_second_update_ = False
         self.profile_failed_ = False # the profiled forward raised: restart at the next forward
         self.profile_forwards_ = 0   # COUNT forwards recorded by the open profile (Note [A step with no end])
         self.state_at_profile_ = None  # optimizer state bytes when the open profile started
@@ -405,12 +407,29 @@ class Run:
         """End the current step: plan after a profiled step, run optimizer.step() and zero_grad()."""
         if not self.entered_:
             raise RuntimeError("run.step(): call it inside `with memsched.optimize(...) as run:`")
+        self._warn_second_update()
         stats = self._finish_step()
         self._check_budget_held(stats)
         self._optimizer_step()
         self._account_optimizer_state()
         if stats is not None:
             self._record_step(stats)
+
+    def _warn_second_update(self):
+        """run.step() right after the loop's own optimizer.step() (no forward in between, gradients still
+        there) runs optimizer.step() again: a second update with the same gradients, as plain PyTorch
+        would do for `opt.step(); opt.step()`. Almost always a loop that calls both; said once."""
+        forwards, self.forwards_since_boundary_ = self.forwards_since_boundary_, 0
+        if forwards or self.warned_second_update_ or self.optimizer is None or self.fuse_optimizer:
+            return
+        if not any(p.grad is not None for g in self.optimizer.param_groups for p in g["params"]):
+            return
+        self.warned_second_update_ = True
+        warnings.warn("memsched.optimize: run.step() was called with no forward pass since the last step boundary "
+                      "(an optimizer.step() of the loop, which memsched routes as one): run.step() runs "
+                      "optimizer.step() and zero_grad() itself, so this is a second update with the same "
+                      "gradients. Call either run.step() or optimizer.step() once per step, not both",
+                      RuntimeWarning, stacklevel=3)
 
     def _framework_step(self, step, args, kwargs):
         """optimizer.step(*args, **kwargs) called by the caller's loop instead of run.step(); `step`
@@ -425,6 +444,7 @@ class Run:
                 loss = closure()
         if self.ooo_ is not None:
             self._check_framework_accumulation()
+        self.forwards_since_boundary_ = 0
         stats = self._finish_step()
         self._check_budget_held(stats)
         if self.ooo_ is None or self.ooo_._end_micro_step(False):  # the loop zeroes itself
@@ -497,6 +517,24 @@ class Run:
     #   parameters and optimizer state are as before the step. Later steps are only reported.
     #   Limitations: the first planned step stands for the others (a longer sequence later can still
     #   go over; run.report() shows every step's peak).
+    def _budget_held_note(self):
+        """run.report()'s answer to "did the budget hold?" over the planned steps (Note [A budget the
+        guard cannot meet]); "" without a budget or a planned step."""
+        budget = self._budget_with_state()
+        planned = [s for s in self.step_stats if s.mode == "planned"]
+        if budget is None or not planned:
+            return ""
+        if not self._measures_device_peak():
+            return ("budget held: not measured on this device (the allocator's peak is measured on CUDA); "
+                    "the saved activations were, in 'peak saved activations' above")
+        worst = max(s.peak_bytes for s in planned)
+        over = [s for s in planned if s.peak_bytes > budget * 1.02]
+        if not over:
+            return (f"budget held: yes, every planned step's peak (at most {format_bytes(worst)}, "
+                    f"max_memory_allocated) within the budget ({format_bytes(budget)}) + 2%")
+        return (f"budget held: NO, {counted(len(over), 'planned step')} over the budget ({format_bytes(budget)}) + 2%, "
+                f"up to {format_bytes(worst)} (max_memory_allocated)")
+
     def _drop_gradients(self):
         """A refused step's gradients go (set to None, as run.step() leaves them after every step), so a
         retry with the budget the error names trains as plain PyTorch would."""
@@ -603,6 +641,7 @@ class Run:
                 "run.step() of a step on one thread (the data loading may use others)")
 
     def _root_pre(self, module, args):
+        self.forwards_since_boundary_ += 1
         if self.step_thread_ is None:
             self.step_thread_ = threading.get_ident()
         if self.in_forward_ or (self.profile_ is not None and (
@@ -956,6 +995,8 @@ class Run:
         budget_text = ""
         if self.budget_bytes is None and self.budget_spec is not None:
             budget_text = f"{self.budget_spec!r} (resolved when a step is profiled)"
+        elif isinstance(self.budget_spec, (float, str)):
+            budget_text = f"{self.budget_spec!r} ="  # a fraction or percentage: what it came to beside it
         info = dict(device=str(self.device), planner=planner, budget_bytes=self._budget_with_state(),
                     budget_text=budget_text, steps_profiled=self.steps_profiled, host_source=self.host.source,
                     profile="offload" if self.profile_offload else "keep")
@@ -993,6 +1034,9 @@ class Run:
             notes.append(f"the profiled step's allocator held {format_bytes(self.unmodeled_bytes_)} at its peak "
                          "beyond the traced tensors (workspaces, allocator rounding, buffers inside ops); the trace "
                          "and every plan count it (Note [Memory the trace does not model])")
+        held = self._budget_held_note()
+        if held:
+            notes.append(held)
         waits = sum(s.guard_waits for s in self.step_stats)
         if waits:
             released = sum(s.guard_releases for s in self.step_stats)

@@ -75,11 +75,15 @@ def parse_budget(budget):
         try:
             number = float(text)
         except ValueError:
-            return parse_bytes(budget, name="budget")  # a size with a unit, or a clear error
+            number = None
+        if number is None:
+            return parse_bytes(budget, name="budget")  # a size with a unit, or a clear error (no chained one)
         if text.isdigit():
             return parse_bytes(budget, name="budget")
         return parse_budget(number)  # "0.5" reads like 0.5, "1e9" like 1e9
     if isinstance(budget, numbers.Integral):
+        if budget < 0:
+            raise ValueError(f"budget: must not be negative, got {budget!r}; accepted: {BUDGET_FORMS}")
         return parse_bytes(int(budget), name="budget")
     if isinstance(budget, numbers.Real):
         f = float(budget)

@@ -139,3 +139,12 @@ def test_an_unreachable_fraction_is_refused_with_the_least_fraction_that_works()
 def test_negative_or_zero_budgets_say_so(bad):
     with pytest.raises(ValueError, match=r"budget: must be positive|must not be negative"):
         planning.parse_budget(bad)
+
+
+def test_bad_budgets_name_the_accepted_forms_without_a_chained_traceback():
+    from memsched.planning import parse_budget
+    with pytest.raises(ValueError, match=r"budget: must not be negative, got -1; accepted: bytes") as err:
+        parse_budget(-1)
+    with pytest.raises(ValueError, match=r"budget: cannot read '6 gigs' as a size") as err:
+        parse_budget("6 gigs")
+    assert err.value.__context__ is None or err.value.__suppress_context__  # no "During handling of ..."

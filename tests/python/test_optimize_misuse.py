@@ -104,3 +104,38 @@ def test_a_learned_temperature_beside_the_models_parameters_trains_as_plain_pyto
 def test_an_optimizer_over_part_of_the_model_is_accepted():
     model = _model()
     optimize(model, torch.optim.SGD(model[2].parameters(), lr=0.1))  # fine-tuning the head only
+
+
+def test_run_step_right_after_the_loops_optimizer_step_warns_of_a_second_update():
+    """opt.step(); run.step(): run.step() steps the optimizer too (a second update with the same
+    gradients, as `opt.step(); opt.step()` would in plain PyTorch): said once. A plain run.step() loop,
+    an optimizer.step() loop, and a second run.step() after the gradients were zeroed say nothing."""
+    import warnings
+
+    def train(pattern):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        o = torch.optim.AdamW(m.parameters())
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with memsched.optimize(m, o, budget=0.7) as run:
+                for _ in range(3):
+                    m(x).sum().backward()
+                    pattern(o, run)
+        return [w for w in caught if "second update" in str(w.message)]
+
+    def both(o, run):
+        o.step()
+        run.step()
+
+    def twice(o, run):
+        run.step()
+        run.step()
+
+    def loop_steps(o, run):
+        o.step()
+        o.zero_grad()
+
+    assert len(train(both)) == 1
+    assert train(lambda o, run: run.step()) == [] and train(loop_steps) == [] and train(twice) == []

@@ -117,7 +117,7 @@ class RunReport:
     device: str = ""
     planner: str = ""
     budget_bytes: int = None           # None: no budget (keep all)
-    budget_text: str = ""              # the budget as asked, while it is not resolved to bytes yet
+    budget_text: str = ""              # the budget as asked: alone while not resolved, else before the bytes
     steps_profiled: int = 0            # COUNT
     steps_planned: int = 0             # COUNT executed with the plan
     steps_plain: int = 0               # COUNT run plainly (mismatch / no plan)
@@ -188,8 +188,10 @@ def build_report(run_info, planned, step_stats, notes=(), counts=None, largest=(
             # measured: host time in the replays (on CUDA their launches; the kernels are in step time)
             ["recompute time", _ms(p.get("recompute_s")), _ms(m.get("recompute_s"))],
         ]
-    budget = (format_bytes(r.budget_bytes) if r.budget_bytes is not None
-              else r.budget_text or "none (keep all)")
+    if r.budget_bytes is not None:
+        budget = (r.budget_text + " " if r.budget_text else "") + format_bytes(r.budget_bytes)
+    else:
+        budget = r.budget_text or "none (keep all)"
     head = (f"memsched.optimize: device {r.device}, planner {r.planner}, budget {budget}; steps: "
             f"{r.steps_profiled} profiled, {r.steps_planned} planned, {r.steps_plain} plain")
     lines = [head, format_table(["", "planned (simulated)", "measured (median)"], rows)]

@@ -1,7 +1,14 @@
 """run.report()'s table (offload/report.py build_report): a measured peak more than 2% above the plan's is
 called out with what the plan does not model on that device."""
+import io
+
+import torch
+import torch.nn as nn
+
+import memsched
 from memsched.offload.executor import StepStats
 from memsched.offload.report import build_report
+from memsched.optimize import optimize
 
 
 def _report(device, planned, peaks):
@@ -77,3 +84,25 @@ def test_a_stall_a_hair_below_zero_prints_as_zero():
     r = _report("cpu", {"stall_s": -1e-12, "activation_peak_bytes": 1}, [1])
     line = next(l for l in r.table.splitlines() if l.startswith("stall time"))
     assert "-0.00" not in line and "0.00 ms" in line
+
+
+def test_report_says_what_a_fraction_came_to_and_whether_the_budget_held(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(64, 32)
+    with optimize(model, opt, budget=0.7, planner="dp") as run:
+        for _ in range(3):
+            model(x).sum().backward()
+            run.step()
+        table = run.report(file=io.StringIO()).table
+        assert f"budget 0.7 = {memsched.format_bytes(run.budget_bytes)};" in table.splitlines()[0]
+        assert "budget held: not measured on this device" in table
+        # where the allocator's peak is measured (CUDA), the answer is yes or NO with the figures
+        monkeypatch.setattr(run, "_measures_device_peak", lambda: True)
+        budget = run._budget_with_state()
+        for s in run.step_stats:
+            s.peak_bytes = budget
+        assert "budget held: yes" in run.report(file=io.StringIO()).table
+        run.step_stats[-1].peak_bytes = int(budget * 1.05)
+        assert "budget held: NO, 1 planned step over the budget" in run.report(file=io.StringIO()).table
