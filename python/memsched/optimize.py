@@ -420,7 +420,8 @@ class Run:
         there) runs optimizer.step() again: a second update with the same gradients, as plain PyTorch
         would do for `opt.step(); opt.step()`. Almost always a loop that calls both; said once."""
         forwards, self.forwards_since_boundary_ = self.forwards_since_boundary_, 0
-        if forwards or self.warned_second_update_ or self.optimizer is None or self.fuse_optimizer:
+        if (forwards or self.warned_second_update_ or self.optimizer is None or self.fuse_optimizer
+                or self.compiled_why_):  # a compiled model runs plainly: no hook counts its forwards
             return
         if not any(p.grad is not None for g in self.optimizer.param_groups for p in g["params"]):
             return
