@@ -58,15 +58,11 @@ def test_bench_offload_small_runs_on_cpu(tmp_path):
 
 def test_fraction_device_index_is_an_int():
     """set_per_process_memory_fraction needs an index: torch.device("cuda") has none (the GPU run crashed)."""
-    import sys
-
     import torch
 
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    try:
-        import bench_offload
-    finally:
-        sys.path.remove(os.path.dirname(SCRIPT))
+    from gpu_scripts import load_gpu_script
+
+    bench_offload = load_gpu_script("bench_offload")
     assert bench_offload._fraction_device(torch.device("cuda", 3)) == 3
     if torch.cuda.is_available():
         assert isinstance(bench_offload._fraction_device(torch.device("cuda")), int)

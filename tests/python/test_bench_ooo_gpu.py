@@ -7,17 +7,14 @@ import sys
 
 import torch
 
+from gpu_scripts import load_gpu_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu", "bench_ooo_gpu.py")
 
 
 def _load():
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    try:
-        import bench_ooo_gpu
-    finally:
-        sys.path.remove(os.path.dirname(SCRIPT))
-    return bench_ooo_gpu
+    return load_gpu_script("bench_ooo_gpu")
 
 
 def test_small_run_on_cpu_has_the_optimizer_in_backward_row(tmp_path):

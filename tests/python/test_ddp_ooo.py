@@ -4,24 +4,17 @@ also with gradient accumulation against DDP's no_sync recipe),
 ranks stay in sync, several buckets are reduced in order, and the first
 all-reduce starts before the backward pass ends."""
 import os
-import socket
-import time
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from spawn_helpers import free_port, spawn_and_wait
 
 K_STEPS = 3
 ACCUMULATE = (2, 4)   # micro-steps per optimizer step
 WORLD = 2
 TIMEOUT_S = 120
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(rank, mode, steps, accumulate=1):
@@ -93,14 +86,7 @@ def _worker(rank, port, out_dir):
 
 
 def test_ddp_ooo_and_fused_match_plain_ddp(tmp_path):
-    port = _free_port()
-    ctx = mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"DDP workers did not finish within {TIMEOUT_S} s")
+    spawn_and_wait(_worker, (free_port(), str(tmp_path)), WORLD, TIMEOUT_S)
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r in range(WORLD):
         plain_params, plain_state, _ = res[r]["plain"]

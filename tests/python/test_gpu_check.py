@@ -8,17 +8,14 @@ import sys
 import pytest
 import torch
 
+from gpu_scripts import load_gpu_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu", "gpu_check.py")
 
 
 def _load():
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(os.path.dirname(SCRIPT))
-    return gpu_check
+    return load_gpu_script("gpu_check")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke mode")

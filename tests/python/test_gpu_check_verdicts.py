@@ -1,9 +1,10 @@
 """gpu_check.py's "Done when" verdicts, fed hand-written results: for each issue a met and a not-met case,
 "not measured" where a figure is missing, and a CPU run that judges nothing."""
 import os
-import sys
 
 import pytest
+
+from gpu_scripts import load_gpu_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2 ** 30
@@ -11,12 +12,7 @@ MIB = 2 ** 20
 
 
 def _load():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(os.path.join(ROOT, "benchmarks", "gpu"))
-    return gpu_check
+    return load_gpu_script("gpu_check")
 
 
 gc = _load()

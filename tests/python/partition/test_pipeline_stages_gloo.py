@@ -2,13 +2,11 @@
 gloo on CPU, two processes on 127.0.0.1; the loss of each of 3 training steps equals the
 single-device model's, and so do the parameters after them."""
 import os
-import socket
-import time
 
-import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
+
+from spawn_helpers import free_port, spawn_and_wait
 
 STEPS = 3
 WORLD = 2
@@ -40,11 +38,6 @@ def _data():
 def _loss(out, y):
     return nn.functional.cross_entropy(out, y)
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, partition_path, out_dir):
@@ -109,15 +102,7 @@ def test_two_stage_partition_trains_like_the_single_device_model(tmp_path):
         opt.zero_grad(set_to_none=True)
     torch.set_num_threads(threads)
 
-    port = _free_port()
-    ctx = mp.start_processes(_worker, args=(port, str(tmp_path / "partition.json"), str(tmp_path)), nprocs=WORLD,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"pipeline workers did not finish within {TIMEOUT_S} s")
+    spawn_and_wait(_worker, (free_port(), str(tmp_path / "partition.json"), str(tmp_path)), WORLD, TIMEOUT_S)
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     assert len(res[1]["losses"]) == STEPS
     for k, (a, b) in enumerate(zip(ref_losses, res[1]["losses"])):
