@@ -129,6 +129,8 @@ def measure(device, mib, count, rounds):
             samples.setdefault(k, []).append(v)
     engine.release()
     rows = {k: {"gbps_median": statistics.median(v[1:]), "gbps_rounds": v[1:]} for k, v in samples.items()}
+    for d in ("d2h", "h2d"):  # memsched's rate as a share of torch's own copies, rounds side by side
+        rows[f"memsched {d}"]["vs_torch"] = rows[f"memsched {d}"]["gbps_median"] / rows[f"torch {d}"]["gbps_median"]
     return {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "torch": torch.__version__, "python": platform.python_version(), "mib": mib, "count": count,
             "rounds": rounds, "bytes_per_direction": count * nbytes, "rows": rows}
@@ -138,7 +140,8 @@ def format_rows(res):
     lines = [f"# bench_copy_engine on {res['gpu'] or 'CPU (not a GPU number)'}: {res['count']} x {res['mib']} MiB, "
              f"median of {res['rounds']} rounds"]
     for name, r in res["rows"].items():
-        lines.append(f"  {name:14s} {r['gbps_median']:8.2f} GB/s")
+        ratio = f"  ({r['vs_torch']:.2f}x torch's)" if "vs_torch" in r else ""
+        lines.append(f"  {name:14s} {r['gbps_median']:8.2f} GB/s{ratio}")
     return "\n".join(lines)
 
 

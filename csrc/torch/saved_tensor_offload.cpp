@@ -98,15 +98,9 @@ void offloaded_dealloc(PyObject* self) {
   Py_TYPE(self)->tp_free(self);
 }
 
-PyTypeObject offloaded_type = [] {
-  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
-  type.tp_name = "memsched._C.OffloadedSave";
-  type.tp_basicsize = sizeof(OffloadedSave);
-  type.tp_dealloc = offloaded_dealloc;
-  type.tp_flags = Py_TPFLAGS_DEFAULT;
-  type.tp_doc = "A saved tensor memsched copied to host memory (See Note [Offloaded saves in C++]).";
-  return type;
-}();
+PyTypeObject offloaded_type = saved_object_type(
+    "memsched._C.OffloadedSave", sizeof(OffloadedSave), offloaded_dealloc,
+    "A saved tensor memsched copied to host memory (See Note [Offloaded saves in C++]).");
 
 PyObject* make_offloaded(std::shared_ptr<OffloadHandle> handle, std::shared_ptr<SavedTensorPath> path,
                          const at::Tensor& t) {

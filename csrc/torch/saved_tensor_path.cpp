@@ -89,20 +89,28 @@ struct KeptSave {
   uint32_t version;
 };
 
+}  // namespace
+
+PyTypeObject saved_object_type(const char* name, Py_ssize_t basicsize, destructor dealloc, const char* doc) {
+  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
+  type.tp_name = name;
+  type.tp_basicsize = basicsize;
+  type.tp_dealloc = dealloc;
+  type.tp_flags = Py_TPFLAGS_DEFAULT;  // not Py_TPFLAGS_HAVE_GC: See Note [Kept saves are not Python containers]
+  type.tp_doc = doc;
+  return type;
+}
+
+namespace {
+
 void kept_dealloc(PyObject* self) {
   reinterpret_cast<KeptSave*>(self)->tensor.~Tensor();
   Py_TYPE(self)->tp_free(self);
 }
 
-PyTypeObject kept_type = [] {
-  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
-  type.tp_name = "memsched._C.KeptSave";
-  type.tp_basicsize = sizeof(KeptSave);
-  type.tp_dealloc = kept_dealloc;
-  type.tp_flags = Py_TPFLAGS_DEFAULT;
-  type.tp_doc = "A saved tensor memsched keeps on its device (See Note [Kept saves are not Python containers]).";
-  return type;
-}();
+PyTypeObject kept_type = saved_object_type(
+    "memsched._C.KeptSave", sizeof(KeptSave), kept_dealloc,
+    "A saved tensor memsched keeps on its device (See Note [Kept saves are not Python containers]).");
 
 PyObject* kept_save(int64_t ordinal, at::Tensor tensor, uint32_t version) {
   auto* kept = PyObject_New(KeptSave, &kept_type);

@@ -56,6 +56,10 @@ PyObject* kept_alias(int64_t ordinal, const at::Tensor& t);
 // Whether `obj` is an OffloadedSave (saved_tensor_offload.cpp).
 bool is_offloaded_save(PyObject* obj);
 
+// The Python type of an object autograd stores for a save (KeptSave, OffloadedSave): a static type
+// without GC support, since it refers to no Python object (Note [Kept saves are not Python containers]).
+PyTypeObject saved_object_type(const char* name, Py_ssize_t basicsize, destructor dealloc, const char* doc);
+
 struct OffloadHandle;  // See Note [Offloaded saves in C++] (saved_tensor_offload.cpp)
 struct StepGraph;
 

@@ -23,6 +23,10 @@ def test_bench_copy_engine_small_runs_on_cpu(tmp_path):
     assert res["bytes_per_direction"] == 4 << 20 and res["gpu"] is None
     for name, row in res["rows"].items():
         assert len(row["gbps_rounds"]) == 2 and row["gbps_median"] > 0, name
+    for d in ("d2h", "h2d"):  # the ratio to the peer, measured in the same rounds
+        row = res["rows"][f"memsched {d}"]
+        assert row["vs_torch"] == row["gbps_median"] / res["rows"][f"torch {d}"]["gbps_median"]
+    assert "x torch's)" in proc.stdout
 
 
 def test_bench_copy_engine_refuses_a_zero_size():

@@ -1,12 +1,9 @@
 """gpu_check.py's "Done when" verdicts, fed hand-written results: for each issue a met and a not-met case,
 "not measured" where a figure is missing, and a CPU run that judges nothing."""
-import os
-
 import pytest
 
 from gpu_scripts import load_gpu_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2 ** 30
 MIB = 2 ** 20
 
