@@ -48,6 +48,8 @@ void bind_copy_engine(py::module_& m) {
       .def("wait", &CopyEngine::wait, py::arg("ticket"))
       .def("poll", &CopyEngine::poll)
       .def("pending_count", &CopyEngine::pending_count)
+      .def_property_readonly("held_source_bytes", &CopyEngine::held_source_bytes,
+                             "Device bytes held for D2H copies in flight (their sources, until released)")
       .def("release_in_stream_order", &CopyEngine::release_in_stream_order, py::arg("bytes"),
            "Accelerator: drop the holds of the oldest D2H copies in flight after a compute-stream wait, until "
            "`bytes` are released; returns (copies, bytes) (Note [Releases in stream order]).")

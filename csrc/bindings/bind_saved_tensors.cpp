@@ -156,6 +156,8 @@ void bind_saved_tensors(py::module_& m) {
                                d["guard_waits"] = c.guard_waits;
                                d["guard_releases"] = c.guard_releases;
                                d["guard_released_bytes"] = c.guard_released_bytes;
+                               d["sampled_peak_bytes"] = c.sampled_peak_bytes;
+                               d["in_flight_at_sampled_peak"] = c.in_flight_at_sampled_peak;
                                d["stall_s"] = c.stall_s;
                                return d;
                              },

@@ -36,6 +36,8 @@ void bind_torch(pybind11::module_& m) {
         pybind11::arg("device"), "torch.cuda.memory_allocated(device), read in C++ (an accelerator device).");
   m.def("device_peak_bytes", [](const std::string& d) { return device_peak_bytes(c10::Device(d)); },
         pybind11::arg("device"), "torch.cuda.max_memory_allocated(device), read in C++.");
+  m.def("device_reserved_peak_bytes", [](const std::string& d) { return device_reserved_peak_bytes(c10::Device(d)); },
+        pybind11::arg("device"), "torch.cuda.max_memory_reserved(device), read in C++.");
   m.def("reset_device_peak", [](const std::string& d) { reset_device_peak(c10::Device(d)); },
         pybind11::arg("device"), "torch.cuda.reset_peak_memory_stats(device), in C++.");
 

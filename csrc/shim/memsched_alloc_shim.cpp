@@ -209,6 +209,13 @@ __attribute__((visibility("default"))) int64_t memsched_allocated_peak_bytes(int
   return pool->stats().allocated_bytes[memsched::kAggregatePool].peak;
 }
 
+// Peak bytes reserved (segments) on `device` since the last memsched_reset_peak_stats.
+__attribute__((visibility("default"))) int64_t memsched_reserved_peak_bytes(int device) {
+  BlockPool* pool = existing_pool(device);
+  if (pool == nullptr) return 0;
+  return pool->stats().reserved_bytes[memsched::kAggregatePool].peak;
+}
+
 __attribute__((visibility("default"))) void memsched_reset_peak_stats(int device) {
   if (BlockPool* pool = existing_pool(device)) pool->reset_peak_stats();
 }

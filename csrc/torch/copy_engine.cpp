@@ -222,6 +222,10 @@ std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vec
     copy_on(stream, *t, src);
     // WARNING: src is read on the D2H stream: keep it until `done` (Note [Offload copy ordering]).
     d2h_pending_.push_back({t, t->done, hold ? src : at::Tensor(), t->dst, compute});
+    if (hold) {
+      d2h_pending_.back().held_bytes = static_cast<int64_t>(src.nbytes());
+      held_source_bytes_ += d2h_pending_.back().held_bytes;
+    }
     tickets.push_back(std::move(t));
   }
   return tickets;
@@ -283,7 +287,10 @@ bool CopyEngine::wait(const CopyTicket& ticket) {
 
 void CopyEngine::poll() {
   // See Note [Draining completions in order].
-  while (!d2h_pending_.empty() && d2h_pending_.front().done->query()) d2h_pending_.pop_front();
+  while (!d2h_pending_.empty() && d2h_pending_.front().done->query()) {
+    drop_source(d2h_pending_.front());
+    d2h_pending_.pop_front();
+  }
   while (!h2d_pending_.empty() && h2d_pending_.front().done->query()) h2d_pending_.pop_front();
 }
 
@@ -310,7 +317,7 @@ std::pair<int64_t, int64_t> CopyEngine::release_in_stream_order(int64_t bytes) {
   wait(*newest);  // the D2H stream runs its copies in order: this wait covers the older ones
   for (auto p = d2h_pending_.begin(); p != end; ++p) {
     if (!frees(*p)) continue;
-    p->source = at::Tensor();
+    drop_source(*p);
     p->released = true;
   }
   return {copies, freed};
@@ -331,6 +338,14 @@ void CopyEngine::release() {
   }
   d2h_pending_.clear();
   h2d_pending_.clear();
+  held_source_bytes_ = 0;
+}
+
+void CopyEngine::drop_source(Pending& p) {
+  if (!p.source.defined()) return;
+  p.source = at::Tensor();
+  held_source_bytes_ -= p.held_bytes;
+  p.held_bytes = 0;
 }
 
 void CopyEngine::check_invariants() const {
@@ -347,6 +362,10 @@ void CopyEngine::check_invariants() const {
                      "CopyEngine: a pending copy must hold what it reads and what it writes");
     }
   }
+  int64_t held = 0;
+  for (const Pending& p : d2h_pending_) held += p.source.defined() ? p.held_bytes : 0;
+  MEMSCHED_CHECK(held == held_source_bytes_, "CopyEngine: held_source_bytes is ", held_source_bytes_,
+                 " but the D2H copies in flight hold ", held, " bytes of their sources");
 }
 
 }  // namespace memsched

@@ -169,6 +169,10 @@ class CopyEngine {
   // order]). Returns {copies released, bytes released}; {0, 0} on CPU and on the compute stream.
   std::pair<int64_t, int64_t> release_in_stream_order(int64_t bytes);
   int64_t pending_count() const { return static_cast<int64_t>(d2h_pending_.size() + h2d_pending_.size()); }
+  // Device bytes the engine keeps allocated for D2H copies in flight: sources it holds until the
+  // host sees their copy complete or releases them in stream order (Note [Where the peak went] in
+  // python/memsched/offload/peak_gap.py). A running count, O(1).
+  int64_t held_source_bytes() const { return held_source_bytes_; }
   // The step's log, without waiting: copies in flight keep what they read.
   std::shared_ptr<StepCopyLog> end_step();
   // Wait for every copy and drop what the copies held (a Run's end, a step that raised).
@@ -184,7 +188,9 @@ class CopyEngine {
     at::Tensor dst;               // written by the copy: kept until ticket->done, even if the ticket dies
     c10::Stream compute;          // the compute stream when issued: where the device tensor was allocated
     bool released = false;        // device tensor dropped after a compute-stream wait (Note [Releases in stream order])
+    int64_t held_bytes = 0;       // D2H: source bytes counted in held_source_bytes_ while `source` is held
   };
+  void drop_source(Pending& p);   // D2H: let go of p.source and take its bytes off held_source_bytes_
   c10::Stream compute_stream() const;
   double now_s() const;
   // `stream` (a side stream) waits for what the compute (current) stream has queued so far; no-op
@@ -201,6 +207,7 @@ class CopyEngine {
   std::optional<c10::Stream> d2h_stream_, h2d_stream_;
   std::shared_ptr<CopyEventPool> events_;
   std::deque<Pending> d2h_pending_, h2d_pending_;
+  int64_t held_source_bytes_ = 0;  // SUM held_bytes over d2h_pending_ entries that hold their source
   std::shared_ptr<StepCopyLog> log_;
   std::chrono::steady_clock::time_point t0_;
 };

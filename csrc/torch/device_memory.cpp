@@ -27,6 +27,10 @@ int64_t device_peak_bytes(c10::Device device) {
   return allocator_of(device)->getDeviceStats(index_of(device)).allocated_bytes[kAll].peak;
 }
 
+int64_t device_reserved_peak_bytes(c10::Device device) {
+  return allocator_of(device)->getDeviceStats(index_of(device)).reserved_bytes[kAll].peak;
+}
+
 void reset_device_peak(c10::Device device) { allocator_of(device)->resetPeakStats(index_of(device)); }
 
 }  // namespace memsched

@@ -16,6 +16,7 @@ namespace memsched {
 
 int64_t device_allocated_bytes(c10::Device device);  // allocated_bytes.all.current
 int64_t device_peak_bytes(c10::Device device);       // allocated_bytes.all.peak since the last reset
+int64_t device_reserved_peak_bytes(c10::Device device);  // reserved_bytes.all.peak since the last reset
 void reset_device_peak(c10::Device device);          // start a new peak (torch.cuda.reset_peak_memory_stats)
 
 }  // namespace memsched

@@ -209,6 +209,10 @@ void SavedTensorPath::guard_for(int64_t headroom) {
     clear_memory_guard();
     return;
   }
+  if (allocated > counters.sampled_peak_bytes) {  // Note [Where the peak went]: two integers, no sync
+    counters.sampled_peak_bytes = allocated;
+    counters.in_flight_at_sampled_peak = engine_->held_source_bytes();
+  }
   const int64_t over = allocated + headroom - guard_budget_;
   if (over <= 0) return;
   const auto [copies, bytes] = engine_->release_in_stream_order(over);

@@ -118,6 +118,9 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
     int64_t offloaded = 0, offloaded_bytes = 0, prefetched = 0, on_demand = 0, late_prefetches = 0;
     int64_t host_limited = 0;
     int64_t guard_waits = 0, guard_releases = 0, guard_released_bytes = 0;  // Note [Memory guard]
+    // The highest allocator count the guard read this step, and the device bytes the copy engine
+    // held for D2H copies in flight at that read (Note [Where the peak went], offload/peak_gap.py).
+    int64_t sampled_peak_bytes = 0, in_flight_at_sampled_peak = 0;
     double stall_s = 0.0;                         // CPU: on-demand copy time
   };
   OffloadCounters counters;

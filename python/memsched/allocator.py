@@ -112,6 +112,8 @@ def _load_shim() -> ctypes.CDLL:
         lib.memsched_allocated_bytes.argtypes = [ctypes.c_int]
         lib.memsched_allocated_peak_bytes.restype = ctypes.c_int64
         lib.memsched_allocated_peak_bytes.argtypes = [ctypes.c_int]
+        lib.memsched_reserved_peak_bytes.restype = ctypes.c_int64
+        lib.memsched_reserved_peak_bytes.argtypes = [ctypes.c_int]
         _shim = lib
     return _shim
 

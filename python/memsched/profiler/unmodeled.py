@@ -51,10 +51,12 @@ class DeviceCounters:
             shim = allocator._load_shim()
             self.reset = lambda: shim.memsched_reset_peak_stats(index)
             self.peak = lambda: shim.memsched_allocated_peak_bytes(index)
+            self.reserved_peak = lambda: shim.memsched_reserved_peak_bytes(index)
         else:
             name = f"{device.type}:{index}"
             self.reset = lambda: _C.reset_device_peak(name)
             self.peak = lambda: _C.device_peak_bytes(name)
+            self.reserved_peak = lambda: _C.device_reserved_peak_bytes(name)
 
     @classmethod
     def for_device(cls, device) -> Optional["DeviceCounters"]:
