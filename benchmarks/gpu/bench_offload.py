@@ -361,6 +361,12 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
         # Note [Memory guard]: compute-stream waits per step that kept the allocator within the budget
         row["guard_waits"] = statistics.median(s.guard_waits for s in executed) if executed else None
         row["activation_bytes"] = run.trace.activation_bytes()
+        # Note [Where the peak went]: the highest timed step's peak against the plan, by category (CUDA)
+        gap = run._peak_gap()
+        if gap is not None:
+            row["peak_phase"] = gap.peak_phase
+            row["peak_gap"] = {"planned_bytes": gap.planned_bytes, "measured_bytes": gap.measured_bytes,
+                               "categories": dict(gap.categories), "fragmentation_bytes": gap.fragmentation_bytes}
     else:
         hooks = CountingSaveOnCpu(device.type == "cuda") if method == "save_on_cpu" else None
         forward_model = model
@@ -477,6 +483,23 @@ def keep_all_fidelity(rows):
             "line": f"keep_all simulated peak ({traced['method']}'s trace, {_fmt_bytes(traced.get('unmodeled_bytes'))} "
                     f"of it unmodeled device memory) {_fmt_bytes(sim)} vs plain's measured {_fmt_bytes(measured)}: "
                     f"{sim / measured:.3f}x (goal within 3%)"}
+
+
+def format_gaps(rows):
+    """One line per memsched row whose measured peak is over its plan by more than 2%, with the gap by
+    category (Note [Where the peak went] in python/memsched/offload/peak_gap.py); [] when none is."""
+    lines = []
+    for r in rows:
+        gap = r.get("peak_gap")
+        if not gap or not gap["categories"]:
+            continue
+        over = gap["measured_bytes"] - gap["planned_bytes"]
+        parts = ", ".join(f"{name} {_fmt_bytes(n)}" for name, n in gap["categories"].items())
+        frag = gap.get("fragmentation_bytes")
+        lines.append(f"peak gap, {r['method']}: +{_fmt_bytes(over)} over the plan's {_fmt_bytes(gap['planned_bytes'])}"
+                     f" (peak in the {r.get('peak_phase') or '?'}): {parts}"
+                     + (f"; reserved beyond allocated {_fmt_bytes(frag)}" if frag is not None else ""))
+    return lines
 
 
 def format_rows(rows, device):
@@ -647,6 +670,8 @@ def main(argv=None):
             dump()
         print()
         print(format_rows(rows, device))
+        for line in format_gaps(rows):
+            print(line)
         fidelity = keep_all_fidelity(rows)
         if fidelity:
             results["models"][name]["keep_all_fidelity"] = fidelity

@@ -564,6 +564,16 @@ def _within_budget(rows):
     return out
 
 
+def _gap_summary(row):
+    """" (peak in the backward: late release 2.0 GiB, ...)" from a bench row's peak_gap (Note [Where the
+    peak went]); "" without one."""
+    gap = row.get("peak_gap") or {}
+    if not gap.get("categories"):
+        return ""
+    parts = ", ".join(f"{name} {_gib(n)}" for name, n in gap["categories"].items())
+    return f" (peak in the {row.get('peak_phase') or '?'}: {parts})"
+
+
 def v11_budget_held(report):
     pieces = []
     groups = []
@@ -583,7 +593,8 @@ def v11_budget_held(report):
             pieces.append((label, "", _nm("no planned row with a measured peak and a budget")))
             continue
         worst = max(held, key=lambda x: x[1] / x[2])
-        over = [n for n, p, b in held if p > 1.02 * b]
+        why = {(r.get("method") or r.get("row")): _gap_summary(r) for r in rows}
+        over = [n + why.get(n, "") for n, p, b in held if p > 1.02 * b]
         m = (f"{len(held)} rows, worst {worst[0]} {worst[1] / worst[2]:.3f}x its budget"
              + (f", over: {', '.join(over)}" if over else "") + (f" ({failed} planned rows failed)" if failed else ""))
         pieces.append((label, m, NOT_MET if over else MET))

@@ -197,6 +197,7 @@ from memsched.offload.executor import OffloadExecutor, foreign_hooks_reason
 from memsched.offload.guard import guard_headroom
 from memsched.offload.host_buffers import HostBuffers, parse_host_limit
 from memsched.offload.host_limit import plan_within_host_limit
+from memsched.offload.peak_gap import explain_peak_gap
 from memsched.offload.report import build_report, largest_planned, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
 from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
@@ -325,6 +326,8 @@ class Run:
         self.schedule = None         # OffloadSchedule of self.plan
         self.node_of_op_ = {}        # the profiled step's backward op -> autograd node offset
         self.unmodeled_bytes_ = 0    # device memory no traced tensor explains, at the profiled peak
+        self.profiled_update_due_ = False  # the profiled step's update is next (Note [Where the peak went])
+        self.profiled_update_peak_ = None  # its device peak (accelerator), None until read
         self.step_thread_ = None     # thread of this step's first forward (Note [One thread per step])
         self.simulation = None       # memsched.simulate() result for (trace, plan)
         self.budget_bytes = None     # resolved budget, bytes (None: no budget)
@@ -410,7 +413,7 @@ class Run:
         self._warn_second_update()
         stats = self._finish_step()
         self._check_budget_held(stats)
-        self._optimizer_step()
+        self._measured_update(stats, self._optimizer_step)
         self._account_optimizer_state()
         if stats is not None:
             self._record_step(stats)
@@ -448,10 +451,15 @@ class Run:
         self.forwards_since_boundary_ = 0
         stats = self._finish_step()
         self._check_budget_held(stats)
-        if self.ooo_ is None or self.ooo_._end_micro_step(False):  # the loop zeroes itself
-            out = step(*args, **kwargs)
-            loss = out if closure is None else loss
-        # else: the fused update ran during backward (as run.step() skips optimizer.step() then)
+
+        def update():
+            nonlocal loss
+            if self.ooo_ is None or self.ooo_._end_micro_step(False):  # the loop zeroes itself
+                out = step(*args, **kwargs)
+                loss = out if closure is None else loss
+            # else: the fused update ran during backward (as run.step() skips optimizer.step() then)
+
+        self._measured_update(stats, update)
         self._account_optimizer_state()
         if stats is not None:
             self._record_step(stats)
@@ -482,6 +490,7 @@ class Run:
             self.node_of_op_ = session.node_of_op
             self.unmodeled_bytes_ = getattr(session, "unmodeled_bytes", 0)  # Note [Memory the trace does not model]
             self.steps_profiled += 1
+            self.profiled_update_due_ = True  # Note [Where the peak went]: its update's peak is read
             # this trace holds the state that existed at its start; what the update will add is
             # predicted for the optimizers we know (Note [Optimizer state the profiled step did not see])
             self.optimizer_state_extra_ = self._predicted_state_bytes()
@@ -535,6 +544,54 @@ class Run:
                     f"max_memory_allocated) within the budget ({format_bytes(budget)}) + 2%")
         return (f"budget held: NO, {counted(len(over), 'planned step')} over the budget ({format_bytes(budget)}) + 2%, "
                 f"up to {format_bytes(worst)} (max_memory_allocated)")
+
+    def _measured_update(self, stats, update):
+        """Run `update` (the optimizer's step) and read the device peak it reaches (Note [Where the peak
+        went] in offload/peak_gap.py): an executed step's peak then covers its update; a profiled step's
+        update peak is what the plan expects of every update, and more than the budget is refused."""
+        meter = self.executor.meter
+        profiled, self.profiled_update_due_ = self.profiled_update_due_, False
+        if profiled and meter is not None:
+            meter.reset()  # the profiler restarted the peak at every op: the update's own from here
+        update()
+        if stats is not None:
+            self.executor.measure_update(stats)
+        elif profiled and meter is not None:
+            self.profiled_update_peak_ = meter.peak()
+            self._check_update_within_budget()
+
+    def _check_update_within_budget(self):
+        """The profiled step's optimizer update against the budget (Note [A budget the guard cannot
+        meet]): no plan moves an update's memory, so an update above the budget fails every step."""
+        if self.budget_bytes is None or not self._measures_device_peak():
+            return
+        budget, peak = self._budget_with_state(), self.profiled_update_peak_
+        if peak <= budget * 1.02:
+            return
+        what = (f"budget {self.budget_spec!r} ({format_bytes(budget)}): the optimizer update (optimizer.step()) "
+                f"of the profiled step peaked at {format_bytes(peak)} of device memory "
+                f"({100.0 * (peak - budget) / budget:.1f}% over; max_memory_allocated): parameters, gradients, "
+                f"optimizer state and the update's temporaries, which no plan of saved activations lowers")
+        fix = ("a fused optimizer (torch.optim.AdamW(..., fused=True)) or memsched.optimize(..., "
+               "fuse_optimizer=True) updates with fewer temporaries")
+        if self.ooo_ is not None:  # as Note [A budget the guard cannot meet]: out-of-order backward warns
+            warnings.warn(f"memsched.optimize: {what}; every step will exceed the budget",
+                          RuntimeWarning, stacklevel=4)
+            return
+        raise _C.MemschedError(
+            f"{what}. This step completed (profiled, updated as plain PyTorch would). The least budget the "
+            f"update meets is {peak} bytes ({format_bytes(peak)}): raise the budget to at least that, or use {fix}")
+
+    def _peak_gap(self):
+        """PeakGap of the executed step with the highest measured peak (Note [Where the peak went]);
+        None off the device or without a plan."""
+        if not self._measures_device_peak():
+            return None
+        planned = self.planned_figures().get("peak_bytes")
+        steps = [s for s in self.step_stats if s.mode == "planned"]  # the last `history`
+        if not planned or not steps:
+            return None
+        return explain_peak_gap(planned, max(steps, key=lambda s: s.peak_bytes))
 
     def _drop_gradients(self):
         """A refused step's gradients go (set to None, as run.step() leaves them after every step), so a
@@ -983,6 +1040,8 @@ class Run:
         elif self.plan is None:
             out["peak_bytes"] = self.trace.peak_bytes() + extra
             out["bytes_moved"] = 0
+        if self.profiled_update_peak_ is not None:  # measured: no plan moves it (Note [Where the peak went])
+            out["update_peak_bytes"] = self.profiled_update_peak_
         return out
 
     def report(self, file=None):
@@ -1056,7 +1115,8 @@ class Run:
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes,
                          counts=(self.steps_planned, self.steps_plain + self.steps_not_profiled),
-                         largest=largest_planned(self.schedule if self.plan is not None else None))
+                         largest=largest_planned(self.schedule if self.plan is not None else None),
+                         peak_gap=self._peak_gap())
         print(r.table, file=file)
         return r
 

@@ -66,3 +66,23 @@ def test_fraction_device_index_is_an_int():
     assert bench_offload._fraction_device(torch.device("cuda", 3)) == 3
     if torch.cuda.is_available():
         assert isinstance(bench_offload._fraction_device(torch.device("cuda")), int)
+
+
+def test_rows_over_their_plan_print_the_gap_by_category():
+    """Note [Where the peak went]: the GPU run's table says where a memsched row's extra memory went."""
+    from gpu_scripts import load_gpu_script
+
+    bench_offload = load_gpu_script("bench_offload")
+    gib = 1 << 30
+    rows = [{"method": "plain"},
+            {"method": "memsched dp 50%", "peak_phase": "backward",
+             "peak_gap": {"planned_bytes": 9 * gib, "measured_bytes": 12 * gib, "fragmentation_bytes": gib // 2,
+                          "categories": {"late release": 2 * gib, "not in the profiled step": gib}}},
+            {"method": "memsched dp 70%", "peak_phase": "forward",
+             "peak_gap": {"planned_bytes": 9 * gib, "measured_bytes": 9 * gib, "fragmentation_bytes": None,
+                          "categories": {}}}]
+    lines = bench_offload.format_gaps(rows)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("peak gap, memsched dp 50%: +3.00 GiB over the plan's 9.00 GiB (peak in the backward)")
+    assert "late release 2.00 GiB" in lines[0] and "not in the profiled step 1.00 GiB" in lines[0]
+    assert "reserved beyond allocated 512.00 MiB" in lines[0]

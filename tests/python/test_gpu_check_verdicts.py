@@ -264,3 +264,15 @@ def test_render_md_has_the_done_when_table():
     md = gc.render_md(rep)
     assert "## Done when" in md and "| 13 | ooo_fused vs PyTorch's optimizer in backward (optim_in_bwd) |" in md
     assert "20 met, 0 NOT met, 1 not measured" in md
+
+
+def test_a_row_over_its_budget_says_where_its_peak_went():
+    """Note [Where the peak went]: the verdict names the over-budget row's gap by category."""
+    rep = met_report()
+    _offload_row("resnet", "memsched hybrid 30%", budget_with_state_bytes=9 * GIB, peak_phase="backward",
+                 peak_gap={"planned_bytes": 9 * GIB, "measured_bytes": 9.5 * GIB, "fragmentation_bytes": None,
+                           "categories": {"late release": 0.25 * GIB, "not in the profiled step": 0.25 * GIB}})(rep)
+    v = _find(by_criterion(rep), 11, "budget")
+    assert v["verdict"] == "NOT met"
+    assert ("over: memsched hybrid 30% (peak in the backward: late release 0.25 GiB, not in the profiled step "
+            "0.25 GiB)") in v["measured"], v["measured"]

@@ -45,5 +45,30 @@ def test_planned_steps_stay_within_the_budget_on_cuda(name, budget):
     assert len(planned) == STEPS - 1 and run.mismatches == 0
     for s in planned:
         assert s.peak_bytes <= limit, (f"{name} at {budget}: measured {s.peak_bytes} B over the budget "
-                                       f"{run._budget_with_state()} B (+2%); guard waits {s.guard_waits}")
+                                       f"{run._budget_with_state()} B (+2%); guard waits {s.guard_waits}; "
+                                       f"{run._peak_gap()}")
     assert torch.isfinite(loss).all()
+
+
+def test_a_planned_steps_peak_is_the_allocators_over_the_whole_step():
+    """Note [Where the peak went]: the phase readings never restart the peak, so a planned step's peak
+    (its update included) is what torch.cuda.max_memory_allocated() says after run.step()."""
+    torch.manual_seed(0)
+    model = models.build_model("transformer", "realistic", device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = models.example_batch("transformer", BATCH, "realistic", device="cuda")
+    with memsched.optimize(model, opt, budget=0.5, planner="dp") as run:
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = models.loss_fn("transformer", model(x), y)
+            loss.backward()
+            run.step()
+            run.executor.engine.check_invariants()  # held_source_bytes is the sum of what copies in flight hold
+        s = run.step_stats[-1]
+        assert s.mode == "planned" and s.phase_peaks is not None
+        assert s.peak_bytes == max(vars(s.phase_peaks).values())
+        # run.step() allocates nothing after its last reading (1 MiB: room for a stray small block)
+        assert s.peak_bytes <= torch.cuda.max_memory_allocated() <= s.peak_bytes + (1 << 20)
+        assert s.phase_peaks.forward <= s.phase_peaks.backward <= s.phase_peaks.update
+        assert s.reserved_peak_bytes >= s.peak_bytes
+        assert run.planned_figures()["update_peak_bytes"] > 0

@@ -127,7 +127,9 @@ from torch.utils._pytree import tree_leaves
 
 from memsched import _C, allocator
 from memsched.copy_inert import inert_on_copy
+from memsched.offload.peak_gap import PhasePeaks
 from memsched.offload.recompute import ForwardOpLog, RecomputedView, RecomputeStats
+from memsched.profiler.unmodeled import DeviceCounters
 from memsched.saved_tensors import storage_key
 
 
@@ -157,6 +159,11 @@ class StepStats:
     guard_waits: int = 0           # COUNT compute-stream waits of the memory guard (Note [Memory guard])
     guard_releases: int = 0        # COUNT D2H copies whose device blocks it released in stream order
     guard_released_bytes: int = 0  # SUM bytes those releases gave back to the allocator
+    # Accelerator only (Note [Where the peak went] in offload/peak_gap.py); None / 0 elsewhere:
+    phase_peaks: PhasePeaks = None  # the allocator's peak read after each phase of the step
+    sampled_peak_bytes: int = 0     # the memory guard's highest reading of the allocated count
+    in_flight_at_sampled_peak: int = 0  # device bytes held for D2H copies in flight at that reading
+    reserved_peak_bytes: int = 0    # max_memory_reserved over the step (read after the update)
     recomputed: int = 0            # COUNT storages released after the forward and replayed in backward
     recomputed_bytes: int = 0      # SUM
     replays: int = 0               # COUNT recipes run (a shared replay recreates several storages)
@@ -237,6 +244,8 @@ class OffloadExecutor:
         self.timeline = bool(timeline)           # keep per-tensor memory samples and the copy log per step
         self.min_bytes = int(min_bytes)          # size floor for offload, bytes
         self.is_cuda = self.device.type == "cuda"
+        # the allocator's peak after each phase (Note [Where the peak went]); None where unreadable
+        self.meter = DeviceCounters.for_device(self.device) if self.is_cuda else None
         self.host = host_buffers
         # See Note [Offload copy ordering] (csrc/torch/copy_engine.h): copies, their events and holds.
         self.engine = _C.CopyEngine(self.device, host_buffers.pool, timeline=self.timeline)
@@ -368,6 +377,8 @@ class OffloadExecutor:
         self.stats.mode = "planned" if self.schedule is not None else "plain"
         if self.is_cuda:
             allocator.reset_cuda_peak(self.device)
+        if self.meter is not None:
+            self.stats.phase_peaks = PhasePeaks()
         self.engine.begin_step()  # CUDA: the step's first timing mark on the compute stream
         if self.is_cuda:
             self.stats.memory_source = "torch.cuda.memory_allocated"
@@ -396,6 +407,7 @@ class OffloadExecutor:
         stats.host_limited = c["host_limited"]
         stats.guard_waits, stats.guard_releases = c["guard_waits"], c["guard_releases"]
         stats.guard_released_bytes = c["guard_released_bytes"]
+        stats.sampled_peak_bytes, stats.in_flight_at_sampled_peak = c["sampled_peak_bytes"], c["in_flight_at_sampled_peak"]
         if self.path.guard_error:
             warnings.warn(f"memsched: the memory guard is off: the device allocator's count of allocated bytes "
                           f"could not be read ({self.path.guard_error}); the steps may exceed the budget when the "
@@ -411,9 +423,13 @@ class OffloadExecutor:
         stats.peak_bytes = self.path.peak_bytes
         if self.timeline:
             stats.samples = list(self.path.samples)
+        # the allocator's counters are the host's: final once the step's work is enqueued
+        if stats.phase_peaks is not None:
+            stats.phase_peaks.backward = self.meter.peak()
+            stats.peak_bytes = max(stats.peak_bytes, stats.phase_peaks.forward, stats.phase_peaks.backward)
         if self.is_cuda:
-            # the allocator's counters are the host's: final once the step's work is enqueued
-            stats.peak_bytes = max(stats.peak_bytes, allocator.cuda_max_memory_allocated(self.device))
+            if stats.phase_peaks is None:
+                stats.peak_bytes = max(stats.peak_bytes, allocator.cuda_max_memory_allocated(self.device))
         elif self.timeline:
             stats.copies_ = log.host_copies()
         stats.clock_ = (self.t0_, log)
@@ -421,6 +437,15 @@ class OffloadExecutor:
         self._reset_step()
         self.in_step_ = False
         return stats
+
+    def measure_update(self, stats):
+        """After the optimizer's update of `stats`' step (Note [Where the peak went]): the step's peak
+        including the update, and its reserved peak. The peak was not restarted since the step began."""
+        if stats is None or stats.phase_peaks is None:
+            return
+        stats.phase_peaks.update = self.meter.peak()
+        stats.peak_bytes = max(stats.peak_bytes, stats.phase_peaks.update)
+        stats.reserved_peak_bytes = self.meter.reserved_peak()
 
     def stamp(self, stats):
         """End `stats`' step now: run.step() stamps again after the optimizer's update."""
@@ -469,6 +494,9 @@ class OffloadExecutor:
         self.in_forward_ = False
         self._stop_recording()
         self.path.issue_copies()
+        phases = self.stats.phase_peaks
+        if phases is not None and self.in_step_:  # Note [Where the peak went]: no reset, no sync
+            phases.forward = max(phases.forward, self.meter.peak())
         if output is not None and self.in_step_ and self.schedule is not None and self.schedule.trigger_nodes:
             # See Note [Backward node triggers] (csrc/torch/saved_tensor_path.cpp)
             roots = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]

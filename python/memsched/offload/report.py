@@ -128,6 +128,7 @@ class RunReport:
     profile: str = ""                  # how the profiled step held saved activations: "offload" or "keep"
     notes: list = field(default_factory=list)
     largest: list = field(default_factory=list)   # largest_planned(): the biggest offloaded/recomputed activations
+    peak_gap: object = None            # peak_gap.PeakGap of the step with the highest peak (accelerator), or None
     table: str = ""
 
     def __str__(self):
@@ -138,11 +139,13 @@ class RunReport:
                 f"measured_peak={self.measured.get('peak_bytes')})")
 
 
-def build_report(run_info, planned, step_stats, notes=(), counts=None, largest=()):
+def build_report(run_info, planned, step_stats, notes=(), counts=None, largest=(), peak_gap=None):
     """RunReport from the run's settings, the planned figures and the StepStats of executed steps
     (the medians come from those; counts: (planned, plain) over the whole run when step_stats is a
-    bounded window of it; largest: largest_planned() of the schedule)."""
+    bounded window of it; largest: largest_planned() of the schedule; peak_gap: the PeakGap of the
+    step with the highest measured peak, Note [Where the peak went])."""
     r = RunReport(**run_info)
+    r.peak_gap = peak_gap
     r.notes = list(notes)
     r.largest = list(largest)
     executed = [s for s in step_stats if s.mode == "planned"]
@@ -198,9 +201,12 @@ def build_report(run_info, planned, step_stats, notes=(), counts=None, largest=(
     if r.memory_source:
         lines.append(f"measured memory: {r.memory_source}; host buffers: {r.host_source}")
     lines.extend(format_largest(r.largest, p.get("offloaded", 0), p.get("recomputed", 0)))
-    gap = _peak_gap_note(p, m, cuda)
-    if gap:
-        lines.append(gap)
+    if peak_gap is not None and peak_gap.explained:
+        lines.extend(peak_gap.lines())
+    else:
+        gap = _peak_gap_note(p, m, cuda)
+        if gap:
+            lines.append(gap)
     lines.extend(r.notes)
     r.table = "\n".join(lines)
     return r

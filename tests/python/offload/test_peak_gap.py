@@ -1,0 +1,145 @@
+"""Note [Where the peak went] (offload/peak_gap.py): a planned step's measured peak above its plan is
+split into the optimizer update, late releases and memory the profiled step did not hold, and
+run.report() prints that split; the profiled step's update above the budget is refused, naming the
+least budget. The device's counters exist on CUDA only: here a scripted meter stands in for them
+(its readings are what the allocator would report), and the run is told its peak is the device's."""
+import pytest
+import torch
+import torch.nn as nn
+
+import memsched
+from memsched.offload.executor import StepStats
+from memsched.offload.peak_gap import PhasePeaks, explain_peak_gap
+from memsched.optimize import optimize
+
+MiB = 1 << 20
+
+
+def _stats(forward, backward, update, sampled=0, in_flight=0, reserved=0):
+    s = StepStats(mode="planned")
+    s.phase_peaks = PhasePeaks(forward=forward, backward=backward, update=update)
+    s.peak_bytes = max(forward, backward, update)
+    s.sampled_peak_bytes, s.in_flight_at_sampled_peak, s.reserved_peak_bytes = sampled, in_flight, reserved
+    return s
+
+
+def test_a_peak_within_two_percent_of_the_plan_is_not_explained():
+    gap = explain_peak_gap(100 * MiB, _stats(101 * MiB, 101 * MiB, 101 * MiB))
+    assert not gap.explained and gap.lines() == []
+
+
+def test_copies_in_flight_at_the_guards_highest_reading_are_late_releases():
+    # planned 100; the guard read 130 while 20 were held for copies in flight; the step peaked at 140
+    gap = explain_peak_gap(100 * MiB, _stats(140 * MiB, 120 * MiB, 110 * MiB, sampled=130 * MiB, in_flight=20 * MiB))
+    assert gap.peak_phase == "forward"
+    assert gap.categories == {"late release": 20 * MiB, "not in the profiled step": 20 * MiB}
+    assert sum(gap.categories.values()) == gap.gap_bytes == 40 * MiB
+
+
+def test_late_release_is_at_most_the_readings_excess_over_the_plan():
+    # at the reading only 5 over the plan, though 50 were in flight: 5 are late, the rest is not
+    gap = explain_peak_gap(100 * MiB, _stats(110 * MiB, 130 * MiB, 0, sampled=105 * MiB, in_flight=50 * MiB))
+    assert gap.peak_phase == "backward"
+    assert gap.categories == {"late release": 5 * MiB, "not in the profiled step": 25 * MiB}
+
+
+def test_a_peak_in_the_update_is_the_updates():
+    gap = explain_peak_gap(100 * MiB, _stats(90 * MiB, 95 * MiB, 120 * MiB, sampled=90 * MiB, in_flight=30 * MiB))
+    assert gap.peak_phase == "update"
+    assert gap.categories == {"optimizer update": 20 * MiB}
+    text = str(gap)
+    assert "reached in the update" in text and "fused=True" in text
+
+
+def test_fragmentation_is_reported_beside_the_gap_not_in_it():
+    gap = explain_peak_gap(100 * MiB, _stats(150 * MiB, 120 * MiB, 110 * MiB, reserved=180 * MiB))
+    assert gap.fragmentation_bytes == 30 * MiB
+    assert sum(gap.categories.values()) == 50 * MiB
+    assert "reserved 30.00 MiB beyond its allocated peak" in str(gap)
+
+
+class ScriptedMeter:
+    """Stands in for the device allocator's counters (profiler.unmodeled.DeviceCounters): peak()
+    returns the next scripted reading, the last one repeated."""
+
+    def __init__(self, readings, reserved=0):
+        self.readings, self.reserved, self.resets, self.reads = list(readings), reserved, 0, 0
+
+    def peak(self):
+        self.reads += 1
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+    def reset(self):
+        self.resets += 1
+
+    def reserved_peak(self):
+        return self.reserved
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(64, 32)
+
+
+def _on_the_device(monkeypatch, run, meter):
+    monkeypatch.setattr(run, "_measures_device_peak", lambda: True)
+    monkeypatch.setattr(run.executor, "meter", meter)
+
+
+def test_a_planned_steps_peak_covers_its_update_and_the_report_explains_it(monkeypatch):
+    model, opt, x = _setup()
+    with optimize(model, opt, budget=0.7, planner="dp") as run:
+        model(x).sum().backward()
+        run.step()  # profiled and planned (no meter yet: nothing read)
+        planned = run.planned_figures()["peak_bytes"]
+        budget = run._budget_with_state()
+        # forward and backward within the plan, the update half as much again (only the profiled
+        # step's update is checked against the budget: no plan changes an update)
+        update = int(planned * 1.5)
+        meter = ScriptedMeter([planned, planned, update], reserved=int(budget * 2))
+        _on_the_device(monkeypatch, run, meter)
+        model(x).sum().backward()
+        run.step()
+        stats = run.step_stats[-1]
+        assert stats.phase_peaks == PhasePeaks(forward=planned, backward=planned, update=update)
+        assert stats.peak_bytes == update, "the step's peak includes its update"
+        assert stats.reserved_peak_bytes == int(budget * 2)
+        assert meter.resets == 0, "a planned step's peak is never restarted mid-step"
+        report = run.report(file=open("/dev/null", "w"))
+    assert report.peak_gap is not None and report.peak_gap.peak_phase == "update"
+    assert report.peak_gap.categories == {"optimizer update": update - planned}
+    assert report.peak_gap.fragmentation_bytes == int(budget * 2) - update
+    assert "reached in the update" in report.table and "optimizer update:" in report.table
+    assert "budget held: NO" in report.table
+
+
+def test_the_profiled_steps_update_over_the_budget_is_refused_after_it_ran(monkeypatch):
+    model, opt, x = _setup()
+    with optimize(model, opt, budget=0.7, planner="dp") as run:
+        before = [p.detach().clone() for p in model.parameters()]
+        meter = ScriptedMeter([10 ** 12])  # the update's peak: far above any budget of this model
+        _on_the_device(monkeypatch, run, meter)
+        model(x).sum().backward()
+        with pytest.raises(memsched.MemschedError, match=r"The least budget the update meets is 1000000000000 bytes"):
+            run.step()
+        assert meter.resets == 1, "the update's own peak: restarted after the profiled step's per-op resets"
+        assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), \
+            "the step completed: its update ran, as in plain PyTorch"
+        assert run.profiled_update_peak_ == 10 ** 12
+    # an update within the budget trains on; the plan shows what it expects of every update
+    model, opt, x = _setup()
+    with optimize(model, opt, budget=0.7, planner="dp") as run:
+        _on_the_device(monkeypatch, run, ScriptedMeter([1]))
+        model(x).sum().backward()
+        run.step()
+        assert run.planned_figures()["update_peak_bytes"] == 1
+
+
+def test_with_a_fused_update_an_update_over_the_budget_warns(monkeypatch):
+    model, opt, x = _setup()
+    with optimize(model, opt, budget=0.7, planner="dp", fuse_optimizer=True) as run:
+        _on_the_device(monkeypatch, run, ScriptedMeter([10 ** 12]))
+        model(x).sum().backward()
+        with pytest.warns(RuntimeWarning, match="optimizer update"):
+            run.step()
