@@ -45,15 +45,21 @@ def torch_optimizer(optimizer, where):
 
 
 def step_figures(run):
-    """Numbers to log after a step: the last executed step as measured, and the plan's figures."""
+    """Numbers to log after a step: the latest executed step whose timing is known, as measured, and
+    the plan's figures. A measured key pairs with its planned_ key: on an accelerator the step's peak
+    is the allocator's (memsched/peak_bytes, beside memsched/planned_peak_bytes); on CPU the executor
+    counts saved activations (memsched/activation_peak_bytes, beside planned_activation_peak_bytes).
+    Never waits for the GPU: a step whose CUDA events have not completed yet is logged next time."""
     out = {}
     planned = run.planned_figures()
-    for key in ("peak_bytes", "activation_peak_bytes", "step_time_s", "stall_s", "bytes_moved", "offloaded"):
+    for key in ("peak_bytes", "activation_peak_bytes", "update_peak_bytes", "step_time_s", "stall_s", "bytes_moved",
+                "offloaded"):
         if planned.get(key) is not None:
             out[f"memsched/planned_{key}"] = float(planned[key])
-    if run.step_stats:
-        s = run.step_stats[-1]
-        out.update({"memsched/peak_bytes": float(s.peak_bytes), "memsched/step_time_s": float(s.duration_s),
+    s = next((x for x in reversed(run.step_stats) if x.pending_ is None or x.pending_[0]()), None)
+    if s is not None:
+        peak_key = "memsched/peak_bytes" if run._measures_device_peak() else "memsched/activation_peak_bytes"
+        out.update({peak_key: float(s.peak_bytes), "memsched/step_time_s": float(s.duration_s),
                     "memsched/stall_s": float(s.stall_s), "memsched/offloaded": float(s.offloaded),
                     "memsched/bytes_moved": float(s.d2h_bytes + s.h2d_bytes),
                     "memsched/planned_step": 1.0 if s.mode == "planned" else 0.0})
