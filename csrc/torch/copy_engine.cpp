@@ -215,11 +215,15 @@ std::vector<std::shared_ptr<CopyTicket>> CopyEngine::offload_many(const std::vec
   const c10::Stream compute = compute_stream();  // where the sources were allocated (and are used)
   wait_for_compute(stream);  // one event for every save issued together
   c10::StreamGuard guard(stream);
+  c10::impl::VirtualGuardImpl impl(device_.type());
   for (const at::Tensor& src : sources) {
     auto t = std::make_shared<CopyTicket>();
     t->nbytes = src.numel();
     t->dst = host_->empty_bytes(t->nbytes);
     copy_on(stream, *t, src);
+    // hold=false: the caller frees src at once, ordered after the copy only on the stream the block
+    // was allocated on; recorded here, a block made under another stream waits for the copy too.
+    if (!hold) impl.recordDataPtrOnStream(src.storage().data_ptr(), stream);
     // WARNING: src is read on the D2H stream: keep it until `done` (Note [Offload copy ordering]).
     d2h_pending_.push_back({t, t->done, hold ? src : at::Tensor(), t->dst, compute});
     if (hold) {
@@ -315,8 +319,14 @@ std::pair<int64_t, int64_t> CopyEngine::release_in_stream_order(int64_t bytes) {
   }
   if (newest == nullptr) return {0, 0};
   wait(*newest);  // the D2H stream runs its copies in order: this wait covers the older ones
+  c10::impl::VirtualGuardImpl impl(device_.type());
   for (auto p = d2h_pending_.begin(); p != end; ++p) {
     if (!frees(*p)) continue;
+    // WARNING: p->compute is the stream current when the copy was issued, not necessarily the one the
+    // block was allocated on (an op run under another stream made it): its pool's stream might reuse
+    // it before the copy read it. Recorded on the stream that waited, the free is ordered after the
+    // wait whatever that stream; on the allocation stream itself this is a no-op.
+    impl.recordDataPtrOnStream(p->source.storage().data_ptr(), compute);
     drop_source(*p);
     p->released = true;
   }

@@ -1002,6 +1002,10 @@ class Run:
             raise ValueError(f"device: {device!r} but torch.cuda.is_available() is False; use 'cpu' or None")
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"device: memsched.optimize runs on 'cpu' or 'cuda' devices, got {device!r}")
+        if dev.type == "cuda" and dev.index is None:
+            # 'cuda' is the current device, where torch puts the tensors: their device is 'cuda:N', and
+            # torch.device('cuda:0') != torch.device('cuda'), so the hooks' device checks offloaded nothing
+            dev = torch.device("cuda", torch.cuda.current_device())
         return dev
 
     @staticmethod

@@ -63,3 +63,14 @@ def test_sizes_as_strings_are_read(model):
     run = optimize(model, min_offload_bytes="1MiB", max_reprofiles=0, device_model="cpu")
     assert run.min_offload_bytes == 2**20 and run.max_reprofiles == 0
     assert isinstance(memsched.load_device(run.device_model), memsched.DeviceModel)
+
+
+def test_cuda_device_without_index_gets_the_current_one(monkeypatch):
+    # tensors on CUDA report 'cuda:N', and torch.device('cuda:0') != torch.device('cuda'): a Run made
+    # with device='cuda' compared its saves' devices with 'cuda' and offloaded none of them
+    from memsched.optimize import Run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert Run._check_device("cuda") == torch.device("cuda", 1)
+    assert Run._check_device("cuda:0") == torch.device("cuda", 0)
+    assert Run._check_device("cpu") == torch.device("cpu")

@@ -241,6 +241,9 @@ class OffloadExecutor:
     def __init__(self, model, device, host_buffers, min_bytes=0, on_mismatch=None, timeline=False):
         self.model = model
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # tensors report 'cuda:N': the hooks compare devices exactly (Run._check_device)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeline = bool(timeline)           # keep per-tensor memory samples and the copy log per step
         self.min_bytes = int(min_bytes)          # size floor for offload, bytes
         self.is_cuda = self.device.type == "cuda"

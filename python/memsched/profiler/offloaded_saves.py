@@ -151,6 +151,9 @@ class OffloadedSaves:
     def __init__(self, device, host_buffers, min_bytes=0):
         from memsched import _C
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # t.device is 'cuda:N' and torch.device('cuda:0') != torch.device('cuda') (Run._check_device)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.host = host_buffers
         self.min_bytes = int(min_bytes)
         self.on_new_slot = None  # callback(slot) at a storage's first save (OffloadingRecorder)
