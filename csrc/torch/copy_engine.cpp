@@ -79,19 +79,25 @@ bool StepCopyLog::ready() const {
   for (const Copy& c : copies) {
     if (c.done != nullptr && !c.done->query()) return false;
   }
+  for (const auto& stall : stalls) {
+    if (!stall.second->query()) return false;  // a wait on another stream than the end mark's (below)
+  }
   return true;
 }
 
 std::tuple<double, double, std::vector<CopyRow>> StepCopyLog::resolve() const {
   MEMSCHED_CHECK(compute && begin != nullptr && end != nullptr,
                  "StepCopyLog.resolve: an accelerator step's log needs mark_end() first");
-  // Everything recorded on the compute stream before the end mark (begin, stalls) has completed
+  // Everything recorded on the compute stream before the end mark (begin, most stalls) has completed
   // with it; the copies, on their own streams, are waited for one by one: c10::Event::elapsedTime
   // refuses an event that has not completed ("Both events must be completed").
   end->synchronize();
   for (const Copy& c : copies) {
     if (c.done != nullptr) c.done->synchronize();  // after its start event, on the same stream
   }
+  // WARNING: a stall is timed on the stream current at the wait: in a backward that runs ops on the
+  // stream their forward used, that need not be the compute stream the end mark is on.
+  for (const auto& stall : stalls) stall.second->synchronize();
   const double duration_s = begin->elapsedTime(*end) / 1e3;
   double stall_s = 0.0;
   for (const auto& [before, after] : stalls) stall_s += before->elapsedTime(*after) / 1e3;

@@ -30,6 +30,8 @@ Note [Where the peak went]
       Note [Held outside the graph]);
   and reports apart "fragmentation": reserved beyond allocated at the peak. The budget counts
   allocated bytes, as max_memory_allocated does, but an out-of-memory error counts segments.
+  The executor starts a new allocator peak at each step's first forward (the profiler at each op
+  of a profiled step), so torch.cuda.max_memory_allocated() read after run.step() is that step's.
   Limitations: the guard reads the count only at saves and fetches; a peak between two readings
   (inside an op's workspace) is "not in the profiled step" even when copies in flight added to
   it. With several forwards per step (gradient accumulation) a backward between two forwards
