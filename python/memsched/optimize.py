@@ -722,6 +722,12 @@ class Run:
             self.profile_armed_ = False
             self.profile_forwards_ = 0
             self.state_at_profile_ = self._optimizer_state_bytes()
+            if self.executor.engine.pending_count():
+                # A re-profile after planned steps: their copies still in flight hold device blocks, and
+                # nothing polls them while the executor rests, so the profiled step would measure them as
+                # memory no tensor explains and every later plan would count it (Note [Memory the trace
+                # does not model]). Wait for them now: re-profiles are rare, and this step is timed op by op.
+                self.executor.engine.release()
             if self.device.type == "cuda":
                 allocator.reset_cuda_peak(self.device)  # the profiled step's peak
             if self.profile_offload:
