@@ -357,6 +357,10 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
         keep_all = memsched.simulate(run.trace, memsched.plan(run.trace, planner="keep_all"))
         row["keep_all_sim_peak_bytes"] = keep_all.peak_bytes + run.optimizer_state_extra_
         row["unmodeled_bytes"] = run.unmodeled_bytes_
+        # the least budget any offload/recompute plan reaches on this trace (what no plan can go below:
+        # what ops hold while they run, the loss's logits, parameters, gradients, state), beside
+        # per-block checkpoint's measured peak: how far a largest-batch search can get past checkpointing
+        row["least_plan_bytes"] = memsched._C.least_budget_bytes(run.trace) + run.optimizer_state_extra_
         row["offloaded"] = executed[-1].offloaded if executed else 0
         # Note [Memory guard]: compute-stream waits per step that kept the allocator within the budget
         row["guard_waits"] = statistics.median(s.guard_waits for s in executed) if executed else None
@@ -483,6 +487,18 @@ def keep_all_fidelity(rows):
             "line": f"keep_all simulated peak ({traced['method']}'s trace, {_fmt_bytes(traced.get('unmodeled_bytes'))} "
                     f"of it unmodeled device memory) {_fmt_bytes(sim)} vs plain's measured {_fmt_bytes(measured)}: "
                     f"{sim / measured:.3f}x (goal within 3%)"}
+
+
+def floor_line(rows):
+    """The least budget any plan reaches on a memsched row's trace, against per-block checkpoint's
+    measured peak at the same batch; None without both."""
+    traced = next((r for r in rows if r.get("least_plan_bytes")), None)
+    ckpt = next((r for r in rows if r["method"] == "checkpoint" and r.get("peak_bytes")), None)
+    if traced is None or ckpt is None:
+        return None
+    return (f"least budget any plan reaches ({traced['method']}'s trace): {_fmt_bytes(traced['least_plan_bytes'])}, "
+            f"{traced['least_plan_bytes'] / ckpt['peak_bytes']:.3f}x per-block checkpoint's measured peak "
+            f"({_fmt_bytes(ckpt['peak_bytes'])}) at this batch")
 
 
 def format_gaps(rows):
@@ -672,6 +688,9 @@ def main(argv=None):
         print(format_rows(rows, device))
         for line in format_gaps(rows):
             print(line)
+        floor = floor_line(rows)
+        if floor:
+            print(floor)
         fidelity = keep_all_fidelity(rows)
         if fidelity:
             results["models"][name]["keep_all_fidelity"] = fidelity

@@ -86,3 +86,14 @@ def test_rows_over_their_plan_print_the_gap_by_category():
     assert lines[0].startswith("peak gap, memsched dp 50%: +3.00 GiB over the plan's 9.00 GiB (peak in the backward)")
     assert "late release 2.00 GiB" in lines[0] and "not in the profiled step 1.00 GiB" in lines[0]
     assert "reserved beyond allocated 512.00 MiB" in lines[0]
+
+
+def test_the_least_plan_is_set_against_checkpoints_peak():
+    from gpu_scripts import load_gpu_script
+
+    bench_offload = load_gpu_script("bench_offload")
+    gib = 1 << 30
+    assert bench_offload.floor_line([{"method": "plain", "peak_bytes": 16 * gib}]) is None
+    line = bench_offload.floor_line([{"method": "checkpoint", "peak_bytes": 10 * gib},
+                                     {"method": "memsched dp 50%", "least_plan_bytes": 9 * gib}])
+    assert line.startswith("least budget any plan reaches (memsched dp 50%'s trace): 9.00 GiB, 0.900x per-block")
