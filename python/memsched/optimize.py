@@ -413,10 +413,12 @@ class Run:
         self._warn_second_update()
         stats = self._finish_step()
         self._check_budget_held(stats)
-        self._measured_update(stats, self._optimizer_step)
+        profiled_update = self._measured_update(stats, self._optimizer_step)
         self._account_optimizer_state()
         if stats is not None:
             self._record_step(stats)
+        if profiled_update:
+            self._check_update_within_budget()
 
     def _warn_second_update(self):
         """run.step() right after the loop's own optimizer.step() (no forward in between, gradients still
@@ -459,10 +461,12 @@ class Run:
                 loss = out if closure is None else loss
             # else: the fused update ran during backward (as run.step() skips optimizer.step() then)
 
-        self._measured_update(stats, update)
+        profiled_update = self._measured_update(stats, update)
         self._account_optimizer_state()
         if stats is not None:
             self._record_step(stats)
+        if profiled_update:
+            self._check_update_within_budget()
         return loss
 
     def _check_framework_accumulation(self):
@@ -548,7 +552,9 @@ class Run:
     def _measured_update(self, stats, update):
         """Run `update` (the optimizer's step) and read the device peak it reaches (Note [Where the peak
         went] in offload/peak_gap.py): an executed step's peak then covers its update; a profiled step's
-        update peak is what the plan expects of every update, and more than the budget is refused."""
+        update peak is what the plan expects of every update. Returns whether that was a profiled step's
+        update, measured: the caller checks it against the budget once the step is booked
+        (_check_update_within_budget)."""
         meter = self.executor.meter
         profiled, self.profiled_update_due_ = self.profiled_update_due_, False
         if profiled and meter is not None:
@@ -558,7 +564,8 @@ class Run:
             self.executor.measure_update(stats)
         elif profiled and meter is not None:
             self.profiled_update_peak_ = meter.peak()
-            self._check_update_within_budget()
+            return True
+        return False
 
     def _check_update_within_budget(self):
         """The profiled step's optimizer update against the budget (Note [A budget the guard cannot
@@ -576,7 +583,7 @@ class Run:
                "fuse_optimizer=True) updates with fewer temporaries")
         if self.ooo_ is not None:  # as Note [A budget the guard cannot meet]: out-of-order backward warns
             warnings.warn(f"memsched.optimize: {what}; every step will exceed the budget",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=3)
             return
         raise _C.MemschedError(
             f"{what}. This step completed (profiled, updated as plain PyTorch would). The least budget the "

@@ -143,3 +143,14 @@ def test_with_a_fused_update_an_update_over_the_budget_warns(monkeypatch):
         model(x).sum().backward()
         with pytest.warns(RuntimeWarning, match="optimizer update"):
             run.step()
+
+
+def test_a_loop_that_calls_optimizer_step_itself_is_refused_alike(monkeypatch):
+    """Trainer-style loops step the optimizer themselves (Note [optimizer.step() without run.step()])."""
+    model, opt, x = _setup()
+    with optimize(model, opt, budget=0.7, planner="dp") as run:
+        _on_the_device(monkeypatch, run, ScriptedMeter([10 ** 12]))
+        model(x).sum().backward()
+        with pytest.raises(memsched.MemschedError, match="The least budget the update meets"):
+            opt.step()
+        assert run.steps_profiled == 1 and run.planned_figures()["update_peak_bytes"] == 10 ** 12
