@@ -305,6 +305,7 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
     data = spec.data(batch, device)
     row = {"method": method, "batch": batch}
     times = []
+    host_times = []  # seconds until the step was enqueued (before the synchronisation)
     moved = []
 
     def fwd_bwd():
@@ -335,9 +336,11 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
                 t0 = time.perf_counter()
                 fwd_bwd()
                 run.step()
+                host = time.perf_counter() - t0  # enqueued: what the host spent (no wait for the GPU)
                 _sync(device)
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
+                    host_times.append(host)
         executed = [s for s in run.step_stats if s.mode == "planned"][-steps:]
         moved = [s.d2h_bytes + s.h2d_bytes for s in executed]
         row["stall_ms"] = statistics.median(s.stall_s for s in executed) * 1e3 if executed else None
@@ -405,16 +408,21 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                host = time.perf_counter() - t0  # enqueued: what the host spent (no wait for the GPU)
                 _sync(device)
                 if i == 0:
                     first_step_s = time.perf_counter() - t0
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
+                    host_times.append(host)
                     moved.append(2 * hooks.bytes if hooks is not None else (None if method == TRL else 0))
         if method == COMPILE:
             row["first_step_s"] = first_step_s  # includes compilation
             torch._dynamo.reset()
     row["step_ms"] = statistics.median(times) * 1e3
+    # the host's share: near step_ms, the step is host-bound (launches, hooks, Python); well below it,
+    # the GPU sets the pace and host overhead is hidden
+    row["host_ms"] = statistics.median(host_times) * 1e3
     row["step_ms_spread"] = (min(times) * 1e3, max(times) * 1e3)
     # TRL's offloader does not say what it moved: None ("-"), not 0.
     row["bytes_moved"] = statistics.median(moved) if moved and None not in moved else (0 if not moved else None)
@@ -520,8 +528,8 @@ def format_gaps(rows):
 
 def format_rows(rows, device):
     plain = next((r for r in rows if r["method"] == "plain"), None)
-    head = ["method", "step (ms)", "vs plain", "peak alloc", "budget", "bytes moved", "sim step (ms)", "sim peak",
-            "guard waits", "max batch"]
+    head = ["method", "step (ms)", "host (ms)", "vs plain", "peak alloc", "budget", "bytes moved", "sim step (ms)",
+            "sim peak", "guard waits", "max batch"]
     lines = []
     for r in rows:
         if "error" in r or "skipped" in r:
@@ -531,7 +539,8 @@ def format_rows(rows, device):
             lines.append([r["method"], msg[:60]] + [""] * (len(head) - 2))
             continue
         ratio = r["step_ms"] / plain["step_ms"] if plain and plain.get("step_ms") else math.nan
-        lines.append([r["method"], f"{r['step_ms']:.2f}", f"{ratio:.3f}x",
+        lines.append([r["method"], f"{r['step_ms']:.2f}", f"{r['host_ms']:.2f}" if r.get("host_ms") is not None else "-",
+                      f"{ratio:.3f}x",
                       _fmt_bytes(r["peak_bytes"]) if device.type == "cuda" else "n/a (CPU)",
                       _fmt_bytes(r.get("budget_bytes")),
                       _fmt_bytes(r["bytes_moved"]),
