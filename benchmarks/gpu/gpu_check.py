@@ -262,19 +262,20 @@ def offload_md(model_res, gpu):
     out = []
     for r in rows:
         if "step_ms" not in r:
-            out.append([r["method"], r.get("error") or r.get("skipped") or "?", "", "", "", "", "", ""])
+            out.append([r["method"], r.get("error") or r.get("skipped") or "?", "", "", "", "", "", "", ""])
             continue
         ratio = f"{r['step_ms'] / plain['step_ms']:.2f}x" if plain else "-"
         lo, hi = r.get("step_ms_spread") or (None, None)
         step = f"{r['step_ms']:.2f}" + (f" [{lo:.1f}-{hi:.1f}]" if lo is not None else "")
         if r.get("first_step_s") is not None:
             step += f" (first step {r['first_step_s']:.1f} s)"
-        out.append([r["method"], step, ratio, fmt_bytes(r.get("peak_bytes")) if gpu else "n/a (CPU)",
+        host = f"{r['host_ms']:.2f}" if r.get("host_ms") is not None else "-"
+        out.append([r["method"], step, host, ratio, fmt_bytes(r.get("peak_bytes")) if gpu else "n/a (CPU)",
                     fmt_bytes(r.get("bytes_moved")),
                     f"{r['sim_step_ms']:.2f}" if r.get("sim_step_ms") is not None else "-",
                     fmt_bytes(r.get("sim_peak_bytes")), r.get("max_batch", "-")])
     title = f"{model_res.get('title', '')}, batch {model_res.get('batch', '?')}"
-    return title + "\n\n" + md_table(["method", "step ms [min-max]", "vs plain", "peak alloc", "moved",
+    return title + "\n\n" + md_table(["method", "step ms [min-max]", "host ms", "vs plain", "peak alloc", "moved",
                                       "sim step ms", "sim peak", "max batch"], out)
 
 
@@ -297,10 +298,11 @@ def ooo_md(res):
             if r is None:
                 continue
             sp = f"{r['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in r else ""
-            out.append([label, mode, f"{r['median_ms']:.2f}", f"{r['iqr_ms']:.2f}", sp,
+            host = f"{r['host_ms']:.2f}" if r.get("host_ms") is not None else "-"
+            out.append([label, mode, f"{r['median_ms']:.2f}", host, f"{r['iqr_ms']:.2f}", sp,
                         fmt_bytes(r.get("peak_allocated_bytes")), fmt_bytes(r.get("step_peak_above_resident_bytes")),
                         f"{r['max_abs_param_diff_vs_plain']:.2e}"])
-    return md_table(["model", "variant", "median ms", "IQR ms", "speedup vs plain", "peak alloc",
+    return md_table(["model", "variant", "median ms", "host ms", "IQR ms", "speedup vs plain", "peak alloc",
                      "step peak above resident", "max abs param diff"], out)
 
 
