@@ -245,6 +245,10 @@ class Run:
                  grad_accumulation_steps=1, timeline=False, history=100, host_memory_limit=None, profile="auto"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(optimizer, type):  # the class itself has a step() too: refused here, not at the first forward
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer (or None), got the class "
+                            f"{optimizer.__module__}.{optimizer.__qualname__}; pass an instance built from the "
+                            f"model's parameters, e.g. {optimizer.__qualname__}(model.parameters(), lr=...)")
         if optimizer is not None and not hasattr(optimizer, "step"):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
         known = planner_names()

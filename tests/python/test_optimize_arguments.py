@@ -63,3 +63,11 @@ def test_sizes_as_strings_are_read(model):
     run = optimize(model, min_offload_bytes="1MiB", max_reprofiles=0, device_model="cpu")
     assert run.min_offload_bytes == 2**20 and run.max_reprofiles == 0
     assert isinstance(memsched.load_device(run.device_model), memsched.DeviceModel)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_optimizer_class_instead_of_instance_is_refused_at_optimize(model, cls):
+    # was: accepted (a class has a step attribute), then a TypeError naming memsched.profile at the first forward
+    with pytest.raises(TypeError, match=rf"optimizer: .*got the class torch\.optim\..*{cls.__name__}; pass an "
+                                        rf"instance .*{cls.__name__}\(model\.parameters\(\)"):
+        optimize(model, optimizer=cls, budget=0.5)
