@@ -80,3 +80,20 @@ def test_links_matrix_and_presets_change_the_transfer_cost():
     slow = memsched.partition(t, devices=2, cap="60%", method="flops", links=[[0, 1.0], [1.0, 0]])
     assert fast.device_of_op == slow.device_of_op
     assert slow.makespan_us > fast.makespan_us
+
+
+def test_a_baseline_that_breaks_caps_s3_meets_points_to_s3_not_to_a_smaller_cap():
+    # was: "the smallest cap ... at which S3 fits is X: pass cap=X or more" with the cap asked for already above X
+    t = _trace()
+    with pytest.raises(CapsError) as err:
+        memsched.partition(t, devices=4, cap=1)
+    cap = err.value.least_cap  # S3 fits here; the baselines, which balance layers or FLOPs, break it
+    assert memsched.partition(t, devices=4, cap=cap).fits
+    rows = compare(t, 4, cap, methods=["even", "flops"])
+    broken = [r["method"] for r in rows if not r["ok"]]
+    assert broken, "a baseline fits S3's least cap; pick another trace"
+    with pytest.raises(CapsError) as err:
+        memsched.partition(t, devices=4, cap=cap, method=broken[0])
+    text = str(err.value)
+    assert f"method {broken[0]!r} found no placement" in text and "use method='s3'" in text
+    assert "or more" not in text and err.value.least_cap == cap
