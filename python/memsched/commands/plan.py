@@ -16,9 +16,9 @@ def add_arguments(p):
     p.add_argument("--device", default=None,
                    help="device preset (h100-pcie [default], h100-sxm, cpu; aliases h100, h100-pcie5) or a JSON path")
     p.add_argument("--durations", default="auto", choices=["auto", "measured", "roofline"],
-                   help="op times: the trace's measured durations or the roofline (auto: measured only when the "
-                        "trace was recorded on the same kind of device as the preset)")
-    p.add_argument("--out", default="timeline.png", help="PNG for the best plan's simulated timeline")
+                   help="op times: the trace's measured durations or the roofline (default auto: measured only when "
+                        "the trace was recorded on the same kind of device as the preset)")
+    p.add_argument("--out", default="timeline.png", help="PNG for the best plan's simulated timeline (default timeline.png)")
 
 
 def run(args):

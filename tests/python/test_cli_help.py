@@ -1,0 +1,19 @@
+"""python -m memsched <command> --help states every option's default (an option whose default writes a file,
+like plan's --out, wrote timeline.png into the working folder without the help saying so)."""
+import argparse
+import importlib
+
+import pytest
+
+from memsched.__main__ import COMMANDS
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_with_a_default_names_it_in_its_help(name):
+    parser = argparse.ArgumentParser()
+    importlib.import_module(f"memsched.commands.{name}").add_arguments(parser)
+    silent = [a.option_strings for a in parser._actions
+              if a.option_strings and not isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                                         argparse._HelpAction))
+              and a.default is not None and "default" not in (a.help or "")]
+    assert silent == []
