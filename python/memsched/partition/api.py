@@ -145,6 +145,8 @@ def compare(source, devices=4, cap=None, methods="all", *, example_inputs=None, 
             durations="auto", time_limit_s=40.0, milp_time_limit_s=60.0, milp_max_ops=MILP_MAX_OPS, seed=1):
     """One row per method: {"method", "ok", "partition" (or None), "error", "seconds"}; a method that
     breaks a cap still has its partition (fits False)."""
+    if isinstance(methods, str) and methods != "all":  # "s3,even" as on the command line; was read letter by letter
+        methods = [m.strip() for m in methods.split(",") if m.strip()]
     names = list(METHODS) if methods == "all" else list(methods)
     for m in names:
         if m not in METHODS:
