@@ -270,6 +270,8 @@ def memory_snapshot(*, pool: Optional[Pool] = None, include_history: bool = True
 def dump_snapshot(path: Union[str, os.PathLike], *, pool: Optional[Pool] = None) -> None:
     """Write memory_snapshot() as a pickle, the file format of
     torch.cuda.memory._dump_snapshot(): drag it into https://pytorch.org/memory_viz."""
+    if pool is None:
+        _require_installed("dump_snapshot")  # the error names the call the user made
     snapshot = memory_snapshot(pool=pool)
     with open(path, "wb") as f:
         pickle.dump(snapshot, f)

@@ -246,6 +246,10 @@ class Run:
                  grad_accumulation_steps=1, timeline=False, history=100, host_memory_limit=None, profile="auto"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(optimizer, type):  # the class itself has a step() too: refused here, not at the first forward
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer (or None), got the class "
+                            f"{optimizer.__module__}.{optimizer.__qualname__}; pass an instance built from the "
+                            f"model's parameters, e.g. {optimizer.__qualname__}(model.parameters(), lr=...)")
         if optimizer is not None and not hasattr(optimizer, "step"):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
         known = planner_names()
@@ -334,6 +338,7 @@ class Run:
         self.step_stats = collections.deque(maxlen=history)  # StepStats of the last `history` executed steps
         self.steps_planned = 0       # COUNT of executed steps that ran the plan (all of them, not just kept)
         self.steps_plain = 0         # COUNT of executed steps that ran plainly (a mismatch)
+        self.compiled_steps_ = 0     # COUNT of run.step() of a compiled model (Note [Compiled modules run plainly])
         self.steps_profiled = 0      # COUNT
         self.reprofiles = 0          # COUNT of re-profiles after a mismatch
         self.mismatches = 0          # COUNT of steps that did not match the trace
@@ -417,6 +422,8 @@ class Run:
         self._account_optimizer_state()
         if stats is not None:
             self._record_step(stats)
+        if self.compiled_why_:
+            self.compiled_steps_ += 1  # ran plainly: run.report() counts it so
         if profiled_update:
             self._check_update_within_budget()
 
@@ -1077,7 +1084,7 @@ class Run:
         info = dict(device=str(self.device), planner=planner, budget_bytes=self._budget_with_state(),
                     budget_text=budget_text, steps_profiled=self.steps_profiled, host_source=self.host.source,
                     profile="offload" if self.profile_offload else "keep")
-        notes = [self._profile_note()]
+        notes = [] if self.compiled_why_ else [self._profile_note()]  # a compiled model profiles nothing
         if self.unfinished_forwards_ and self.steps_profiled == 0:
             notes.append(f"no step boundary was reached ({counted(self.unfinished_forwards_, 'forward')} profiled "
                          f"without one), so nothing was planned: {_STEP_BOUNDARY_FIX}")
@@ -1131,7 +1138,8 @@ class Run:
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes,
-                         counts=(self.steps_planned, self.steps_plain + self.steps_not_profiled),
+                         counts=(self.steps_planned,
+                                 self.steps_plain + self.steps_not_profiled + self.compiled_steps_),
                          largest=largest_planned(self.schedule if self.plan is not None else None),
                          peak_gap=self._peak_gap())
         print(r.table, file=file)

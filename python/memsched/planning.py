@@ -206,8 +206,10 @@ def fraction_refusal(trace, fraction, err, planner="dp", try_plan=None):
         what += f"; on this step that is {format_bytes(budget)}"
     what += f", below what the {planner} planner can reach on this step"
     if least is not None:
-        fix = (f"the least fraction that works is {least:g} ({format_bytes(fraction_budget(trace, least)[0])}): "
-               f"use budget={least:g} or more")
+        # 1.0, not "1": budget=1 is one byte (Note [Budget forms])
+        text = f"{least:g}" if least != int(least) else f"{float(least)!r}"
+        fix = (f"the least fraction that works is {text} ({format_bytes(fraction_budget(trace, least)[0])}): "
+               f"use budget={text} or more")
     else:
         fix = ("even budget=1.0 is below it: activation offload cannot lower this step's peak enough with this "
                "planner; give a byte budget, another planner, or a smaller batch")

@@ -91,6 +91,13 @@ def test_memory_stats_without_install_or_pool_says_what_to_do():
         memsched.memory_stats()
 
 
+def test_dump_snapshot_without_install_or_pool_names_dump_snapshot(tmp_path):
+    # was: the error named memsched.memory_snapshot(), a call the user did not make
+    with pytest.raises(memsched.MemschedError, match=r"memsched\.dump_snapshot\(\): .*allocator\.install\(\) first"):
+        memsched.dump_snapshot(tmp_path / "snap.pickle")
+    assert not (tmp_path / "snap.pickle").exists()
+
+
 def test_dump_snapshot_is_read_by_torch_memory_viz(tmp_path):
     from torch.cuda import _memory_viz as viz
 

@@ -74,3 +74,14 @@ def test_reinstall_after_remove_still_works():
         with ooo:
             m(torch.randn(2, 8)).sum().backward()
             assert ooo.step()
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, "adam", "list"])
+def test_optimizer_must_be_an_optimizer_instance(fuse, optimizer):
+    # was: without fusion a class, a string or a list was accepted and silently never used
+    net = _net()
+    if optimizer == "list":
+        optimizer = [torch.optim.SGD(net.parameters(), lr=0.1)]
+    with pytest.raises(memsched.MemschedError, match=r"optimizer: expected a torch\.optim\.Optimizer instance"):
+        OutOfOrderBackward(net, optimizer=optimizer, fuse_optimizer=fuse)

@@ -74,3 +74,11 @@ def test_cuda_device_without_index_gets_the_current_one(monkeypatch):
     assert Run._check_device("cuda") == torch.device("cuda", 1)
     assert Run._check_device("cuda:0") == torch.device("cuda", 0)
     assert Run._check_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_optimizer_class_instead_of_instance_is_refused_at_optimize(model, cls):
+    # was: accepted (a class has a step attribute), then a TypeError naming memsched.profile at the first forward
+    with pytest.raises(TypeError, match=rf"optimizer: .*got the class torch\.optim\..*{cls.__name__}; pass an "
+                                        rf"instance .*{cls.__name__}\(model\.parameters\(\)"):
+        optimize(model, optimizer=cls, budget=0.5)

@@ -60,3 +60,7 @@ def test_compiled_model_runs_plainly_with_one_clear_warning(how, capsys):
         assert torch.allclose(p, q, atol=1e-6)
     report = run.report()
     assert any("is compiled" in n and "ran plainly" in n for n in report.notes)
+    # was: "0 profiled, 0 planned, 0 plain" after 3 steps, and a note on how "the profiled step" held its saves
+    assert (report.steps_profiled, report.steps_planned, report.steps_plain) == (0, 0, 3)
+    assert "0 profiled, 0 planned, 3 plain" in report.table
+    assert not any(n.startswith("profiled step") for n in report.notes)

@@ -91,3 +91,28 @@ def test_memsched_plan_answers_a_percentage_in_percent(planner):
         planning.plan(trace, budget="1%", planner=planner, device="cpu")
     pct = re.search(r"use budget='([\d.]+%)'", str(info.value)).group(1)
     assert planning.plan(trace, budget=pct, planner=planner, device="cpu") is not None
+
+
+def test_a_least_fraction_of_one_is_named_as_the_float_one():
+    # was: "use budget=1 or more", and budget=1 is one byte: the retry as written was refused again.
+    # Two backward passes over one graph (retain_graph) hold every activation to the second one.
+    def train(budget, steps):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+        x = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=budget) as run:
+                for _ in range(steps):
+                    out = model(x)
+                    out.pow(2).mean().backward(retain_graph=True)
+                    out.abs().mean().backward()
+                    run.step()
+        return run
+
+    with pytest.raises(memsched.MemschedError) as info:
+        train(0.5, 1)
+    found = re.search(r"use budget=(\S+) or more", str(info.value))
+    assert found and found.group(1) == "1.0", str(info.value)
+    run = train(eval(found.group(1)), 2)  # the figure as a user would type it
+    assert run.plan is not None and [s.mode for s in run.step_stats] == ["planned"]

@@ -16,11 +16,12 @@ def add_arguments(p):
     p.add_argument("--cap", required=True,
                    help="memory cap per device: a size like 8GiB, bytes, or a percentage of the single-device "
                         "peak like 50%%")
-    p.add_argument("--methods", default="all", help="comma-separated methods or 'all' (s3,even,flops,metis,milp)")
+    p.add_argument("--methods", default="all", help="comma-separated methods or 'all' (s3,even,flops,metis,milp; default all)")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="link bandwidth between devices, GB/s (default: NVLink 450 for h100-sxm, else PCIe)")
     p.add_argument("--durations", default="auto", choices=["auto", "measured", "roofline"],
-                   help="op times: measured or roofline (auto: measured only for a trace from the same device kind)")
+                   help="op times: measured or roofline (default auto: measured only for a trace from the same device "
+                        "kind)")
     p.add_argument("--out", default=None, help="write the best fitting partition as JSON here")
 
 

@@ -14,11 +14,12 @@ def add_arguments(p):
                         "or a fraction of the activation memory like 0.5")
     p.add_argument("--planner", default="all", help="a planner name or 'all' (default: all)")
     p.add_argument("--device", default=None,
-                   help="device preset (h100-pcie [default], h100-sxm, cpu; aliases h100, h100-pcie5) or a JSON path")
+                   help="device preset (h100-pcie [default], h100-sxm, cpu; aliases h100 and h100-sxm5 for h100-sxm, "
+                        "h100-pcie5 for h100-pcie) or a JSON path")
     p.add_argument("--durations", default="auto", choices=["auto", "measured", "roofline"],
-                   help="op times: the trace's measured durations or the roofline (auto: measured only when the "
-                        "trace was recorded on the same kind of device as the preset)")
-    p.add_argument("--out", default="timeline.png", help="PNG for the best plan's simulated timeline")
+                   help="op times: the trace's measured durations or the roofline (default auto: measured only when "
+                        "the trace was recorded on the same kind of device as the preset)")
+    p.add_argument("--out", default="timeline.png", help="PNG for the best plan's simulated timeline (default timeline.png)")
 
 
 def run(args):

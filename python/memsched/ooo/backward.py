@@ -305,6 +305,13 @@ class OutOfOrderBackward:
                                 f"got {type(model).__name__}")
         if not isinstance(fuse_optimizer, bool):
             raise MemschedError(f"fuse_optimizer: expected True or False, got {fuse_optimizer!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            # was accepted without fusion and silently unused (a class, a list of optimizers)
+            what = (f"the class {optimizer.__module__}.{optimizer.__qualname__}" if isinstance(optimizer, type)
+                    else type(optimizer).__name__)
+            raise MemschedError(f"optimizer: expected a torch.optim.Optimizer instance (or None), got {what}; "
+                                f"pass the optimizer built from the model's parameters, e.g. "
+                                f"torch.optim.AdamW(model.parameters(), lr=...)")
         if fuse_optimizer and optimizer is None:
             raise MemschedError("fuse_optimizer=True needs optimizer=...: the torch.optim optimizer whose "
                                 "update runs per parameter during backward")

@@ -108,6 +108,12 @@ def _partition_of(problem, dset, method, device_of_op, seconds, note, graph):
 def caps_error(problem, dset, trace, method, why="", flag="cap="):
     least = problem.least_uniform_cap()
     n = len(dset)
+    if method not in (None, "s3") and least <= min(dset.caps):
+        # S3 fits the caps asked for: "pass cap=<less than that> or more" would be no advice at all
+        return CapsError(
+            f"partition: method {method!r} found no placement that meets the caps ({describe_caps(dset.caps)}) on "
+            f"{n} device(s){': ' + why if why else ''}. S3 meets them (it fits from {format_bytes(least)}, "
+            f"{least} bytes, on every device): use method='s3', or a larger cap for {method!r}", least)
     msg = (f"partition: no placement found that meets the caps ({describe_caps(dset.caps)}) on {n} device(s)"
            f"{' with method ' + repr(method) if method else ''}{': ' + why if why else ''}. The step's single-device "
            f"peak is {format_bytes(trace.peak_bytes())}; the smallest cap (the same on every device) at which "
@@ -139,6 +145,8 @@ def compare(source, devices=4, cap=None, methods="all", *, example_inputs=None, 
             durations="auto", time_limit_s=40.0, milp_time_limit_s=60.0, milp_max_ops=MILP_MAX_OPS, seed=1):
     """One row per method: {"method", "ok", "partition" (or None), "error", "seconds"}; a method that
     breaks a cap still has its partition (fits False)."""
+    if isinstance(methods, str) and methods != "all":  # "s3,even" as on the command line; was read letter by letter
+        methods = [m.strip() for m in methods.split(",") if m.strip()]
     names = list(METHODS) if methods == "all" else list(methods)
     for m in names:
         if m not in METHODS:

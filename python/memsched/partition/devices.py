@@ -48,7 +48,11 @@ def _models(devices, trace, durations):
         devices = [DEFAULT_PRESET] * int(devices)
     if isinstance(devices, (str, os.PathLike, DeviceModel)):
         devices = [devices]
-    devices = list(devices)
+    try:
+        devices = list(devices)
+    except TypeError:  # 2.5, an object: was "'float' object is not iterable"
+        raise ValueError(f"devices: expected a device count (e.g. 4) or a list of presets/DeviceModels, got "
+                         f"{devices!r}") from None
     if not devices:
         raise ValueError("devices: the list is empty; give a device count or at least one preset/DeviceModel")
     models, names = [], []

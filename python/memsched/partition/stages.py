@@ -2,7 +2,8 @@
 
 Entry points: stage_of_node(gm, partition) -> {node name: stage}; split_stages(gm, partition) ->
 (split GraphModule, [stage submodules]); pipeline_stage(gm, partition, rank, device, group=None) ->
-torch.distributed.pipelining.PipelineStage for this rank.
+torch.distributed.pipelining.PipelineStage for this rank. gm is the torch.fx.GraphModule or the
+nn.Module that was partitioned (a module is traced again, as memsched.partition traced it).
 
 A partition is contiguous when the graph's compute nodes, in graph order, go to non-decreasing
 devices and each node's backward and optimizer ops sit on its forward's device; stage k is device
@@ -12,10 +13,13 @@ outputs to the next stage only.
 """
 from torch.fx.passes.split_module import split_module
 
+from memsched.partition.fx_graph import to_graph_module
+
 _COMPUTE = ("call_module", "call_function", "call_method")
 
 
 def stage_of_node(gm, partition):
+    gm = to_graph_module(gm)  # the nn.Module that was partitioned: its nodes are named as partition() named them
     if not partition.node_device:
         raise ValueError("pipeline stages: this partition has no node placement; partition a GraphModule or "
                          "nn.Module (with example_inputs), not a Trace")
@@ -45,6 +49,7 @@ def stage_of_node(gm, partition):
 
 def split_stages(gm, partition):
     """(split GraphModule, stage submodules in order)."""
+    gm = to_graph_module(gm)
     stages = stage_of_node(gm, partition)
     split = split_module(gm, gm, lambda node: stages[node.name])
     calls = [n for n in split.graph.nodes if n.op == "call_module"]

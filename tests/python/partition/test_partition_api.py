@@ -80,3 +80,40 @@ def test_links_matrix_and_presets_change_the_transfer_cost():
     slow = memsched.partition(t, devices=2, cap="60%", method="flops", links=[[0, 1.0], [1.0, 0]])
     assert fast.device_of_op == slow.device_of_op
     assert slow.makespan_us > fast.makespan_us
+
+
+def test_a_baseline_that_breaks_caps_s3_meets_points_to_s3_not_to_a_smaller_cap():
+    # was: "the smallest cap ... at which S3 fits is X: pass cap=X or more" with the cap asked for already above X
+    t = _trace()
+    with pytest.raises(CapsError) as err:
+        memsched.partition(t, devices=4, cap=1)
+    cap = err.value.least_cap  # S3 fits here; the baselines, which balance layers or FLOPs, break it
+    assert memsched.partition(t, devices=4, cap=cap).fits
+    rows = compare(t, 4, cap, methods=["even", "flops"])
+    broken = [r["method"] for r in rows if not r["ok"]]
+    assert broken, "a baseline fits S3's least cap; pick another trace"
+    with pytest.raises(CapsError) as err:
+        memsched.partition(t, devices=4, cap=cap, method=broken[0])
+    text = str(err.value)
+    assert f"method {broken[0]!r} found no placement" in text and "use method='s3'" in text
+    assert "or more" not in text and err.value.least_cap == cap
+
+
+@pytest.mark.parametrize("methods,expected", [("s3", ["s3"]), ("s3,even", ["s3", "even"]),
+                                              (" flops , s3 ", ["flops", "s3"])])
+def test_compare_reads_a_methods_string_as_the_command_line_does(methods, expected):
+    # was: the string was read letter by letter ("partition: unknown method 's'")
+    rows = compare(_trace(), 2, "100%", methods=methods)
+    assert [r["method"] for r in rows] == expected
+
+
+def test_compare_names_an_unknown_method_in_a_methods_string():
+    with pytest.raises(ValueError, match=r"unknown method 'foo'; known: s3, even"):
+        compare(_trace(), 2, "100%", methods="s3,foo")
+
+
+@pytest.mark.parametrize("devices", [2.5, object()])
+def test_a_device_count_that_is_not_a_whole_number_is_named(devices):
+    # was: TypeError "'float' object is not iterable"
+    with pytest.raises(ValueError, match=r"devices: expected a device count \(e.g. 4\) or a list"):
+        memsched.partition(_trace(), devices=devices, cap="100%")

@@ -73,3 +73,17 @@ def test_a_trace_partition_has_no_stages():
     p = memsched.partition(memsched._C.synthetic_trace(num_layers=4), devices=2, cap="100%", method="even")
     with pytest.raises(ValueError, match="no node placement"):
         stage_of_node(to_graph_module(Chain()), p)
+
+
+def test_the_partitioned_module_itself_splits_into_stages_that_share_its_parameters():
+    # README: memsched.partition takes an nn.Module, and "a contiguous partition of one becomes"
+    # pipeline stages; was: split_stages(model, p) raised AttributeError ('Chain' object has no attribute 'graph')
+    model = Chain()
+    p = _partition(model)
+    assert sorted(set(stage_of_node(model, p).values())) == [0, 1]
+    _, modules = split_stages(model, p)
+    assert len(modules) == 2
+    x = torch.randn(8, 16)
+    assert torch.equal(modules[1](modules[0](x)), model(x))
+    own = {id(q) for q in model.parameters()}
+    assert {id(q) for m in modules for q in m.parameters()} == own  # the stages train the model in place
