@@ -350,6 +350,7 @@ class Run:
         self.profile_ = None         # profiler session while profiling
         self.profile_armed_ = False  # the next forward starts a profiler session
         self.forwards_since_boundary_ = 0  # root forwards since the last run.step() / optimizer.step()
+        self.eval_grad_forward_ = False    # this step ran a forward in eval mode with gradients enabled
         self.warned_second_update_ = False
         self.profile_failed_ = False # the profiled forward raised: restart at the next forward
         self.profile_forwards_ = 0   # COUNT forwards recorded by the open profile (Note [A step with no end])
@@ -713,7 +714,11 @@ class Run:
                 "run.step() of a step on one thread (the data loading may use others)")
 
     def _root_pre(self, module, args):
+        if self.forwards_since_boundary_ == 0:
+            self.eval_grad_forward_ = False
         self.forwards_since_boundary_ += 1
+        if not module.training and torch.is_grad_enabled():
+            self.eval_grad_forward_ = True  # part of this step's saves: named if the step mismatches
         if self.step_thread_ is None:
             self.step_thread_ = threading.get_ident()
         if self.in_forward_ or (self.profile_ is not None and (
@@ -995,6 +1000,10 @@ class Run:
                 f"({format_bytes(act_peak)}) where that does not raise the step's peak")
 
     def _on_mismatch(self, why):
+        if self.eval_grad_forward_:
+            why += ("; this step ran the model in eval mode (model.eval()) with gradients enabled, and that "
+                    "forward's saves count as the step's: run evaluation under torch.no_grad() (or "
+                    "torch.inference_mode()) and it stays out of the training steps")
         if not self.warned_:
             self.warned_ = True
             warnings.warn(f"memsched.optimize: a step does not match the profiled trace ({why}); it runs "

@@ -514,3 +514,21 @@ def test_two_backwards_per_step_are_bitwise(pattern, standins):
         twice = x.untyped_storage().nbytes() + y.untyped_storage().nbytes()
         assert all(st.h2d_bytes == st.d2h_bytes == st.offloaded_bytes for st in stats)
         assert all(st.offloaded_bytes > twice for st in stats)
+
+
+def test_a_mismatch_after_an_eval_forward_with_gradients_says_so(standins):
+    """model.eval() then a forward without torch.no_grad(): its saves join the next training step,
+    which then does not match the trace; the warning names the cause and the fix."""
+    model, opt, _, _ = _pair("cnn")
+    x, y = _data("cnn", 0)
+    with pytest.warns(RuntimeWarning, match=r"eval mode \(model\.eval\(\)\) with gradients enabled.*torch\.no_grad"):
+        with optimize(model, opt, budget=0.7) as run:
+            for _ in range(2):
+                F.cross_entropy(model(x), y).backward()
+                run.step()
+            model.eval()
+            model(x)  # evaluation, gradients on
+            model.train()
+            F.cross_entropy(model(x), y).backward()
+            run.step()
+    assert run.mismatches == 1
