@@ -260,6 +260,8 @@ class Run:
         self.planner = planner
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
+        # the bytes as the user wrote them ("6GiB"), for refusals to echo; None for every other form
+        self.budget_written_ = budget.strip() if isinstance(budget, str) and isinstance(self.budget_spec, int) else None
         if not isinstance(profile, str) or profile not in PROFILE_MODES:
             raise ValueError(f"profile: expected one of {', '.join(repr(m) for m in PROFILE_MODES)} -- how the "
                              f"first, profiled step holds its saved activations: 'offload' keeps them in host memory "
@@ -846,6 +848,10 @@ class Run:
                         f"{format_bytes(extra)} of optimizer state that the first optimizer.step() creates and "
                         f"every later step holds; raise the budget to at least {least} bytes (the least budget with "
                         f"the optimizer state)") from None
+                head = f"budget {budget_bytes} bytes"
+                if self.budget_written_ and str(err).startswith(head):  # as the user wrote it, bytes beside
+                    raise _C.MemschedError(f"budget {self.budget_written_!r} ({budget_bytes} bytes)"
+                                           f"{str(err)[len(head):]}") from None
                 raise
         schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_)
         need = schedule.offloaded_bytes

@@ -116,3 +116,11 @@ def test_a_least_fraction_of_one_is_named_as_the_float_one():
     assert found and found.group(1) == "1.0", str(info.value)
     run = train(eval(found.group(1)), 2)  # the figure as a user would type it
     assert run.plan is not None and [s.mode for s in run.step_stats] == ["planned"]
+
+
+def test_a_byte_budget_written_with_units_is_echoed_as_written():
+    """budget="1KiB" is refused in the user's words, the bytes beside (it said 'budget 1024 bytes')."""
+    with pytest.raises(memsched.MemschedError, match=r"^budget '1KiB' \(1024 bytes\) is below the least budget") as err:
+        _train("1KiB", "dp")
+    least = int(re.search(r"raise the budget to at least (\d+) bytes", str(err.value)).group(1))
+    assert _train(least, "dp").steps_planned == 1
