@@ -21,8 +21,8 @@ def parse_bytes(value, *, name="budget"):
     Raises ValueError naming `name`, the accepted forms and the range [0, 2**63 - 1] on anything
     else (NaN, infinities, fractions of a byte, counts that do not fit an int64).
     """
-    forms = ("write bytes (4096) or a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB "
-             "(e.g. '6GiB')")
+    forms = ("write bytes (4096) or a number with a unit: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, "
+             "TiB or K, M, G, T (powers of 1024; e.g. '6GiB')")
     if isinstance(value, bool):
         raise ValueError(f"{name}: expected a byte count, got {value!r}; {forms}")
     if isinstance(value, numbers.Integral):

@@ -148,3 +148,10 @@ def test_bad_budgets_name_the_accepted_forms_without_a_chained_traceback():
     with pytest.raises(ValueError, match=r"budget: cannot read '6 gigs' as a size") as err:
         parse_budget("6 gigs")
     assert err.value.__context__ is None or err.value.__suppress_context__  # no "During handling of ..."
+
+
+def test_the_unit_list_says_which_units_are_decimal_and_which_binary():
+    from memsched.units import parse_bytes
+    assert parse_bytes("6G") == parse_bytes("6GiB") == 6 * 2**30 and parse_bytes("6GB") == 6 * 10**9
+    with pytest.raises(ValueError, match=r"TB \(powers of 1000\), KiB, MiB, GiB, TiB or K, M, G, T \(powers of 1024"):
+        parse_bytes("6 gigs")
