@@ -229,6 +229,18 @@ void DwRuntime::wait_for_current(Side& side) {
   side.to_side.block(side.stream);
 }
 
+void DwRuntime::release_holds(Side& side, bool all, std::vector<at::Tensor>* out) {
+  // See Note [Streams of out-of-order backward]: an event that completed means the side stream is
+  // past that item's kernels (and every earlier one's: one stream, recorded in order).
+  while (!side.holds.empty() && (all || side.holds.front().done.query())) {
+    Hold& h = side.holds.front();
+    out->push_back(std::move(h.x));
+    out->push_back(std::move(h.grad));
+    side.spare.push_back(std::move(h.done));
+    side.holds.pop_front();
+  }
+}
+
 void DwRuntime::defer(DwItem item) {
   if (!backward_started) {
     // The first deferred item of this backward pass: the owner checks the phase and queues the
@@ -305,7 +317,18 @@ void DwRuntime::execute(int64_t id, DwItem& item, Completion* out) {
   std::optional<c10::StreamGuard> guard;
   if (side != nullptr) guard.emplace(side->stream);  // the wait was queued at defer()
   std::vector<at::Tensor> grads = compute_dw(item, item.weight_idx >= 0, item.bias_idx >= 0);
-  item.x.reset();  // the item's tensors are released here (record_stream'ed on the side stream)
+  std::vector<at::Tensor> released;  // destroyed after the lock (and after hand_over)
+  if (side != nullptr) {
+    // Note [Streams of out-of-order backward]: x and the output gradient stay referenced until the
+    // side stream is past these kernels, so autograd does not add into them in place meanwhile.
+    std::lock_guard<std::mutex> lock(mu_);
+    c10::Event done = side->spare.empty() ? c10::Event(side->stream.device_type()) : std::move(side->spare.back());
+    if (!side->spare.empty()) side->spare.pop_back();
+    done.record(side->stream);
+    side->holds.push_back(Hold{std::move(done), std::move(item.x), std::move(item.grad)});
+    release_holds(*side, false, &released);
+  }
+  item.x.reset();  // (record_stream'ed on the side stream at defer(), so a free is stream-safe too)
   item.grad.reset();
   item.weight.reset();
   {
@@ -584,6 +607,7 @@ void DwRuntime::end_iteration(bool allow_missing) {
 }
 
 void DwRuntime::sync_streams() {
+  std::vector<at::Tensor> released;  // destroyed after the lock
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [device, side] : sides_) {
     c10::impl::VirtualGuardImpl impl(device.type());
@@ -593,6 +617,9 @@ void DwRuntime::sync_streams() {
     for (const at::Tensor& p : params_) {
       if (p.device() == device) record_on(p.grad(), compute);  // made on the side stream, used here
     }
+    // backward is over (no InputBuffer can add into them) and the compute stream now waits for the
+    // side stream; the blocks were record_stream'ed on it
+    release_holds(side, true, &released);
   }
 }
 
@@ -605,10 +632,12 @@ void DwRuntime::new_scheduler() {
 void DwRuntime::abandon() {
   std::unordered_map<int64_t, DwItem> items;
   std::vector<at::Tensor> pending;
+  std::vector<at::Tensor> held;
   std::shared_ptr<const AdamPlan> plan;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (executor_ == Executor::kThread) idle_.wait(lock, [this] { return !worker_busy_; });
+    for (auto& entry : sides_) release_holds(entry.second, true, &held);  // record_stream'ed on the side
     items.swap(items_);
     pending.swap(pending_);
     pending_.resize(params_.size());

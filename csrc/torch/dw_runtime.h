@@ -44,7 +44,16 @@
 //   record as of the call), and before an autograd gradient is added on the side stream or a
 //   parameter becomes final from a hook. The held tensors are record_stream'ed on the side
 //   stream, so the caching allocator does not hand their blocks to the compute stream while
-//   the item may still read them. Sums, .grad finalisation and the fused update (the owner's
+//   the item may still read them. They are also held (a Hold: the item's x and output gradient
+//   and an event recorded after its kernels) until the side stream is known past them (the event
+//   queried, never waited on; all of them at sync_streams): record_stream only keeps a block from
+//   being reused after a free, not from being written while alive, and autograd's InputBuffer adds
+//   a later gradient in place into a buffer whose last reference it holds (can_accumulate_inplace
+//   in input_buffer.cpp). A residual connection hands the same gradient tensor to the layer and to
+//   the skip path (AddBackward returns `grad` for both inputs): once the item dropped its
+//   reference, the compute stream could add the branch's dX into the tensor the side stream's dW
+//   kernel has not read yet. Holding the reference makes autograd add out of place instead.
+//   Sums, .grad finalisation and the fused update (the owner's
 //   _on_ready runs with the side stream current) all run on the side stream. The compute
 //   stream waits for the side stream once, at the end of backward (sync_streams), where the
 //   caller consumes gradients and updated parameters; every .grad is then record_stream'ed on
@@ -210,10 +219,16 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   int64_t max_deferred_bytes() const { return max_deferred_bytes_; }
 
  private:
+  struct Hold {                   // an item's inputs, until the side stream is past its kernels
+    c10::Event done;              // recorded on the side stream after the item's kernels
+    at::Tensor x, grad;
+  };
   struct Side {                   // per accelerator device (Note [Streams of out-of-order backward])
     c10::Stream stream;
     c10::Event to_side;           // recorded on the compute stream, blocked on by the side stream
     c10::Event to_compute;        // recorded on the side stream at the end of backward
+    std::deque<Hold> holds;       // in record order (so in completion order)
+    std::vector<c10::Event> spare;  // events of released holds, reused
   };
   struct Completion {
     std::vector<std::vector<int32_t>> groups;  // complete step units (fused update)
@@ -221,6 +236,9 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   };
   Side& side_for(const c10::Device& device);  // under the lock
   void wait_for_current(Side& side);          // side stream waits for the current stream
+  // Under the lock: moves the tensors of holds whose event completed (all of them: all true) into
+  // *out, to be released after the lock.
+  void release_holds(Side& side, bool all, std::vector<at::Tensor>* out);
   void execute(int64_t id, DwItem& item, Completion* out);
   void add_pending(int32_t param, at::Tensor g);   // under the lock
   void finalize(int32_t param);                    // under the lock
