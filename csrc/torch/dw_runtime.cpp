@@ -510,8 +510,14 @@ std::vector<int32_t> DwRuntime::step_native_on(const std::vector<int32_t>& param
       grads.push_back(params_[i].grad());
       slots.push_back(&plan->slots[i]);
       bytes += nbytes(grads.back());
-      // The update runs on the side stream; a .grad made on the compute stream is freed there.
-      if (side != nullptr) record_on(grads.back(), side->stream);
+      // The gradient is freed below, after the update queued on the current stream (the side
+      // stream, or the one the owner's _poll_reducer made current under DDP) read it: a .grad made
+      // on another stream (AccumulateGrad on the compute stream) is recorded here, or its block
+      // would go back to that stream while the update still reads it. A no-op on its own stream.
+      if (on_accelerator(grads.back())) {
+        const c10::Device dev = grads.back().device();
+        record_on(grads.back(), c10::impl::VirtualGuardImpl(dev.type()).getStream(dev));
+      }
     }
     adam_update(plan->hypers[g], ps, grads, slots);
     grads.clear();
