@@ -2,6 +2,7 @@
 // backward].
 #include "torch/dw_runtime.h"
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -267,6 +268,13 @@ void DwRuntime::defer(DwItem item) {
       wait_for_current(side);
       record_on(item.x, side.stream);
       record_on(item.grad, side.stream);
+    } else if (executor_ == Executor::kThread && on_accelerator(item.grad)) {
+      // See Note [dW runtime in C++]: the item runs on the stream its inputs were made on
+      const c10::Device dev = item.grad.device();
+      item.stream = c10::impl::VirtualGuardImpl(dev.type()).getStream(dev);
+      if (std::find(item_streams_.begin(), item_streams_.end(), *item.stream) == item_streams_.end()) {
+        item_streams_.push_back(*item.stream);
+      }
     }
     items_.emplace(id, std::move(item));
   }
@@ -315,7 +323,11 @@ void DwRuntime::execute(int64_t id, DwItem& item, Completion* out) {
     side = &side_for(item.grad.device());
   }
   std::optional<c10::StreamGuard> guard;
-  if (side != nullptr) guard.emplace(side->stream);  // the wait was queued at defer()
+  if (side != nullptr) {
+    guard.emplace(side->stream);  // the wait was queued at defer()
+  } else if (item.stream.has_value()) {
+    guard.emplace(*item.stream);  // executor "thread": the stream its inputs were made on
+  }
   std::vector<at::Tensor> grads = compute_dw(item, item.weight_idx >= 0, item.bias_idx >= 0);
   std::vector<at::Tensor> released;  // destroyed after the lock (and after hand_over)
   if (side != nullptr) {
@@ -627,6 +639,16 @@ void DwRuntime::sync_streams() {
     // side stream; the blocks were record_stream'ed on it
     release_holds(side, true, &released);
   }
+  for (const c10::Stream& s : item_streams_) {
+    // executor "thread" (drained before this): the caller's stream waits for the items' streams
+    c10::impl::VirtualGuardImpl impl(s.device_type());
+    const c10::Stream current = impl.getStream(s.device());
+    if (current == s) continue;
+    c10::Event done(s.device_type());
+    done.record(s);
+    done.block(current);
+  }
+  item_streams_.clear();
 }
 
 void DwRuntime::new_scheduler() {
@@ -644,6 +666,7 @@ void DwRuntime::abandon() {
     std::unique_lock<std::mutex> lock(mu_);
     if (executor_ == Executor::kThread) idle_.wait(lock, [this] { return !worker_busy_; });
     for (auto& entry : sides_) release_holds(entry.second, true, &held);  // record_stream'ed on the side
+    item_streams_.clear();
     items.swap(items_);
     pending.swap(pending_);
     pending_.resize(params_.size());

@@ -25,7 +25,10 @@
 //   Python is called once per layer, not per parameter -- and not at all for a group that
 //   step_native() updates here (Adam/AdamW, See Note [Adam update in C++] in adam_update.h).
 //   Executors: "inline" runs an item on the autograd thread when the scheduler says it is
-//   urgent, "thread" on a C++ worker thread, "stream" at once on a side stream.
+//   urgent, "thread" on a C++ worker thread, "stream" at once on a side stream. On an
+//   accelerator, "thread" runs an item on the stream that was current at defer() (the worker's
+//   own current stream is the device's default stream, which a non-blocking stream the caller
+//   computes on does not order with), and sync_streams makes the caller's stream wait for those.
 //   The per-parameter AccumulateGrad hooks (Note [AccumulateGrad gate] in backward.py) are C
 //   functions registered through the parameter's own Python hook lists (grad_hook() and
 //   accumulated_hook(): METH_O PyCFunctions over a capsule, as Note [The saved-tensor fast path]
@@ -70,6 +73,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -98,6 +102,7 @@ struct DwItem {
   int32_t bias_idx = -1;             // ... of the bias
   std::vector<int64_t> stride, padding, dilation;  // conv only
   int64_t groups = 1;                // conv only
+  std::optional<c10::Stream> stream; // executor "thread" on an accelerator: the stream current at defer()
   int64_t held_bytes() const;        // bytes: x + grad
 };
 
@@ -296,6 +301,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<int32_t> native_stepped_;         // parameters updated here, until take_native_stepped()
   int64_t native_calls_ = 0;                    // COUNT
 
+  std::vector<c10::Stream> item_streams_;       // executor "thread": the items' streams this pass (sync_streams)
   std::thread worker_;                          // executor "thread"
   std::condition_variable wake_;                // worker: items queued or stop
   std::condition_variable idle_;                // drain(): worker idle and queue empty
