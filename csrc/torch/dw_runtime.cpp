@@ -562,12 +562,16 @@ void DwRuntime::hand_over(const Completion& given, Side* side) {
   if (owner.is_none()) return;
   std::optional<c10::StreamGuard> guard;
   if (side != nullptr) {
-    // The fused update runs on the side stream; a .grad made on the compute stream (autograd)
-    // is freed there after the update.
-    for (const auto& group : c.groups) {
-      for (int32_t i : group) record_on(params_[i].grad(), side->stream);
-    }
+    // The fused update runs on the side stream (of the gradient's device: end_iteration makes
+    // every device's current); a .grad made on the compute stream (autograd) is freed there after
+    // the update.
     guard.emplace(side->stream);
+    for (const auto& group : c.groups) {
+      for (int32_t i : group) {
+        const at::Tensor& g = params_[i].grad();
+        if (on_accelerator(g)) record_on(g, c10::impl::VirtualGuardImpl(g.device().type()).getStream(g.device()));
+      }
+    }
   }
   py::object groups = py::cast(c.groups);
   py::object buckets = py::cast(c.ready_buckets);
@@ -607,17 +611,23 @@ void DwRuntime::add_autograd_grad(int32_t param, const at::Tensor& e) {
 void DwRuntime::end_iteration(bool allow_missing) {
   Completion out;
   Side* side = nullptr;
+  // Every device's side stream is current through finalize and hand_over: a short parameter's
+  // pending sum was made on its own device's side stream (a model spread over several devices).
+  std::optional<c10::MultiStreamGuard> guard;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const std::vector<int32_t> short_params = sched_.end_iteration(allow_missing);
     // uses whose output never reached the loss: finish with what arrived
     DwCompletion done;
     done.final_params = short_params;  // (no bucket becomes ready here: the owner waits for them all)
-    if (executor_ == Executor::kStream && !sides_.empty()) side = &sides_.front().second;
-    std::optional<c10::StreamGuard> guard;
-    if (side != nullptr) {
-      wait_for_current(*side);
-      guard.emplace(side->stream);
+    if (executor_ == Executor::kStream && !sides_.empty()) {
+      side = &sides_.front().second;
+      std::vector<c10::Stream> streams;
+      for (auto& entry : sides_) {
+        wait_for_current(entry.second);
+        streams.push_back(entry.second.stream);
+      }
+      guard.emplace(streams);
     }
     collect(done, &out);
   }
