@@ -2,6 +2,7 @@
 // backward].
 #include "torch/dw_runtime.h"
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -229,6 +230,18 @@ void DwRuntime::wait_for_current(Side& side) {
   side.to_side.block(side.stream);
 }
 
+void DwRuntime::release_holds(Side& side, bool all, std::vector<at::Tensor>* out) {
+  // See Note [Streams of out-of-order backward]: an event that completed means the side stream is
+  // past that item's kernels (and every earlier one's: one stream, recorded in order).
+  while (!side.holds.empty() && (all || side.holds.front().done.query())) {
+    Hold& h = side.holds.front();
+    out->push_back(std::move(h.x));
+    out->push_back(std::move(h.grad));
+    side.spare.push_back(std::move(h.done));
+    side.holds.pop_front();
+  }
+}
+
 void DwRuntime::defer(DwItem item) {
   if (!backward_started) {
     // The first deferred item of this backward pass: the owner checks the phase and queues the
@@ -255,6 +268,13 @@ void DwRuntime::defer(DwItem item) {
       wait_for_current(side);
       record_on(item.x, side.stream);
       record_on(item.grad, side.stream);
+    } else if (executor_ == Executor::kThread && on_accelerator(item.grad)) {
+      // See Note [dW runtime in C++]: the item runs on the stream its inputs were made on
+      const c10::Device dev = item.grad.device();
+      item.stream = c10::impl::VirtualGuardImpl(dev.type()).getStream(dev);
+      if (std::find(item_streams_.begin(), item_streams_.end(), *item.stream) == item_streams_.end()) {
+        item_streams_.push_back(*item.stream);
+      }
     }
     items_.emplace(id, std::move(item));
   }
@@ -303,9 +323,24 @@ void DwRuntime::execute(int64_t id, DwItem& item, Completion* out) {
     side = &side_for(item.grad.device());
   }
   std::optional<c10::StreamGuard> guard;
-  if (side != nullptr) guard.emplace(side->stream);  // the wait was queued at defer()
+  if (side != nullptr) {
+    guard.emplace(side->stream);  // the wait was queued at defer()
+  } else if (item.stream.has_value()) {
+    guard.emplace(*item.stream);  // executor "thread": the stream its inputs were made on
+  }
   std::vector<at::Tensor> grads = compute_dw(item, item.weight_idx >= 0, item.bias_idx >= 0);
-  item.x.reset();  // the item's tensors are released here (record_stream'ed on the side stream)
+  std::vector<at::Tensor> released;  // destroyed after the lock (and after hand_over)
+  if (side != nullptr) {
+    // Note [Streams of out-of-order backward]: x and the output gradient stay referenced until the
+    // side stream is past these kernels, so autograd does not add into them in place meanwhile.
+    std::lock_guard<std::mutex> lock(mu_);
+    c10::Event done = side->spare.empty() ? c10::Event(side->stream.device_type()) : std::move(side->spare.back());
+    if (!side->spare.empty()) side->spare.pop_back();
+    done.record(side->stream);
+    side->holds.push_back(Hold{std::move(done), std::move(item.x), std::move(item.grad)});
+    release_holds(*side, false, &released);
+  }
+  item.x.reset();  // (record_stream'ed on the side stream at defer(), so a free is stream-safe too)
   item.grad.reset();
   item.weight.reset();
   {
@@ -487,8 +522,14 @@ std::vector<int32_t> DwRuntime::step_native_on(const std::vector<int32_t>& param
       grads.push_back(params_[i].grad());
       slots.push_back(&plan->slots[i]);
       bytes += nbytes(grads.back());
-      // The update runs on the side stream; a .grad made on the compute stream is freed there.
-      if (side != nullptr) record_on(grads.back(), side->stream);
+      // The gradient is freed below, after the update queued on the current stream (the side
+      // stream, or the one the owner's _poll_reducer made current under DDP) read it: a .grad made
+      // on another stream (AccumulateGrad on the compute stream) is recorded here, or its block
+      // would go back to that stream while the update still reads it. A no-op on its own stream.
+      if (on_accelerator(grads.back())) {
+        const c10::Device dev = grads.back().device();
+        record_on(grads.back(), c10::impl::VirtualGuardImpl(dev.type()).getStream(dev));
+      }
     }
     adam_update(plan->hypers[g], ps, grads, slots);
     grads.clear();
@@ -521,12 +562,16 @@ void DwRuntime::hand_over(const Completion& given, Side* side) {
   if (owner.is_none()) return;
   std::optional<c10::StreamGuard> guard;
   if (side != nullptr) {
-    // The fused update runs on the side stream; a .grad made on the compute stream (autograd)
-    // is freed there after the update.
-    for (const auto& group : c.groups) {
-      for (int32_t i : group) record_on(params_[i].grad(), side->stream);
-    }
+    // The fused update runs on the side stream (of the gradient's device: end_iteration makes
+    // every device's current); a .grad made on the compute stream (autograd) is freed there after
+    // the update.
     guard.emplace(side->stream);
+    for (const auto& group : c.groups) {
+      for (int32_t i : group) {
+        const at::Tensor& g = params_[i].grad();
+        if (on_accelerator(g)) record_on(g, c10::impl::VirtualGuardImpl(g.device().type()).getStream(g.device()));
+      }
+    }
   }
   py::object groups = py::cast(c.groups);
   py::object buckets = py::cast(c.ready_buckets);
@@ -566,17 +611,23 @@ void DwRuntime::add_autograd_grad(int32_t param, const at::Tensor& e) {
 void DwRuntime::end_iteration(bool allow_missing) {
   Completion out;
   Side* side = nullptr;
+  // Every device's side stream is current through finalize and hand_over: a short parameter's
+  // pending sum was made on its own device's side stream (a model spread over several devices).
+  std::optional<c10::MultiStreamGuard> guard;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const std::vector<int32_t> short_params = sched_.end_iteration(allow_missing);
     // uses whose output never reached the loss: finish with what arrived
     DwCompletion done;
     done.final_params = short_params;  // (no bucket becomes ready here: the owner waits for them all)
-    if (executor_ == Executor::kStream && !sides_.empty()) side = &sides_.front().second;
-    std::optional<c10::StreamGuard> guard;
-    if (side != nullptr) {
-      wait_for_current(*side);
-      guard.emplace(side->stream);
+    if (executor_ == Executor::kStream && !sides_.empty()) {
+      side = &sides_.front().second;
+      std::vector<c10::Stream> streams;
+      for (auto& entry : sides_) {
+        wait_for_current(entry.second);
+        streams.push_back(entry.second.stream);
+      }
+      guard.emplace(streams);
     }
     collect(done, &out);
   }
@@ -584,6 +635,7 @@ void DwRuntime::end_iteration(bool allow_missing) {
 }
 
 void DwRuntime::sync_streams() {
+  std::vector<at::Tensor> released;  // destroyed after the lock
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [device, side] : sides_) {
     c10::impl::VirtualGuardImpl impl(device.type());
@@ -593,7 +645,20 @@ void DwRuntime::sync_streams() {
     for (const at::Tensor& p : params_) {
       if (p.device() == device) record_on(p.grad(), compute);  // made on the side stream, used here
     }
+    // backward is over (no InputBuffer can add into them) and the compute stream now waits for the
+    // side stream; the blocks were record_stream'ed on it
+    release_holds(side, true, &released);
   }
+  for (const c10::Stream& s : item_streams_) {
+    // executor "thread" (drained before this): the caller's stream waits for the items' streams
+    c10::impl::VirtualGuardImpl impl(s.device_type());
+    const c10::Stream current = impl.getStream(s.device());
+    if (current == s) continue;
+    c10::Event done(s.device_type());
+    done.record(s);
+    done.block(current);
+  }
+  item_streams_.clear();
 }
 
 void DwRuntime::new_scheduler() {
@@ -605,10 +670,13 @@ void DwRuntime::new_scheduler() {
 void DwRuntime::abandon() {
   std::unordered_map<int64_t, DwItem> items;
   std::vector<at::Tensor> pending;
+  std::vector<at::Tensor> held;
   std::shared_ptr<const AdamPlan> plan;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (executor_ == Executor::kThread) idle_.wait(lock, [this] { return !worker_busy_; });
+    for (auto& entry : sides_) release_holds(entry.second, true, &held);  // record_stream'ed on the side
+    item_streams_.clear();
     items.swap(items_);
     pending.swap(pending_);
     pending_.resize(params_.size());

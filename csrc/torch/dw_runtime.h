@@ -25,7 +25,10 @@
 //   Python is called once per layer, not per parameter -- and not at all for a group that
 //   step_native() updates here (Adam/AdamW, See Note [Adam update in C++] in adam_update.h).
 //   Executors: "inline" runs an item on the autograd thread when the scheduler says it is
-//   urgent, "thread" on a C++ worker thread, "stream" at once on a side stream.
+//   urgent, "thread" on a C++ worker thread, "stream" at once on a side stream. On an
+//   accelerator, "thread" runs an item on the stream that was current at defer() (the worker's
+//   own current stream is the device's default stream, which a non-blocking stream the caller
+//   computes on does not order with), and sync_streams makes the caller's stream wait for those.
 //   The per-parameter AccumulateGrad hooks (Note [AccumulateGrad gate] in backward.py) are C
 //   functions registered through the parameter's own Python hook lists (grad_hook() and
 //   accumulated_hook(): METH_O PyCFunctions over a capsule, as Note [The saved-tensor fast path]
@@ -44,7 +47,16 @@
 //   record as of the call), and before an autograd gradient is added on the side stream or a
 //   parameter becomes final from a hook. The held tensors are record_stream'ed on the side
 //   stream, so the caching allocator does not hand their blocks to the compute stream while
-//   the item may still read them. Sums, .grad finalisation and the fused update (the owner's
+//   the item may still read them. They are also held (a Hold: the item's x and output gradient
+//   and an event recorded after its kernels) until the side stream is known past them (the event
+//   queried, never waited on; all of them at sync_streams): record_stream only keeps a block from
+//   being reused after a free, not from being written while alive, and autograd's InputBuffer adds
+//   a later gradient in place into a buffer whose last reference it holds (can_accumulate_inplace
+//   in input_buffer.cpp). A residual connection hands the same gradient tensor to the layer and to
+//   the skip path (AddBackward returns `grad` for both inputs): once the item dropped its
+//   reference, the compute stream could add the branch's dX into the tensor the side stream's dW
+//   kernel has not read yet. Holding the reference makes autograd add out of place instead.
+//   Sums, .grad finalisation and the fused update (the owner's
 //   _on_ready runs with the side stream current) all run on the side stream. The compute
 //   stream waits for the side stream once, at the end of backward (sync_streams), where the
 //   caller consumes gradients and updated parameters; every .grad is then record_stream'ed on
@@ -61,6 +73,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -89,6 +102,7 @@ struct DwItem {
   int32_t bias_idx = -1;             // ... of the bias
   std::vector<int64_t> stride, padding, dilation;  // conv only
   int64_t groups = 1;                // conv only
+  std::optional<c10::Stream> stream; // executor "thread" on an accelerator: the stream current at defer()
   int64_t held_bytes() const;        // bytes: x + grad
 };
 
@@ -210,10 +224,16 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   int64_t max_deferred_bytes() const { return max_deferred_bytes_; }
 
  private:
+  struct Hold {                   // an item's inputs, until the side stream is past its kernels
+    c10::Event done;              // recorded on the side stream after the item's kernels
+    at::Tensor x, grad;
+  };
   struct Side {                   // per accelerator device (Note [Streams of out-of-order backward])
     c10::Stream stream;
     c10::Event to_side;           // recorded on the compute stream, blocked on by the side stream
     c10::Event to_compute;        // recorded on the side stream at the end of backward
+    std::deque<Hold> holds;       // in record order (so in completion order)
+    std::vector<c10::Event> spare;  // events of released holds, reused
   };
   struct Completion {
     std::vector<std::vector<int32_t>> groups;  // complete step units (fused update)
@@ -221,6 +241,9 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   };
   Side& side_for(const c10::Device& device);  // under the lock
   void wait_for_current(Side& side);          // side stream waits for the current stream
+  // Under the lock: moves the tensors of holds whose event completed (all of them: all true) into
+  // *out, to be released after the lock.
+  void release_holds(Side& side, bool all, std::vector<at::Tensor>* out);
   void execute(int64_t id, DwItem& item, Completion* out);
   void add_pending(int32_t param, at::Tensor g);   // under the lock
   void finalize(int32_t param);                    // under the lock
@@ -278,6 +301,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<int32_t> native_stepped_;         // parameters updated here, until take_native_stepped()
   int64_t native_calls_ = 0;                    // COUNT
 
+  std::vector<c10::Stream> item_streams_;       // executor "thread": the items' streams this pass (sync_streams)
   std::thread worker_;                          // executor "thread"
   std::condition_variable wake_;                // worker: items queued or stop
   std::condition_variable idle_;                // drain(): worker idle and queue empty

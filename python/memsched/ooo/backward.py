@@ -876,7 +876,17 @@ class OutOfOrderBackward:
     def _poll_reducer(self) -> None:
         if self._reducer is None or not self._last_micro_step():
             return
-        self._step_params(self._reducer.poll())  # a reduced bucket is one ready group
+        idx = self._reducer.poll()
+        if idx and self._executor == "stream":
+            # Called by the runtime with the side stream current: the update below reads each .grad
+            # there and then frees it; one made on the compute stream (AccumulateGrad) must not go back
+            # to that stream's pool while the side stream still reads it (Note [Streams of
+            # out-of-order backward] in csrc/torch/dw_runtime.h).
+            for i in idx:
+                g = self._params[i].grad
+                if g is not None and g.is_cuda:
+                    g.record_stream(torch.cuda.current_stream(g.device))
+        self._step_params(idx)  # a reduced bucket is one ready group
 
     def _abandon(self) -> None:
         """Drops the running iteration after an error: queued work, pending

@@ -99,9 +99,16 @@ class BucketReducer:
             p = self.params[i]
             parts.append(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype,
                                                                                       device=p.device))
-        # one flag per parameter: used (a defined .grad) on some rank (Unused parameters, in the Note)
-        parts.append(torch.tensor([float(self.params[i].grad is not None) for i in ids], dtype=parts[0].dtype,
-                                  device=parts[0].device))
+        # one flag per parameter: used (a defined .grad) on some rank (Unused parameters, in the Note).
+        # Made on the device by fill kernels: torch.tensor(list, device=cuda) is a blocking
+        # host-to-device copy, a host synchronisation with the stream (the side stream's queued dW
+        # work) inside the step.
+        used = [self.params[i].grad is not None for i in ids]
+        kw = dict(dtype=parts[0].dtype, device=parts[0].device)
+        if all(used):
+            parts.append(torch.ones(len(ids), **kw))
+        else:
+            parts.extend(torch.ones(1, **kw) if u else torch.zeros(1, **kw) for u in used)
         flat = torch.cat(parts)
         flat.div_(self.world_size)
         self.trace.append(("allreduce_start", b, time.perf_counter()))
