@@ -29,8 +29,19 @@ Note [Profiling inside the user's first step]
   How the profiled step holds its saved activations: Note [Profiling a step that does not fit].
   A step that does not match the trace (See Note [Activation identity]) runs
   without offloading from the first mismatching activation on, with one
-  warning per Run; the next step is profiled again and re-planned, at most
+  warning per Run; after two mismatching steps in a row the next step is
+  profiled again and re-planned (Note [A lone mismatching step]), at most
   `max_reprofiles` times -- after that mismatching steps simply run plainly.
+
+Note [A lone mismatching step]
+  Rationale: the commonest mismatch is a lone step -- the last, smaller batch of an epoch
+  (DataLoader's drop_last=False), one eval-mode forward left with gradients on. Re-profiling at
+  once spent a slow profiled step on it every epoch and used up max_reprofiles on batches that
+  never come back, so a lasting change later (a new sequence length) was no longer re-profiled.
+  Approach: a mismatching step runs plainly from its mismatch on, as before, and the plan stays;
+  the next step runs it. Only a second mismatching step in a row gets the step after it profiled
+  (and counts against max_reprofiles).
+  Limitations: a lasting change runs two steps plainly instead of one before it is re-planned.
 
 Note [Profiling a step that does not fit]
   Rationale: a profile that keeps every saved activation on the device needs plain PyTorch's
@@ -344,6 +355,8 @@ class Run:
         self.steps_profiled = 0      # COUNT
         self.reprofiles = 0          # COUNT of re-profiles after a mismatch
         self.mismatches = 0          # COUNT of steps that did not match the trace
+        self.mismatch_run_ = 0       # consecutive mismatching steps (Note [A lone mismatching step])
+        self.reprofiles_denied_ = 0  # COUNT of re-profiles due but past max_reprofiles
         self.warned_ = False
         self.warned_not_profiled_ = False
         self.warned_not_profiled_why_ = ""
@@ -658,9 +671,16 @@ class Run:
         self.step_stats.append(stats)
         if stats.mode == "diverged" or self._count_mismatch(stats):
             self.mismatches += 1
-            if self.reprofiles < self.max_reprofiles:
-                self.reprofiles += 1
-                self._start_profiling()
+            self.mismatch_run_ += 1
+            if self.mismatch_run_ >= 2:  # Note [A lone mismatching step]
+                self.mismatch_run_ = 0
+                if self.reprofiles < self.max_reprofiles:
+                    self.reprofiles += 1
+                    self._start_profiling()
+                else:
+                    self.reprofiles_denied_ += 1
+        elif stats.mode == "planned":
+            self.mismatch_run_ = 0
         if stats.mode == "planned":
             self.steps_planned += 1
         else:
@@ -1013,8 +1033,9 @@ class Run:
         if not self.warned_:
             self.warned_ = True
             warnings.warn(f"memsched.optimize: a step does not match the profiled trace ({why}); it runs "
-                          f"without offloading and the next step is profiled again (at most "
-                          f"{self.max_reprofiles} times; this warning is shown once)", RuntimeWarning,
+                          f"without offloading from there, the next step runs the plan, and two such steps in a "
+                          f"row get the next one profiled again (at most {self.max_reprofiles} times; this "
+                          f"warning is shown once)", RuntimeWarning,
                           stacklevel=_user_stacklevel())
 
     def _make_ooo(self, fuse_optimizer):
@@ -1110,7 +1131,7 @@ class Run:
         if self.mismatches:
             notes.append(f"{counted(self.mismatches, 'step')} did not match the profiled trace and ran without "
                          f"offloading from the mismatch on; {counted(self.reprofiles, 're-profile')}")
-            if self.mismatches > self.reprofiles:
+            if self.reprofiles_denied_:
                 notes.append(f"max_reprofiles ({self.max_reprofiles}) is reached: a step that does not match "
                              f"the plan is no longer re-profiled and runs plainly from its mismatch on. A forward "
                              f"whose saved tensors change from step to step (shapes, branches) cannot keep a "

@@ -91,10 +91,10 @@ def test_save_on_cpu_around_the_forward_only_leaks_no_hooks(profiled_first):
     _no_hooks_left()
     assert any("saved-tensor hooks" in m for m in caught)
     assert all(s.offloaded == 0 for s in run.step_stats)
-    # Said so: the executed step under them is "diverged", the later ones are not profiled, and the report
-    # counts them.
-    assert [s.mode for s in run.step_stats] == (["diverged"] if profiled_first else [])
-    assert run.steps_not_profiled == (2 if profiled_first else 4)
+    # Said so: the executed steps under them are "diverged" -- two in a row, then a re-profile is due
+    # (Note [A lone mismatching step]) -- the later ones are not profiled, and the report counts them.
+    assert [s.mode for s in run.step_stats] == (["diverged", "diverged"] if profiled_first else [])
+    assert run.steps_not_profiled == (1 if profiled_first else 4)
     assert "ran plainly without being profiled" in run.report(file=io.StringIO()).table
 
 

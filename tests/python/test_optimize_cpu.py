@@ -309,8 +309,8 @@ def test_changed_shape_warns_once_runs_plainly_and_reprofiles(standins):
     assert len([w for w in rec if "profiled trace" in str(w.message)]) == 1
     ref_grads = train(ref, ref_opt)
     _assert_bitwise(grads, ref_grads, model, ref)
-    # steps: profile(8), planned(8), diverged(6) -> re-profile(6), planned(6)
-    assert [s.mode for s in run.step_stats] == ["planned", "diverged", "planned"]
+    # steps: profile(8), planned(8), diverged(6), diverged(6: the second in a row) -> re-profile(6)
+    assert [s.mode for s in run.step_stats] == ["planned", "diverged", "diverged"]
     assert run.steps_profiled == 2 and run.reprofiles == 1
 
 
@@ -468,13 +468,14 @@ def test_in_place_change_of_a_saved_tensor_raises_like_pytorch(where, budget, st
             model(x).sum().backward()
         model.where = None
         # The failed backward never reached run.step(): the next forward continues that step, which
-        # then no longer matches the trace -- it runs plainly (one warning), the one after is
-        # profiled again, then the plan runs again.
+        # then no longer matches the trace -- it runs plainly (one warning); the plan runs again from
+        # the step after it (Note [A lone mismatching step]).
         with pytest.warns(RuntimeWarning, match="does not match the profiled trace"):
             for _ in range(3):
                 model(x).sum().backward()
                 run.step()
-    assert [s.mode for s in run.step_stats][-2:] == ["diverged", "planned"]
+    assert [s.mode for s in run.step_stats][-3:] == ["diverged", "planned", "planned"]
+    assert run.steps_profiled == 1
 
 
 @pytest.mark.parametrize("pattern", ["accumulate", "retain_graph"])
@@ -532,3 +533,32 @@ def test_a_mismatch_after_an_eval_forward_with_gradients_says_so(standins):
             F.cross_entropy(model(x), y).backward()
             run.step()
     assert run.mismatches == 1
+
+
+def test_a_lone_smaller_batch_keeps_the_plan(standins):
+    """Note [A lone mismatching step]: an epoch's last, smaller batch runs plainly once; the plan runs
+    again at the next epoch's first batch, with no re-profile spent on it; gradients stay plain's."""
+    model, opt, ref, ref_opt = _pair("mlp")
+    g = torch.Generator().manual_seed(5)
+    sizes = (8, 8, 8, 5) * 3  # three epochs of 8 + 8 + 8 + 5 samples
+    batches = [torch.randn(n, 32, generator=g) for n in sizes]
+    targets = [torch.randint(0, 10, (b.shape[0],), generator=g) for b in batches]
+
+    def train(m, o, run=None):
+        for x, y in zip(batches, targets):
+            F.cross_entropy(m(x), y).backward()
+            if run:
+                run.step()
+            else:
+                o.step(); o.zero_grad(set_to_none=True)
+
+    with pytest.warns(RuntimeWarning, match="does not match the profiled trace"):
+        with optimize(model, opt, budget=1, max_reprofiles=1) as run:
+            train(model, opt, run)
+    train(ref, ref_opt)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    modes = [s.mode for s in run.step_stats]
+    assert run.steps_profiled == 1 and run.reprofiles == 0 and run.mismatches == 3
+    assert modes == ["planned", "planned", "diverged"] + ["planned"] * 3 + ["diverged"] + ["planned"] * 3 + ["diverged"]
+    table = run.report(file=io.StringIO()).table
+    assert "max_reprofiles" not in table, "no re-profile was due"

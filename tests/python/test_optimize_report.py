@@ -9,16 +9,23 @@ import memsched
 
 
 def test_counts_of_one_in_the_report_are_singular():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the mismatch warning: the point of this run
-        with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="1GiB",
-                               profile="offload", max_reprofiles=1) as run:
-            for batch in (4, 4, 6, 6):  # the third step saves other shapes: one mismatch, one re-profile
-                model(torch.randn(batch, 8)).sum().backward()
-                run.step()
-    table = run.report().table
-    assert "1 step did not match the profiled trace" in table and "; 1 re-profile\n" in table + "\n"
+    def report(batches):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the mismatch warning: the point of this run
+            with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="1GiB",
+                                   profile="offload", max_reprofiles=1) as run:
+                for batch in batches:
+                    model(torch.randn(batch, 8)).sum().backward()
+                    run.step()
+        return run, run.report().table
+
+    # a lone step of other shapes: one mismatch, and the plan runs on (Note [A lone mismatching step])
+    _, table = report((4, 4, 6, 4))
+    assert "1 step did not match the profiled trace" in table and "; 0 re-profiles\n" in table + "\n"
+    # two in a row: one re-profile
+    run, table = report((4, 4, 6, 6, 6))
+    assert "2 steps did not match the profiled trace" in table and "; 1 re-profile\n" in table + "\n"
     assert "(s)" not in table and "1 storages" not in table
     assert f"{run.profile_stats.offloaded} storages" in table  # several: plural
