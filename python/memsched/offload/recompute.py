@@ -177,7 +177,8 @@ class Recipe:
     tensor itself (`held`); then either the recorded ops that recreate it (`records`), or, when it
     cannot be recreated exactly, still `held` (kept, with `why`)."""
     __slots__ = ("records", "key", "geometry", "value", "packs", "unpacks", "label", "nbytes", "ordinal",
-                 "version", "tensor", "shared", "indices", "held", "marker", "final", "why", "__weakref__")
+                 "version", "tensor", "shared", "indices", "held", "marker", "final", "why", "stream",
+                 "__weakref__")
 
     def __init__(self, key, t, ordinal, shared, marker):
         self.records = ()
@@ -189,6 +190,7 @@ class Recipe:
         self.key = key
         self.geometry = _geometry(t)
         self.value = None       # the replayed storage (a tensor on it), between replay and last unpack
+        self.stream = None      # CUDA: the stream `value` was made on (See Note [Replayed values and streams])
         self.packs = 0
         self.unpacks = 0
         self.label = ""
@@ -244,6 +246,30 @@ class Recipe:
 
     def view_on(self, storage_of):
         return _on(storage_of, self.key, self.geometry)
+
+    def set_value(self, storage_of):
+        """Keep the replayed storage until the last unpack (and the stream it was made on)."""
+        self.value = _on(storage_of, self.key, self.geometry)
+        self.stream = torch.cuda.current_stream(self.value.device) if self.value.is_cuda else None
+
+    def take_value(self):
+        """The kept replayed storage, ordered for use on the current stream.
+
+        Note [Replayed values and streams]
+          The autograd engine runs each backward node on the stream its forward op ran on, and the
+          replay runs on the stream of the node whose unpack started it. A value kept for a later
+          unpack (a shared replay, a second save of the storage, a replay before an in-place write
+          in the forward) may be read by a node on another stream -- a forward that used side
+          streams: that stream waits for the replay's, and the caching allocator is told the block
+          is used there (record_stream), so it is not reused before those kernels ran. On one stream
+          this is a comparison and nothing else."""
+        value = self.value
+        if self.stream is not None:
+            current = torch.cuda.current_stream(value.device)
+            if current != self.stream:
+                current.wait_stream(self.stream)
+                value.record_stream(current)
+        return value
 
     def set_records(self, records):
         self.records = records
@@ -548,11 +574,11 @@ class ForwardOpLog:
         storage_of = recipe.replay()
         self.stats.replays += 1
         self.stats.replay_s += time.perf_counter() - t0
-        recipe.value = recipe.view_on(storage_of)
+        recipe.set_value(storage_of)
         for other in list(self.pending.values()):
             if (other is not recipe and other.value is None and other.shared and other.key in storage_of
                     and other.indices <= recipe.indices):
-                other.value = other.view_on(storage_of)
+                other.set_value(storage_of)
         self.pending.pop(recipe.ordinal, None)
 
 
@@ -606,10 +632,10 @@ class RecomputedView:
             else:
                 t0 = time.perf_counter()
                 storage_of = r.replay()
-                r.value = r.view_on(storage_of)
+                r.set_value(storage_of)
                 self.owner.recompute_stats.replays += 1
                 self.owner.recompute_stats.replay_s += time.perf_counter() - t0
-        out = r.value
+        out = r.take_value()
         r.unpacks += 1
         if r.unpacks % r.packs == 0:
             r.value = None  # every save has been used once; another backward replays again

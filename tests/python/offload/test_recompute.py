@@ -326,3 +326,36 @@ def test_a_cudnn_rnn_with_dropout_keeps_its_tensors(dropout, train):
         assert why == "dropout from an RNG state of its own (cuDNN RNN)"
     else:
         assert isinstance(why, Recipe), why
+
+
+def test_a_kept_replay_value_is_ordered_for_another_stream(monkeypatch):
+    """Note [Replayed values and streams]: a value replayed on one CUDA stream and unpacked by a node
+    on another makes that stream wait and records the block's use there; on its own stream nothing.
+    Streams are stand-ins here (no GPU)."""
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def __eq__(self, other):
+            return self.name == other.name
+
+        def wait_stream(self, other):
+            calls.append(("wait", self.name, other.name))
+
+    class Value:
+        device = "cuda:0"
+
+        def record_stream(self, s):
+            calls.append(("record", s.name))
+
+    log, h = _record(torch.sin, torch.randn(4))
+    recipe = _recipe(log, h)
+    recipe.value, recipe.stream = Value(), Stream("side")
+    current = [Stream("side")]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    assert recipe.take_value() is recipe.value and calls == []
+    current[0] = Stream("default")
+    recipe.take_value()
+    assert calls == [("wait", "default", "side"), ("record", "default")]
