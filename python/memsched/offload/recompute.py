@@ -36,7 +36,9 @@ Note [Unpack-time recompute]
       this forward, e.g. a different code path);
     - a recorded op that writes an external tensor larger than kScratchBytes (BatchNorm's running
       statistics are small: the replay writes into a copy taken before the op, so the running
-      statistics are updated once, as in plain PyTorch).
+      statistics are updated once, as in plain PyTorch);
+    - a recorded cuDNN/MIOpen RNN that applies dropout: its masks come from an RNG state buffer of
+      its own (dropout_state), which the kernel advances without a version bump (_OWN_RNG_STATE).
   An external input written in place later in the forward (seen by the mode) makes every pending
   recipe that reads it replay at once, before the write, and keep its result. After the forward
   nothing is watched: an external input modified between the forward and the replay raises at
@@ -70,7 +72,9 @@ def _key(t):
 
 
 class _Info:
-    __slots__ = ("passthrough", "writes", "rng", "func")  # rng: may draw random numbers
+    # rng: may draw random numbers; own_rng: argument positions (dropout, train, dropout_state) of an
+    # op that draws from an RNG state of its own, not from a Generator (see _OWN_RNG_STATE)
+    __slots__ = ("passthrough", "writes", "rng", "own_rng", "func")
 
     def __init__(self, func):
         schema = func._schema
@@ -81,6 +85,9 @@ class _Info:
                             or ("batch_norm" in schema.name and a.name in _UNDECLARED_WRITES))
         self.rng = (any("Generator" in str(a.type) for a in schema.arguments)
                     or any(word in schema.name for word in _RNG_WORDS))
+        names = {a.name: (i, a.kwarg_only) for i, a in enumerate(schema.arguments)}
+        self.own_rng = (tuple(names[n] for n in _OWN_RNG_STATE)
+                        if all(n in names for n in _OWN_RNG_STATE) else None)
 
 
 # Ops that may draw from the default generator without a Generator argument (native_dropout, the
@@ -94,6 +101,14 @@ _RNG_WORDS = ("dropout", "bernoulli", "rand", "rrelu", "normal", "uniform", "mul
 # _native_batch_norm_legit). Treated as written by every *batch_norm* op.
 _UNDECLARED_WRITES = ("running_mean", "running_var")
 
+# cuDNN's (and MIOpen's) RNNs draw their dropout masks from `dropout_state`, an RNG state buffer of
+# their own that the kernel advances in place without a version bump (ATen caches one per device and
+# re-seeds it from the CUDA generator only after that generator's state was set). No generator state
+# saved and restored around a replay reproduces the forward's masks, so a recorded
+# _cudnn_rnn / miopen_rnn that applies dropout (train and dropout > 0) is not replayed: its
+# activations keep their tensors (Note [Unpack-time recompute]).
+_OWN_RNG_STATE = ("dropout", "train", "dropout_state")
+
 _INFO: Dict[int, _Info] = {}  # id(func) -> _Info; the entry holds func, so its id is not reused
 
 
@@ -102,6 +117,14 @@ def _info(func) -> _Info:
     if info is None:
         info = _INFO[id(func)] = _Info(func)
     return info
+
+
+def _draws_own_rng(info, args, kwargs):
+    """True when an op with an RNG state of its own (_OWN_RNG_STATE) applies dropout in this call."""
+    values = [kwargs.get(name) if (kwarg_only or i >= len(args)) else args[i]
+              for (i, kwarg_only), name in zip(info.own_rng, _OWN_RNG_STATE)]
+    dropout, train, state = values
+    return bool(train) and isinstance(dropout, (int, float)) and dropout > 0 and isinstance(state, torch.Tensor)
 
 
 def _written(info, args, kwargs):
@@ -154,7 +177,8 @@ class Recipe:
     tensor itself (`held`); then either the recorded ops that recreate it (`records`), or, when it
     cannot be recreated exactly, still `held` (kept, with `why`)."""
     __slots__ = ("records", "key", "geometry", "value", "packs", "unpacks", "label", "nbytes", "ordinal",
-                 "version", "tensor", "shared", "indices", "held", "marker", "final", "why", "__weakref__")
+                 "version", "tensor", "shared", "indices", "held", "marker", "final", "why", "stream",
+                 "__weakref__")
 
     def __init__(self, key, t, ordinal, shared, marker):
         self.records = ()
@@ -166,6 +190,7 @@ class Recipe:
         self.key = key
         self.geometry = _geometry(t)
         self.value = None       # the replayed storage (a tensor on it), between replay and last unpack
+        self.stream = None      # CUDA: the stream `value` was made on (See Note [Replayed values and streams])
         self.packs = 0
         self.unpacks = 0
         self.label = ""
@@ -221,6 +246,30 @@ class Recipe:
 
     def view_on(self, storage_of):
         return _on(storage_of, self.key, self.geometry)
+
+    def set_value(self, storage_of):
+        """Keep the replayed storage until the last unpack (and the stream it was made on)."""
+        self.value = _on(storage_of, self.key, self.geometry)
+        self.stream = torch.cuda.current_stream(self.value.device) if self.value.is_cuda else None
+
+    def take_value(self):
+        """The kept replayed storage, ordered for use on the current stream.
+
+        Note [Replayed values and streams]
+          The autograd engine runs each backward node on the stream its forward op ran on, and the
+          replay runs on the stream of the node whose unpack started it. A value kept for a later
+          unpack (a shared replay, a second save of the storage, a replay before an in-place write
+          in the forward) may be read by a node on another stream -- a forward that used side
+          streams: that stream waits for the replay's, and the caching allocator is told the block
+          is used there (record_stream), so it is not reused before those kernels ran. On one stream
+          this is a comparison and nothing else."""
+        value = self.value
+        if self.stream is not None:
+            current = torch.cuda.current_stream(value.device)
+            if current != self.stream:
+                current.wait_stream(self.stream)
+                value.record_stream(current)
+        return value
 
     def set_records(self, records):
         self.records = records
@@ -403,6 +452,8 @@ class ForwardOpLog:
         if info.rng:  # the generator's state before a random op, restored around its replay
             where = _rng_source(args, kwargs, leaves)
             r.rng = (where, _rng_state(where))
+        if info.own_rng is not None and _draws_own_rng(info, args, kwargs):
+            r.valid, r.why = False, "dropout from an RNG state of its own (cuDNN RNN)"
         r.grad = torch.is_grad_enabled()
         out = func(*args, **kwargs)
         for o in tree_flatten(out)[0]:
@@ -523,11 +574,11 @@ class ForwardOpLog:
         storage_of = recipe.replay()
         self.stats.replays += 1
         self.stats.replay_s += time.perf_counter() - t0
-        recipe.value = recipe.view_on(storage_of)
+        recipe.set_value(storage_of)
         for other in list(self.pending.values()):
             if (other is not recipe and other.value is None and other.shared and other.key in storage_of
                     and other.indices <= recipe.indices):
-                other.value = other.view_on(storage_of)
+                other.set_value(storage_of)
         self.pending.pop(recipe.ordinal, None)
 
 
@@ -581,10 +632,10 @@ class RecomputedView:
             else:
                 t0 = time.perf_counter()
                 storage_of = r.replay()
-                r.value = r.view_on(storage_of)
+                r.set_value(storage_of)
                 self.owner.recompute_stats.replays += 1
                 self.owner.recompute_stats.replay_s += time.perf_counter() - t0
-        out = r.value
+        out = r.take_value()
         r.unpacks += 1
         if r.unpacks % r.packs == 0:
             r.value = None  # every save has been used once; another backward replays again

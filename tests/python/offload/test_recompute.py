@@ -300,3 +300,62 @@ def test_cuda_recompute_is_bitwise_and_never_waits_for_the_gpu(unchecked_budget)
     assert s.recomputed > 0 and s.recompute_kept == 0, s
     for p, q in zip(list(model.parameters()) + list(model.buffers()), list(ref.parameters()) + list(ref.buffers())):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dropout, train", [(0.3, True), (0.0, True), (0.3, False)])
+def test_a_cudnn_rnn_with_dropout_keeps_its_tensors(dropout, train):
+    """aten::_cudnn_rnn draws its dropout masks from `dropout_state`, a buffer it advances itself: no
+    generator state restores them, so with dropout applied its outputs are kept, not replayed. The
+    kernel is CUDA-only: a stand-in with its schema (and its in-place advance of the state) runs here."""
+    from memsched.offload.recompute import _info
+    func = torch.ops.aten._cudnn_rnn.default
+    state = torch.zeros(64, dtype=torch.uint8)
+
+    def cudnn_rnn(x, weights, *rest):
+        if rest[-4] and rest[-6] > 0:
+            state.add_(1)  # the kernel advances its own RNG state, bumping no version
+        return x * 2, x + 1, x - 1, torch.empty(3), torch.empty(0)
+
+    x = torch.randn(5, 2, 4)
+    args = (x, [torch.randn(4)], 2, None, torch.zeros(1, 2, 3), None, 2, 3, 0, 1, False, dropout, train, False,
+            [], state)
+    log = ForwardOpLog(record_ops={0}, shared=set(), stats=RecomputeStats())
+    out = log._record(cudnn_rnn, _info(func), args, {})
+    why = _recipe(log, out[0])
+    if dropout > 0 and train:
+        assert why == "dropout from an RNG state of its own (cuDNN RNN)"
+    else:
+        assert isinstance(why, Recipe), why
+
+
+def test_a_kept_replay_value_is_ordered_for_another_stream(monkeypatch):
+    """Note [Replayed values and streams]: a value replayed on one CUDA stream and unpacked by a node
+    on another makes that stream wait and records the block's use there; on its own stream nothing.
+    Streams are stand-ins here (no GPU)."""
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def __eq__(self, other):
+            return self.name == other.name
+
+        def wait_stream(self, other):
+            calls.append(("wait", self.name, other.name))
+
+    class Value:
+        device = "cuda:0"
+
+        def record_stream(self, s):
+            calls.append(("record", s.name))
+
+    log, h = _record(torch.sin, torch.randn(4))
+    recipe = _recipe(log, h)
+    recipe.value, recipe.stream = Value(), Stream("side")
+    current = [Stream("side")]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    assert recipe.take_value() is recipe.value and calls == []
+    current[0] = Stream("default")
+    recipe.take_value()
+    assert calls == [("wait", "default", "side"), ("record", "default")]
