@@ -15,6 +15,13 @@ bool is_inplace_op_name(const std::string& name) {
   return base.size() >= 2 && base.back() == '_' && base[base.size() - 2] != '_';
 }
 
+bool has_own_rng_state(const std::string& name) {
+  const size_t ns = name.rfind("::");
+  std::string base = name.substr(ns == std::string::npos ? 0 : ns + 2);
+  base = base.substr(0, base.find('.'));
+  return base == "_cudnn_rnn" || base == "miopen_rnn";
+}
+
 namespace {
 
 // The forward ops that give tensor u its saved value: its producer, then the
@@ -73,6 +80,13 @@ RecomputeChain derive_chain(const Trace& trace, const OffloadAnalysis& analysis,
     }
   }
   std::sort(r.ops.begin(), r.ops.end());
+  for (int64_t op : r.ops) {
+    if (!has_own_rng_state(trace.ops[op].name)) continue;
+    r.ops.clear();
+    r.why = "op " + std::to_string(op) + " (" + trace.ops[op].name +
+            ") draws dropout masks from an RNG state of its own, which a replay cannot restore";
+    return r;
+  }
   // An in-place op of the chain writes one of the tensors it reads, and the trace does not say which
   // (uses are by storage, not by argument). Where it reads a tensor the chain does not recreate -- a
   // live one the plan keeps -- the replay might write into that live tensor (ATen's LSTM cell adds

@@ -62,7 +62,9 @@
 //   the forward, and every op that writes what they made, and replays those
 //   (Note [Unpack-time recompute] in python/memsched/offload/recompute.py),
 //   so it stays exact whatever the model says.
-//   Only forward ops are replayed.
+//   Only forward ops are replayed. A chain with an op that draws from an RNG
+//   state of its own (has_own_rng_state: cuDNN's RNNs and their dropout
+//   state) is refused: no restored generator state reproduces its masks.
 #pragma once
 
 #include <cstdint>
@@ -102,6 +104,13 @@ RecomputeChain recompute_chain(const Trace& trace, const OffloadAnalysis& analys
 // ATen's in-place naming: the base name (after "::", before any ".overload")
 // ends in one underscore ("aten::div_", "aten::add_.Tensor"; not "__and__").
 bool is_inplace_op_name(const std::string& name);
+
+// An op that draws random numbers from an RNG state of its own, which no generator state saved
+// around a replay restores: cuDNN's and MIOpen's RNNs keep their dropout state in a buffer the
+// kernel advances in place ("aten::_cudnn_rnn", "aten::miopen_rnn"). A chain with one is refused
+// (Note [Recompute model]), as the executor refuses to replay one that applied dropout (Note
+// [Unpack-time recompute] in python/memsched/offload/recompute.py).
+bool has_own_rng_state(const std::string& name);
 
 // Sum of op_time_us() over `ops`.
 double recompute_time_us(const Trace& trace, const DeviceModel& device, const std::vector<int64_t>& ops);

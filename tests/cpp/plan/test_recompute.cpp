@@ -62,6 +62,26 @@ TEST(Recompute, AnInPlaceOpReadingALiveTensorIsNotReplayed) {
   EXPECT_EQ(g1.ops, (std::vector<int64_t>{0, 1, 2, 3, 4}));
 }
 
+// cuDNN's LSTM: 0 _cudnn_rnn(x, w) -> y (its dropout masks from a state buffer of its own);
+// 1 relu(y) -> z; backward 2 reads z, 3 reads y. A replay of op 0 would draw other masks.
+TEST(Recompute, AChainThroughACudnnRnnIsRefused) {
+  Trace t;
+  test_traces::add_ops(t, {"aten::_cudnn_rnn", "aten::relu", "relu_backward", "cudnn_rnn_backward"}, 2, 10.0);
+  test_traces::add_tensor(t, 100, TensorKind::kParameter, kBeforeStep, {0, 3}, kAfterStep);  // w
+  test_traces::add_tensor(t, 100, TensorKind::kActivation, kBeforeStep, {0, 3}, 3);          // x
+  test_traces::add_tensor(t, 400, TensorKind::kActivation, 0, {1, 3}, 3);                    // y
+  test_traces::add_tensor(t, 400, TensorKind::kActivation, 1, {2}, 2);                       // z
+  t.validate();
+  const OffloadAnalysis a = analyze_offload(t);
+  const RecomputeChain y = recompute_chain(t, a, a.candidate_index[2]);
+  EXPECT_FALSE(y.feasible);
+  EXPECT_NE(y.why.find("op 0 (aten::_cudnn_rnn)"), std::string::npos) << y.why;
+  // z replays relu from y, which stays: allowed
+  EXPECT_TRUE(recompute_chain(t, a, a.candidate_index[3]).feasible);
+  EXPECT_TRUE(has_own_rng_state("aten::miopen_rnn") && has_own_rng_state("_cudnn_rnn.default"));
+  EXPECT_FALSE(has_own_rng_state("aten::rnn_tanh") || has_own_rng_state("aten::_cudnn_rnn_backward"));
+}
+
 TEST(Recompute, ChainReplaysFromTheNearestKeptInputs) {
   const Trace t = small_trace();
   const OffloadAnalysis a = analyze_offload(t);
