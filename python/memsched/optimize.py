@@ -598,7 +598,7 @@ class Run:
         budget, peak = self._budget_with_state(), self.profiled_update_peak_
         if peak <= budget * 1.02:
             return
-        what = (f"budget {self.budget_spec!r} ({format_bytes(budget)}): the optimizer update (optimizer.step()) "
+        what = (f"budget {self._budget_as_written()!r} ({format_bytes(budget)}): the optimizer update (optimizer.step()) "
                 f"of the profiled step peaked at {format_bytes(peak)} of device memory "
                 f"({100.0 * (peak - budget) / budget:.1f}% over; max_memory_allocated): parameters, gradients, "
                 f"optimizer state and the update's temporaries, which no plan of saved activations lowers")
@@ -643,7 +643,7 @@ class Run:
         if stats.peak_bytes <= budget * 1.02:
             return
         over = 100.0 * (stats.peak_bytes - budget) / budget
-        what = (f"budget {self.budget_spec!r} ({format_bytes(budget)}): the first planned step peaked at "
+        what = (f"budget {self._budget_as_written()!r} ({format_bytes(budget)}): the first planned step peaked at "
                 f"{format_bytes(stats.peak_bytes)} of device memory ({over:.1f}% over; max_memory_allocated) "
                 + (f"although the memory guard released {counted(stats.guard_releases, 'copy', 'copies')} in flight"
                    if stats.guard_releases else "with no copy in flight for the memory guard to release")
@@ -856,14 +856,14 @@ class Run:
                                           ", its optimizer state included" if extra else "") from None
                 if not extra and working != planner_least_bytes(err, trace):
                     raise _C.MemschedError(
-                        f"budget {spec!r}: the {planner} planner cannot reach {budget_bytes} bytes on this step; the "
+                        f"budget {self._budget_echo()}: the {planner} planner cannot reach {budget_bytes} bytes on this step; the "
                         f"least budget it accepts is {working} bytes ({format_bytes(working)}): raise the budget to "
                         f"at least {working} bytes") from None
                 if extra:
                     # See Note [Optimizer state the profiled step did not see].
                     least = working + extra
                     raise _C.MemschedError(
-                        f"budget {self.budget_spec!r}: the steps after the first need at least {least} bytes "
+                        f"budget {self._budget_echo()}: the steps after the first need at least {least} bytes "
                         f"({format_bytes(least)}): {format_bytes(least - extra)} for the step as profiled plus "
                         f"{format_bytes(extra)} of optimizer state that the first optimizer.step() creates and "
                         f"every later step holds; raise the budget to at least {least} bytes (the least budget with "
@@ -926,6 +926,17 @@ class Run:
         if isinstance(spec, str):  # "P%" of the step's peak, the state included
             return max(int((trace.peak_bytes() + extra) * float(spec[:-1]) / 100.0) - extra, 0), self.planner
         return max(resolve_budget(spec, trace) - extra, 0), self.planner
+
+    def _budget_as_written(self):
+        """The budget as the user wrote it ("6GiB"; the parsed form for every other one), for refusals."""
+        return self.budget_written_ if self.budget_written_ else self.budget_spec
+
+    def _budget_echo(self):
+        """A refusal's "budget ..." in the user's words, the bytes beside a budget written with units
+        ("'1KiB' (1024 bytes)")."""
+        if self.budget_written_:
+            return f"{self.budget_written_!r} ({self.budget_spec} bytes)"
+        return repr(self.budget_spec)
 
     def _budget_with_state(self):
         """The step's budget as run.report() shows it, beside planned_figures()' peak: the planner's share

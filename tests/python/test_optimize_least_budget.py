@@ -124,3 +124,28 @@ def test_a_byte_budget_written_with_units_is_echoed_as_written():
         _train("1KiB", "dp")
     least = int(re.search(r"raise the budget to at least (\d+) bytes", str(err.value)).group(1))
     assert _train(least, "dp").steps_planned == 1
+
+
+@pytest.mark.parametrize("planner,opt", [("dp", "momentum"), ("vdnn", "plain")])
+def test_every_byte_refusal_echoes_a_budget_written_with_units(planner, opt):
+    """The refusals that add the optimizer state (SGD with momentum) or that name the least budget of
+    a planner that cannot reach the planners' floor (vdnn) said 'budget 1024: ...', not '1KiB'."""
+    model = _model()
+    make = (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) if opt == "momentum" else \
+        (lambda p: torch.optim.SGD(p, lr=0.1))
+    x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(memsched.MemschedError, match=r"^budget '1KiB' \(1024 bytes\): ") as err:
+            with optimize(model, make(model.parameters()), budget="1KiB", planner=planner) as run:
+                model(x).sum().backward()
+                run.step()
+    least = int(re.search(r"raise the budget to at least (\d+) bytes", str(err.value)).group(1))
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with optimize(model, make(model.parameters()), budget=least, planner=planner) as run:
+            for _ in range(2):
+                model(x).sum().backward()
+                run.step()
+    assert [s.mode for s in run.step_stats] == ["planned"]

@@ -154,3 +154,13 @@ def test_a_loop_that_calls_optimizer_step_itself_is_refused_alike(monkeypatch):
         with pytest.raises(memsched.MemschedError, match="The least budget the update meets"):
             opt.step()
         assert run.steps_profiled == 1 and run.planned_figures()["update_peak_bytes"] == 10 ** 12
+
+
+def test_an_update_refusal_echoes_a_budget_written_with_units(monkeypatch):
+    """It said "budget 1048576 (1.00 MiB)" for budget="1MiB"."""
+    model, opt, x = _setup()
+    with optimize(model, opt, budget="1MiB", planner="dp") as run:
+        _on_the_device(monkeypatch, run, ScriptedMeter([10 ** 12]))
+        model(x).sum().backward()
+        with pytest.raises(memsched.MemschedError, match=r"^budget '1MiB' \(1.00 MiB\): the optimizer update"):
+            run.step()
