@@ -366,6 +366,7 @@ class Run:
         self.profile_armed_ = False  # the next forward starts a profiler session
         self.forwards_since_boundary_ = 0  # root forwards since the last run.step() / optimizer.step()
         self.eval_grad_forward_ = False    # this step ran a forward in eval mode with gradients enabled
+        self.profile_eval_grad_ = False    # ... and so did the step the plan was profiled from
         self.warned_second_update_ = False
         self.profile_failed_ = False # the profiled forward raised: restart at the next forward
         self.profile_forwards_ = 0   # COUNT forwards recorded by the open profile (Note [A step with no end])
@@ -517,6 +518,7 @@ class Run:
             self.node_of_op_ = session.node_of_op
             self.unmodeled_bytes_ = getattr(session, "unmodeled_bytes", 0)  # Note [Memory the trace does not model]
             self.steps_profiled += 1
+            self.profile_eval_grad_ = self.eval_grad_forward_  # named if later steps do not match it
             self.profiled_update_due_ = True  # Note [Where the peak went]: its update's peak is read
             # this trace holds the state that existed at its start; what the update will add is
             # predicted for the optimizers we know (Note [Optimizer state the profiled step did not see])
@@ -1041,6 +1043,10 @@ class Run:
             why += ("; this step ran the model in eval mode (model.eval()) with gradients enabled, and that "
                     "forward's saves count as the step's: run evaluation under torch.no_grad() (or "
                     "torch.inference_mode()) and it stays out of the training steps")
+        elif self.profile_eval_grad_:
+            why += ("; the profiled step ran the model in eval mode (model.eval()) with gradients enabled, so the "
+                    "trace holds that forward's saves, which the training steps do not repeat: run evaluation "
+                    "under torch.no_grad() (or torch.inference_mode()) and the plan matches them")
         if not self.warned_:
             self.warned_ = True
             warnings.warn(f"memsched.optimize: a step does not match the profiled trace ({why}); it runs "

@@ -535,6 +535,29 @@ def test_a_mismatch_after_an_eval_forward_with_gradients_says_so(standins):
     assert run.mismatches == 1
 
 
+def test_a_mismatch_after_an_eval_forward_in_the_profiled_step_says_so(standins):
+    """An eval-mode forward with gradients in the first, profiled step (a validation pass before
+    training): the trace holds its saves, so the training steps mismatch although none of them runs
+    in eval mode; the warning named no cause (only 'the trace has [..], this step has [..]')."""
+    model, opt, ref, ref_opt = _pair("cnn")
+    x, y = _data("cnn", 0)
+    with pytest.warns(RuntimeWarning, match=r"the profiled step ran the model in eval mode \(model\.eval\(\)\) "
+                                            r"with gradients enabled.*torch\.no_grad"):
+        with optimize(model, opt, budget=0.7) as run:
+            for m, o, r in ((model, opt, run), (ref, ref_opt, None)):
+                m.eval()
+                m(x[:2])  # a validation pass, gradients on, before the first training step
+                m.train()
+                for _ in range(5):  # profiled, two mismatches, profiled again, planned
+                    F.cross_entropy(m(x), y).backward()
+                    if r is not None:
+                        r.step()
+                    else:
+                        o.step(); o.zero_grad(set_to_none=True)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert run.mismatches == 2 and run.reprofiles == 1 and run.step_stats[-1].mode == "planned"
+
+
 def test_a_lone_smaller_batch_keeps_the_plan(standins):
     """Note [A lone mismatching step]: an epoch's last, smaller batch runs plainly once; the plan runs
     again at the next epoch's first batch, with no re-profile spent on it; gradients stay plain's."""
