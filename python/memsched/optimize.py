@@ -519,7 +519,6 @@ class Run:
             self.unmodeled_bytes_ = getattr(session, "unmodeled_bytes", 0)  # Note [Memory the trace does not model]
             self.steps_profiled += 1
             self.profile_eval_grad_ = self.eval_grad_forward_  # named if later steps do not match it
-            self.profiled_update_due_ = True  # Note [Where the peak went]: its update's peak is read
             # this trace holds the state that existed at its start; what the update will add is
             # predicted for the optimizers we know (Note [Optimizer state the profiled step did not see])
             self.optimizer_state_extra_ = self._predicted_state_bytes()
@@ -534,6 +533,9 @@ class Run:
                 self._drop_gradients()
                 self._start_profiling()
                 raise
+            # Note [Where the peak went]: its update's peak is read -- armed only once the plan stands:
+            # a refused step runs no update, and a later step not profiled must not be checked as this one
+            self.profiled_update_due_ = True
             self.state_check_ = self.state_at_profile_
             return None
         if self.profile_armed_:

@@ -164,3 +164,18 @@ def test_an_update_refusal_echoes_a_budget_written_with_units(monkeypatch):
         model(x).sum().backward()
         with pytest.raises(memsched.MemschedError, match=r"^budget '1MiB' \(1.00 MiB\): the optimizer update"):
             run.step()
+
+
+def test_a_refused_plan_leaves_no_update_check_for_a_step_that_was_not_profiled(monkeypatch):
+    """A profiled step whose plan is refused never reaches its update; the update check it armed
+    stayed armed, so the next step boundary without a profiled step (here run.step() again, no
+    forward) measured that update as the profiled step's and refused it: 'the optimizer update
+    (optimizer.step()) of the profiled step peaked at ...', of a step that was never profiled."""
+    model, opt, x = _setup()
+    with optimize(model, opt, budget="1KiB", planner="dp") as run:
+        _on_the_device(monkeypatch, run, ScriptedMeter([10 ** 12]))
+        model(x).sum().backward()
+        with pytest.raises(memsched.MemschedError, match="below the least budget"):
+            run.step()
+        run.step()  # nothing to update: the refused step's gradients were dropped
+        assert run.profiled_update_peak_ is None
