@@ -569,12 +569,16 @@ class Run:
             return ("budget held: not measured on this device (the allocator's peak is measured on CUDA); "
                     "the saved activations were, in 'peak saved activations' above")
         worst = max(s.peak_bytes for s in planned)
-        over = [s for s in planned if s.peak_bytes > budget * 1.02]
+        # each step against the budget of the plan it ran (a fraction is re-resolved at a re-profile)
+        held_to = [budget if s.budget_bytes is None else s.budget_bytes for s in planned]
+        over = [s for s, b in zip(planned, held_to) if s.peak_bytes > b * 1.02]
+        which = (f"the budget ({format_bytes(budget)})" if all(b == budget for b in held_to) else
+                 f"the budget of the plan each ran (a re-profile re-resolved it; now {format_bytes(budget)})")
         if not over:
             return (f"budget held: yes, every planned step's peak (at most {format_bytes(worst)}, "
-                    f"max_memory_allocated) within the budget ({format_bytes(budget)}) + 2%")
-        return (f"budget held: NO, {counted(len(over), 'planned step')} over the budget ({format_bytes(budget)}) + 2%, "
-                f"up to {format_bytes(worst)} (max_memory_allocated)")
+                    f"max_memory_allocated) within {which} + 2%")
+        return (f"budget held: NO, {counted(len(over), 'planned step')} over {which} + 2%, "
+                f"up to {format_bytes(max(s.peak_bytes for s in over))} (max_memory_allocated)")
 
     def _measured_update(self, stats, update):
         """Run `update` (the optimizer's step) and read the device peak it reaches (Note [Where the peak
@@ -622,7 +626,8 @@ class Run:
         if not self._measures_device_peak():
             return None
         planned = self.planned_figures().get("peak_bytes")
-        steps = [s for s in self.step_stats if s.mode == "planned"]  # the last `history`
+        # the last `history` steps of this plan: those of a plan before a re-profile are not held to it
+        steps = [s for s in self.step_stats if s.mode == "planned" and s.plan_index == self.steps_profiled]
         if not planned or not steps:
             return None
         return explain_peak_gap(planned, max(steps, key=lambda s: s.peak_bytes))
@@ -659,14 +664,21 @@ class Run:
             warnings.warn(f"memsched.optimize: {what} (Note [A budget the guard cannot meet])", RuntimeWarning,
                           stacklevel=_user_stacklevel())
             return
+        self._stamp_plan(stats)
         self.step_stats.append(stats)  # run.report() shows it; steps_planned stays 0, so the next step checks too
         # as a refused plan does: the step's gradients are dropped, so a retry trains as plain PyTorch
         self._drop_gradients()
         raise _C.MemschedError(f"{what}. The optimizer update of this step did not run and its gradients were "
                                "dropped (Note [A budget the guard cannot meet])")
 
+    def _stamp_plan(self, stats):
+        """Which plan `stats`' step ran and its budget: after a re-profile (a lasting change) run.report()
+        holds each step to its own plan's figures, not the new plan's."""
+        stats.plan_index, stats.budget_bytes = self.steps_profiled, self._budget_with_state()
+
     def _record_step(self, stats):
         """Book an executed step once its update ran."""
+        self._stamp_plan(stats)
         self.executor.stamp(stats)  # no host wait: See Note [No host synchronisation in a step]
         if self.profile_saves_ is not None:
             self.profile_saves_.release_done()  # host blocks the profiled step's last fetches read

@@ -155,6 +155,8 @@ class StepStats:
     peak_bytes: int = 0            # max sampled memory (see memory_source)
     memory_source: str = ""        # what the samples measure
     mismatch: str = ""             # first identity mismatch, "" if none
+    plan_index: int = 0            # the Run's steps_profiled when it ran: which plan (a re-profile makes a new one)
+    budget_bytes: int = None       # the budget that plan was held to (optimizer state included); None: none
     host_limited: int = 0          # COUNT offloads kept on the device: host_memory_limit reached
     guard_waits: int = 0           # COUNT compute-stream waits of the memory guard (Note [Memory guard])
     guard_releases: int = 0        # COUNT D2H copies whose device blocks it released in stream order

@@ -28,7 +28,10 @@ Note [Where the peak went]
       rounding the profiled step did not hold as this step did. The profiled step's own ones are
       in the plan already (Note [Memory the trace does not model]; the autocast cache through
       Note [Held outside the graph]);
-  and reports apart "fragmentation": reserved beyond allocated at the peak. The budget counts
+  and reports apart "fragmentation": reserved beyond allocated at the peak. Only the steps of the
+  current plan are compared with it: each StepStats carries the plan it ran (plan_index) and that
+  plan's budget, so after a re-profile the earlier steps are held to their own (a fraction's bytes
+  are re-resolved then). The budget counts
   allocated bytes, as max_memory_allocated does, but an out-of-memory error counts segments.
   The executor starts a new allocator peak at each step's first forward (the profiler at each op
   of a profiled step), so torch.cuda.max_memory_allocated() read after run.step() is that step's.
@@ -86,7 +89,7 @@ class PeakGap:
             return []
         pct = 100.0 * self.gap_bytes / self.planned_bytes if self.planned_bytes else float("inf")
         where = f", reached in the {self.peak_phase}" if self.peak_phase else ""
-        out = [f"peak gap (the planned step with the highest peak): measured {format_bytes(self.measured_bytes)} (max_memory_allocated"
+        out = [f"peak gap (the step of the current plan with the highest peak): measured {format_bytes(self.measured_bytes)} (max_memory_allocated"
                f"{where}) is {format_bytes(self.gap_bytes)} ({pct:.1f}%) over the planned "
                f"{format_bytes(self.planned_bytes)} (Note [Where the peak went]):"]
         for name, n in self.categories.items():
