@@ -588,6 +588,8 @@ class Run:
         (_check_update_within_budget)."""
         meter = self.executor.meter
         profiled, self.profiled_update_due_ = self.profiled_update_due_, False
+        if self.fuse_optimizer:
+            profiled = False  # the fused update ran inside backward: its memory is the backward's
         if profiled and meter is not None:
             meter.reset()  # the profiler restarted the peak at every op: the update's own from here
         update()
@@ -600,7 +602,10 @@ class Run:
 
     def _check_update_within_budget(self):
         """The profiled step's optimizer update against the budget (Note [A budget the guard cannot
-        meet]): no plan moves an update's memory, so an update above the budget fails every step."""
+        meet]): no plan moves an update's memory, so an update above the budget fails every step. A
+        budget in bytes is a promise: refused, naming the least that works. A fraction or percentage is
+        of the saved activations' memory, which the update is not: it warns, as out-of-order backward
+        does, and run.report() shows the update as the gap."""
         if self.budget_bytes is None or not self._measures_device_peak():
             return
         budget, peak = self._budget_with_state(), self.profiled_update_peak_
@@ -612,8 +617,10 @@ class Run:
                 f"optimizer state and the update's temporaries, which no plan of saved activations lowers")
         fix = ("a fused optimizer (torch.optim.AdamW(..., fused=True)) or memsched.optimize(..., "
                "fuse_optimizer=True) updates with fewer temporaries")
-        if self.ooo_ is not None:  # as Note [A budget the guard cannot meet]: out-of-order backward warns
-            warnings.warn(f"memsched.optimize: {what}; every step will exceed the budget",
+        if self.ooo_ is not None or not isinstance(self.budget_spec, int):
+            # out-of-order backward warns (Note [A budget the guard cannot meet]); so does a budget that
+            # is a share of the activations, which the update is not
+            warnings.warn(f"memsched.optimize: {what}; every step will peak there, above the budget. {fix}",
                           RuntimeWarning, stacklevel=3)
             return
         raise _C.MemschedError(

@@ -3,6 +3,8 @@ split into the optimizer update, late releases and memory the profiled step did 
 run.report() prints that split; the profiled step's update above the budget is refused, naming the
 least budget. The device's counters exist on CUDA only: here a scripted meter stands in for them
 (its readings are what the allocator would report), and the run is told its peak is the device's."""
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -114,9 +116,9 @@ def test_a_planned_steps_peak_covers_its_update_and_the_report_explains_it(monke
     assert "budget held: NO" in report.table
 
 
-def test_the_profiled_steps_update_over_the_budget_is_refused_after_it_ran(monkeypatch):
+def test_the_profiled_steps_update_over_a_byte_budget_is_refused_after_it_ran(monkeypatch):
     model, opt, x = _setup()
-    with optimize(model, opt, budget=0.7, planner="dp") as run:
+    with optimize(model, opt, budget="1GiB", planner="dp") as run:
         before = [p.detach().clone() for p in model.parameters()]
         meter = ScriptedMeter([10 ** 12])  # the update's peak: far above any budget of this model
         _on_the_device(monkeypatch, run, meter)
@@ -136,19 +138,37 @@ def test_the_profiled_steps_update_over_the_budget_is_refused_after_it_ran(monke
         assert run.planned_figures()["update_peak_bytes"] == 1
 
 
-def test_with_a_fused_update_an_update_over_the_budget_warns(monkeypatch):
+def test_an_update_over_a_fractions_budget_warns(monkeypatch):
+    """A fraction is a share of the saved activations' memory, which the update is not: the update
+    above the bytes it came to warns (run.report() shows the update as the gap) instead of refusing."""
     model, opt, x = _setup()
-    with optimize(model, opt, budget=0.7, planner="dp", fuse_optimizer=True) as run:
+    with optimize(model, opt, budget=0.7, planner="dp") as run:
         _on_the_device(monkeypatch, run, ScriptedMeter([10 ** 12]))
         model(x).sum().backward()
-        with pytest.warns(RuntimeWarning, match="optimizer update"):
+        with pytest.warns(RuntimeWarning, match=r"the optimizer update .*every step will peak there.*fused=True"):
             run.step()
+        assert run.planned_figures()["update_peak_bytes"] == 10 ** 12
+
+
+def test_a_fused_update_is_not_measured_as_an_update(monkeypatch):
+    """fuse_optimizer=True updates inside backward: nothing runs at the step boundary, so no update
+    peak is read (the backward's covers it) and nothing is checked against the budget there."""
+    model, opt, x = _setup()
+    meter = ScriptedMeter([10 ** 12])
+    with optimize(model, opt, budget="1GiB", planner="dp", fuse_optimizer=True) as run:
+        _on_the_device(monkeypatch, run, meter)
+        model(x).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            run.step()
+        assert meter.reads == 0 and run.profiled_update_peak_ is None
+        assert "update_peak_bytes" not in run.planned_figures()
 
 
 def test_a_loop_that_calls_optimizer_step_itself_is_refused_alike(monkeypatch):
     """Trainer-style loops step the optimizer themselves (Note [optimizer.step() without run.step()])."""
     model, opt, x = _setup()
-    with optimize(model, opt, budget=0.7, planner="dp") as run:
+    with optimize(model, opt, budget="1GiB", planner="dp") as run:
         _on_the_device(monkeypatch, run, ScriptedMeter([10 ** 12]))
         model(x).sum().backward()
         with pytest.raises(memsched.MemschedError, match="The least budget the update meets"):
