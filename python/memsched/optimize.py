@@ -350,6 +350,7 @@ class Run:
         self.budget_bytes = None     # resolved budget, bytes (None: no budget)
         self.step_stats = collections.deque(maxlen=history)  # StepStats of the last `history` executed steps
         self.steps_planned = 0       # COUNT of executed steps that ran the plan (all of them, not just kept)
+        self.plan_checked_ = False   # a step of the current plan passed its budget check (Note [A budget the guard cannot meet])
         self.steps_plain = 0         # COUNT of executed steps that ran plainly (a mismatch)
         self.compiled_steps_ = 0     # COUNT of run.step() of a compiled model (Note [Compiled modules run plainly])
         self.steps_profiled = 0      # COUNT
@@ -536,6 +537,7 @@ class Run:
             # Note [Where the peak went]: its update's peak is read -- armed only once the plan stands:
             # a refused step runs no update, and a later step not profiled must not be checked as this one
             self.profiled_update_due_ = True
+            self.plan_checked_ = False  # a new plan: its first planned step is checked (a re-profile too)
             self.state_check_ = self.state_at_profile_
             return None
         if self.profile_armed_:
@@ -552,12 +554,13 @@ class Run:
     #   csrc/torch/saved_tensor_offload.cpp) can only release copies in flight, so memory that no copy
     #   holds -- parameters, gradients, optimizer state, what the plan keeps, workspaces -- can still
     #   take a step over it. Training on silently over the budget would break the promise.
-    #   Approach: where the peak is the device allocator's (CUDA), the first planned step's measured
-    #   peak is compared with the budget before its update runs; more than 2% over raises a
-    #   MemschedError naming that peak as the least budget this step met. The update has not run, so
-    #   parameters and optimizer state are as before the step. Later steps are only reported.
-    #   Limitations: the first planned step stands for the others (a longer sequence later can still
-    #   go over; run.report() shows every step's peak).
+    #   Approach: where the peak is the device allocator's (CUDA), the first planned step of each plan
+    #   (the first plan, and each one a re-profile makes) has its measured peak compared with the
+    #   budget before its update runs; more than 2% over raises a MemschedError naming that peak as
+    #   the least budget this step met. The update has not run, so parameters and optimizer state are
+    #   as before the step. Later steps of a plan are only reported.
+    #   Limitations: a plan's first planned step stands for its others (a longer sequence later can
+    #   still go over; run.report() shows every step's peak).
     def _budget_held_note(self):
         """run.report()'s answer to "did the budget hold?" over the planned steps (Note [A budget the
         guard cannot meet]); "" without a budget or a planned step."""
@@ -652,7 +655,7 @@ class Run:
 
     def _check_budget_held(self, stats):
         """Note [A budget the guard cannot meet]."""
-        if (stats is None or stats.mode != "planned" or self.steps_planned or self.budget_bytes is None
+        if (stats is None or stats.mode != "planned" or self.plan_checked_ or self.budget_bytes is None
                 or not self._measures_device_peak()):
             return
         budget = self._budget_with_state()
@@ -672,7 +675,7 @@ class Run:
                           stacklevel=_user_stacklevel())
             return
         self._stamp_plan(stats)
-        self.step_stats.append(stats)  # run.report() shows it; steps_planned stays 0, so the next step checks too
+        self.step_stats.append(stats)  # run.report() shows it; plan_checked_ stays False, so the next step checks too
         # as a refused plan does: the step's gradients are dropped, so a retry trains as plain PyTorch
         self._drop_gradients()
         raise _C.MemschedError(f"{what}. The optimizer update of this step did not run and its gradients were "
@@ -706,6 +709,7 @@ class Run:
             self.mismatch_run_ = 0
         if stats.mode == "planned":
             self.steps_planned += 1
+            self.plan_checked_ = True
         else:
             self.steps_plain += 1
 

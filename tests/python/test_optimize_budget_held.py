@@ -86,3 +86,25 @@ def test_cpu_runs_are_not_checked_against_an_allocator_peak():
             model(x).sum().backward()
             run.step()
         assert run.steps_planned == 1
+
+
+def test_a_re_profiled_plans_first_step_is_checked_too(monkeypatch):
+    """A lasting change re-profiles and re-plans (Note [A lone mismatching step]); the new plan's first
+    planned step is checked against the budget as the first plan's was."""
+    model, opt, _ = _setup()
+    g = torch.Generator().manual_seed(3)
+
+    def step(n):
+        model(torch.randn(n, 32, generator=g)).sum().backward()
+        run.step()
+
+    with pytest.warns(RuntimeWarning, match="does not match the profiled trace"):
+        with optimize(model, opt, budget=0.7, planner="dp") as run:
+            step(64)  # profiled
+            step(64)  # planned, checked: within the budget (no device counters: the executor's count)
+            for _ in range(3):
+                step(32)  # two mismatching steps, then the re-profiled one
+            assert run.reprofiles == 1 and run.steps_profiled == 2
+            _peaks_at(monkeypatch, run, 1.10)
+            with pytest.raises(memsched.MemschedError, match=r"the first planned step peaked at .*10\.0% over"):
+                step(32)
