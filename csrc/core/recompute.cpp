@@ -7,18 +7,24 @@
 
 namespace memsched {
 
-bool is_inplace_op_name(const std::string& name) {
-  // "aten::div_" or "aten::add_.Tensor": the base name, after any namespace and before any overload.
+namespace {
+
+// "aten::div_" or "aten::add_.Tensor" -> "div_", "add_": after any namespace, before any overload.
+std::string base_op_name(const std::string& name) {
   const size_t ns = name.rfind("::");
-  std::string base = name.substr(ns == std::string::npos ? 0 : ns + 2);
-  base = base.substr(0, base.find('.'));
+  const std::string base = name.substr(ns == std::string::npos ? 0 : ns + 2);
+  return base.substr(0, base.find('.'));
+}
+
+}  // namespace
+
+bool is_inplace_op_name(const std::string& name) {
+  const std::string base = base_op_name(name);
   return base.size() >= 2 && base.back() == '_' && base[base.size() - 2] != '_';
 }
 
 bool has_own_rng_state(const std::string& name) {
-  const size_t ns = name.rfind("::");
-  std::string base = name.substr(ns == std::string::npos ? 0 : ns + 2);
-  base = base.substr(0, base.find('.'));
+  const std::string base = base_op_name(name);
   return base == "_cudnn_rnn" || base == "miopen_rnn";
 }
 

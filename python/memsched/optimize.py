@@ -897,8 +897,7 @@ class Run:
                         f"the optimizer state)") from None
                 head = f"budget {budget_bytes} bytes"
                 if self.budget_written_ and str(err).startswith(head):  # as the user wrote it, bytes beside
-                    raise _C.MemschedError(f"budget {self.budget_written_!r} ({budget_bytes} bytes)"
-                                           f"{str(err)[len(head):]}") from None
+                    raise _C.MemschedError(f"budget {self._budget_echo()}{str(err)[len(head):]}") from None
                 raise
         schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_)
         need = schedule.offloaded_bytes

@@ -56,7 +56,7 @@ def step_figures(run):
                 "offloaded"):
         if planned.get(key) is not None:
             out[f"memsched/planned_{key}"] = float(planned[key])
-    s = next((x for x in reversed(run.step_stats) if x.pending_ is None or x.pending_[0]()), None)
+    s = next((x for x in reversed(run.step_stats) if x.ready), None)
     if s is not None:
         peak_key = "memsched/peak_bytes" if run._measures_device_peak() else "memsched/activation_peak_bytes"
         out.update({peak_key: float(s.peak_bytes), "memsched/step_time_s": float(s.duration_s),

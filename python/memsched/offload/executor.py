@@ -185,9 +185,14 @@ class StepStats:
             resolve(self)
         return self
 
+    @property
+    def ready(self):
+        """Whether the step's figures can be read without waiting (its CUDA events have completed)."""
+        return self.pending_ is None or self.pending_[0]()
+
     def try_resolve(self):
         """resolve() if the step's events have completed; never waits."""
-        if self.pending_ is not None and self.pending_[0]():
+        if self.pending_ is not None and self.ready:
             self.resolve()
 
     @property
