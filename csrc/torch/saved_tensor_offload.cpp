@@ -447,6 +447,10 @@ PyObject* SavedTensorPath::unpack_offloaded(PyObject* packed) {
     out = at::empty({0}, dev.options().dtype(save->dtype))
               .set_(dev.storage(), save->offset, save->sizes, save->strides);
   }
+  // On the saved tensor's own version counter, as SavedVariable::unpack does: a backward that changes
+  // this tensor in place is seen by every other save of it (Note [Version counter of a saved tensor],
+  // saved_tensors.py).
+  out.unsafeGetTensorImpl()->set_version_counter(h.counter);
   sample();
   return THPVariable_Wrap(out);
 }

@@ -67,3 +67,57 @@ def test_chunks_changed_in_place_train_bitwise_as_plain(make, planner):
     assert all(s.mode == "planned" and s.offloaded > 0 for s in run.step_stats)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+class WritesItsSave(torch.autograd.Function):
+    """A backward that changes its saved input in place: plain PyTorch raises at the next unpack of
+    that tensor by another node (the unpacked tensor shares the saved tensor's version counter)."""
+    write = False
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        if WritesItsSave.write:
+            x.mul_(0)
+        return g * 2
+
+
+class SharedSave(nn.Module):
+    """h is saved by WritesItsSave and by exp (its output) and sigmoid's backward: three saves of h."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x).sigmoid()
+        return (WritesItsSave.apply(h) + h.exp()).sum()
+
+
+def test_a_backward_writing_an_offloaded_save_in_place_raises_as_plain():
+    """Executed offloaded saves unpack onto the saved tensor's version counter (as SavedVariable::unpack
+    does), so the write is seen by the other saves of h: before, their host copies trained on silently."""
+    torch.manual_seed(0)
+    model = SharedSave()
+    x = torch.randn(8, 16)
+    WritesItsSave.write = True
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        copy.deepcopy(model)(x).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with optimize(model, opt, budget=0.9, planner="offload_all_prefetch") as run:
+            WritesItsSave.write = False
+            for _ in range(2):  # profiled, then planned
+                model(x).backward()
+                run.step()
+            assert run.step_stats[-1].mode == "planned" and run.step_stats[-1].offloaded > 0
+            WritesItsSave.write = True
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                model(x).backward()
+    finally:
+        WritesItsSave.write = False
