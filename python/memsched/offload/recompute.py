@@ -172,12 +172,33 @@ def _on(storage_of, key, geometry):
     return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
 
 
+def version_alias(t):
+    """A tensor sharing `t`'s version counter but not its storage.
+
+    Note [Version counter of a recomputed save]
+      Rationale: plain PyTorch raises at backward when a saved tensor was modified in place after
+      its save (through any alias: the version counter is shared by views and detached aliases).
+      Saved-tensor hooks turn that check off, so a recomputed save must redo it. A weak reference
+      to the saved tensor's Python object was checked instead, but that object dies with the
+      forward's frames (a block's output held only by the next block), taking the check with it:
+      `h = block(x); out = head(h); h.add_(1)` raised in plain PyTorch and trained silently on
+      the replayed, unmodified values under planner="hybrid".
+      Approach: hold the counter itself. A detached alias shares it; setting that alias to an empty
+      storage below ADInplaceOrView (so the set_ bumps no version) lets the activation's memory go
+      while its counter stays readable.
+    """
+    alias = t.detach()
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        alias.set_()
+    return alias
+
+
 class Recipe:
     """One recomputed activation: from its first save until the op that saved it has run, the
     tensor itself (`held`); then either the recorded ops that recreate it (`records`), or, when it
     cannot be recreated exactly, still `held` (kept, with `why`)."""
     __slots__ = ("records", "key", "geometry", "value", "packs", "unpacks", "label", "nbytes", "ordinal",
-                 "version", "tensor", "shared", "indices", "held", "marker", "final", "why", "stream",
+                 "version", "counter", "shared", "indices", "held", "marker", "final", "why", "stream",
                  "__weakref__")
 
     def __init__(self, key, t, ordinal, shared, marker):
@@ -197,7 +218,7 @@ class Recipe:
         self.nbytes = t.untyped_storage().nbytes()
         self.ordinal = ordinal
         self.version = t._version
-        self.tensor = weakref.ref(t)  # the saved tensor while it lives: its version is checked at unpack
+        self.counter = version_alias(t)  # the saved tensor's version counter, checked at unpack
         self.shared = shared          # the plan recreates it inside another activation's replay
 
     def externals(self):
@@ -616,8 +637,8 @@ class RecomputedView:
     def unpack(self):
         r = self.recipe
         self.owner.path.observe(r.ordinal)
-        t = r.held if r.held is not None else r.tensor()
-        if t is not None and t._version != r.version:
+        t = r.held if r.held is not None else r.counter
+        if t._version != r.version:
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by an inplace "
                 f"operation: saved activation {r.label or r.ordinal} is at version {t._version}; expected "

@@ -359,3 +359,52 @@ def test_a_kept_replay_value_is_ordered_for_another_stream(monkeypatch):
     current[0] = Stream("default")
     recipe.take_value()
     assert calls == [("wait", "default", "side"), ("record", "default")]
+
+
+class ModifiedAfterItsSave(nn.Module):
+    """The tanh output h is saved (by tanh and mm), then modified in place by the forward itself when
+    `modify` is set; the forward's frame then lets go of h, so nothing but autograd refers to it."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.w2 = nn.Parameter(torch.randn(64, 8) / 8)
+        self.modify = False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        a = (h @ self.w2).sum(1)
+        if self.modify:
+            h.mul_(2)
+        del h
+        return a
+
+
+def test_a_recomputed_save_modified_in_place_after_its_save_raises_as_plain_pytorch(monkeypatch):
+    """Note [Version counter of a recomputed save]: plain PyTorch raises at backward for a saved tensor
+    modified in place; the recomputed save's check followed a weak reference to the saved tensor,
+    which had died with the forward's frame, so the step trained silently on the replayed values."""
+    monkeypatch.setattr(sys.modules["memsched.optimize"], "make_plan", _recompute_the_tanh_output)
+
+    def train(m, o, run=None):
+        for step in range(3):
+            m.modify = step == 2
+            x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+            m(x).square().mean().backward()
+            if run is not None:
+                run.step()
+            else:
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    model = ModifiedAfterItsSave()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        train(ref, ref_opt)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with memsched.optimize(model, opt, budget="1GiB", planner="hybrid") as run:
+            train(model, opt, run)
+    assert run.plan.num_recomputed() == 1 and run.step_stats[-1].recomputed == 1
+    for p, q in zip(model.parameters(), ref.parameters()):  # the failed step updated neither
+        assert torch.equal(p, q)
