@@ -966,6 +966,12 @@ class OutOfOrderBackward:
         """Whether p is one of the parameters this object defers (and, fused, updates)."""
         return id(p) in self._index and self._params[self._index[id(p)]] is p
 
+    def stepped_since_step(self, p) -> bool:
+        """Whether a fused update ran in a backward pass since the last step() and p is one of the
+        parameters it steps (its optimizer's): p's gradient was used and freed (See Note [Clipping and
+        fused updates] in clip_guard.py)."""
+        return self._updated_since_step and self._stepper is not None and self._stepper.owns(p)
+
     @property
     def updating(self) -> bool:
         """Inside a fused update's optimizer call (memsched.optimize's step routing passes it through)."""
