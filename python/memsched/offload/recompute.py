@@ -59,6 +59,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from memsched.saved_tensors import on_counter, version_alias
+
 kScratchBytes = 1 << 20  # largest external tensor a recorded op may write (replayed into a copy)
 
 _SYM, _EXT, _SCRATCH, _SNAP = 0, 1, 2, 3
@@ -172,33 +174,12 @@ def _on(storage_of, key, geometry):
     return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
 
 
-def version_alias(t):
-    """A tensor sharing `t`'s version counter but not its storage.
-
-    Note [Version counter of a recomputed save]
-      Rationale: plain PyTorch raises at backward when a saved tensor was modified in place after
-      its save (through any alias: the version counter is shared by views and detached aliases).
-      Saved-tensor hooks turn that check off, so a recomputed save must redo it. A weak reference
-      to the saved tensor's Python object was checked instead, but that object dies with the
-      forward's frames (a block's output held only by the next block), taking the check with it:
-      `h = block(x); out = head(h); h.add_(1)` raised in plain PyTorch and trained silently on
-      the replayed, unmodified values under planner="hybrid".
-      Approach: hold the counter itself. A detached alias shares it; setting that alias to an empty
-      storage below ADInplaceOrView (so the set_ bumps no version) lets the activation's memory go
-      while its counter stays readable.
-    """
-    alias = t.detach()
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        alias.set_()
-    return alias
-
-
 class Recipe:
     """One recomputed activation: from its first save until the op that saved it has run, the
     tensor itself (`held`); then either the recorded ops that recreate it (`records`), or, when it
     cannot be recreated exactly, still `held` (kept, with `why`)."""
     __slots__ = ("records", "key", "geometry", "value", "packs", "unpacks", "label", "nbytes", "ordinal",
-                 "version", "counter", "shared", "indices", "held", "marker", "final", "why", "stream",
+                 "version", "shared", "indices", "held", "marker", "final", "why", "stream",
                  "__weakref__")
 
     def __init__(self, key, t, ordinal, shared, marker):
@@ -218,7 +199,6 @@ class Recipe:
         self.nbytes = t.untyped_storage().nbytes()
         self.ordinal = ordinal
         self.version = t._version
-        self.counter = version_alias(t)  # the saved tensor's version counter, checked at unpack
         self.shared = shared          # the plan recreates it inside another activation's replay
 
     def externals(self):
@@ -625,27 +605,29 @@ _LogMode.__torch_dispatch__ = _log_dispatch
 class RecomputedView:
     """A save of a recomputed activation: unpack() replays (or takes the shared replay's value) and
     returns the saved view. Saves of one storage share its Recipe; each has its own geometry (an
-    attention saves q as [B, T, D] in one op and as [B*H, T, d] in the next)."""
-    __slots__ = ("recipe", "log", "owner", "geometry")
+    attention saves q as [B, T, D] in one op and as [B*H, T, d] in the next) and its own version
+    counter (Note [Version counter of a saved tensor] in saved_tensors.py)."""
+    __slots__ = ("recipe", "log", "owner", "geometry", "counter", "version")
 
     def __init__(self, recipe, log, owner, t):
         self.recipe = recipe
         self.log = weakref.ref(log) if log is not None else (lambda: None)
         self.owner = owner
         self.geometry = _geometry(t)
+        self.counter = version_alias(t)  # the saved tensor's version counter, not its storage
+        self.version = t._version
 
     def unpack(self):
         r = self.recipe
         self.owner.path.observe(r.ordinal)
-        t = r.held if r.held is not None else r.counter
-        if t._version != r.version:
+        if self.counter._version != self.version:
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: saved activation {r.label or r.ordinal} is at version {t._version}; expected "
-                f"version {r.version} instead (memsched recomputes it)")
+                f"operation: saved activation {r.label or r.ordinal} is at version {self.counter._version}; "
+                f"expected version {self.version} instead (memsched recomputes it)")
         if r.held is not None:
             # kept (Note [Unpack-time recompute]), or a step abandoned before its recipe was built
-            return _on_bytes(r.held, self.geometry)
+            return on_counter(self.counter, r.held, self.geometry[1:])
         if r.value is None:
             log = self.log()
             if log is not None and r.ordinal in log.pending:
@@ -660,4 +642,5 @@ class RecomputedView:
         r.unpacks += 1
         if r.unpacks % r.packs == 0:
             r.value = None  # every save has been used once; another backward replays again
-        return _on_bytes(out, self.geometry)  # a fresh tensor object: the caller may keep it
+        # a fresh tensor object (the caller may keep it) on the saved tensor's version counter
+        return on_counter(self.counter, out, self.geometry[1:])

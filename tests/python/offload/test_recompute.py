@@ -408,3 +408,65 @@ def test_a_recomputed_save_modified_in_place_after_its_save_raises_as_plain_pyto
     assert run.plan.num_recomputed() == 1 and run.step_stats[-1].recomputed == 1
     for p, q in zip(model.parameters(), ref.parameters()):  # the failed step updated neither
         assert torch.equal(p, q)
+
+
+class _ZeroesItsSavedInput(torch.autograd.Function):
+    """Its backward writes its saved input in place, when told to (see the test below)."""
+    write = False
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        if _ZeroesItsSavedInput.write:
+            x.mul_(0.0)
+        return g * 2.0 + x
+
+
+class WritesInBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.w2 = nn.Parameter(torch.randn(64, 8) / 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))               # tanh saves its output h ...
+        out = _ZeroesItsSavedInput.apply(h) @ self.w2  # ... and so does the Function
+        del h
+        return out.sum(1)
+
+
+def test_a_recomputed_save_changed_in_place_in_backward_raises_at_the_next_unpack(monkeypatch):
+    """Note [Version counter of a saved tensor]: plain PyTorch's unpacked tensors share the saved
+    tensor's version counter, so a backward that writes one makes the next unpack of the tensor raise;
+    the replayed view had a counter of its own, and tanh's backward read the zeroed replay instead."""
+    monkeypatch.setattr(sys.modules["memsched.optimize"], "make_plan", _recompute_the_tanh_output)
+    monkeypatch.setattr(_ZeroesItsSavedInput, "write", False)
+
+    def train(m, o, run=None):
+        for step in range(3):
+            _ZeroesItsSavedInput.write = step == 2
+            x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+            m(x).square().mean().backward()
+            if run is not None:
+                run.step()
+            else:
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    model = WritesInBackward()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        train(ref, ref_opt)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with memsched.optimize(model, opt, budget="1GiB", planner="hybrid") as run:
+            train(model, opt, run)
+    assert run.plan.num_recomputed() == 1 and run.step_stats[-1].recomputed == 1
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
