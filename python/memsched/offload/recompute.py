@@ -38,7 +38,12 @@ Note [Unpack-time recompute]
       statistics are small: the replay writes into a copy taken before the op, so the running
       statistics are updated once, as in plain PyTorch);
     - a recorded cuDNN/MIOpen RNN that applies dropout: its masks come from an RNG state buffer of
-      its own (dropout_state), which the kernel advances without a version bump (_OWN_RNG_STATE).
+      its own (dropout_state), which the kernel advances without a version bump (_OWN_RNG_STATE);
+    - a recorded op that reads an inference tensor (made under torch.inference_mode(): a teacher's
+      features fed to the model), which has no version counter to check at the replay.
+  Ops that run under torch.inference_mode() (an evaluation forward at the start of a step) save
+  nothing and are counted, never recorded: their tensors have no version counter either (reading
+  one raised "Inference tensors do not track version counter" from the recording).
   An external input written in place later in the forward (seen by the mode) makes every pending
   recipe that reads it replay at once, before the write, and keep its result. After the forward
   nothing is watched: an external input modified between the forward and the replay raises at
@@ -407,7 +412,8 @@ class ForwardOpLog:
         self.op = j + 1
         if self.unfinished and j > self.unfinished[0].marker:
             self.finish(j)
-        if j in self.record_ops or (info.writes and self._writes_live(info, args, kwargs)):
+        if (j in self.record_ops or (info.writes and self._writes_live(info, args, kwargs))) \
+                and not torch.is_inference_mode_enabled():  # nothing saved there; its tensors have no versions
             return self._record(func, info, args, kwargs)
         if info.writes:
             self._foreign_write(info, args, kwargs)
@@ -440,6 +446,11 @@ class ForwardOpLog:
                     r.writes.add(key)
                     if key in self.tainted:
                         r.valid, r.why = False, "tainted"
+            elif x.is_inference():
+                # made under torch.inference_mode(): no version counter, so a later change (inside
+                # inference mode) could not be told (Note [Unpack-time recompute])
+                r.valid, r.why = False, "reads an inference tensor"
+                r.leaves.append((_EXT, x, None))
             elif id(x) in written:
                 self._snapshot_for_readers(key, x)  # earlier recorded readers saw it before this write
                 if x.untyped_storage().nbytes() > kScratchBytes:

@@ -470,3 +470,78 @@ def test_a_recomputed_save_changed_in_place_in_backward_raises_at_the_next_unpac
     assert run.plan.num_recomputed() == 1 and run.step_stats[-1].recomputed == 1
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+def test_ops_under_inference_mode_are_counted_not_recorded():
+    """An evaluation forward under torch.inference_mode() inside a recorded step saves nothing; its
+    tensors have no version counter, and recording them raised "Inference tensors do not track version
+    counter" from inside memsched."""
+    x = torch.randn(10)
+    log = ForwardOpLog(record_ops={0, 1}, shared=set(), stats=RecomputeStats())
+    log.push(0)
+    try:
+        with torch.inference_mode():
+            torch.cos(torch.sin(x))  # ops 0 and 1: in the chain, but not recorded
+    finally:
+        log.mode.__exit__(None, None, None)
+    assert log.op == 2 and log.log == []
+
+
+def test_a_recorded_op_reading_an_inference_tensor_keeps_the_save():
+    with torch.inference_mode():
+        feat = torch.randn(10)  # a teacher's features, say
+    x = torch.randn(10)
+    log, h = _record(lambda a: torch.sin(a + feat), x)
+    assert _recipe(log, h) == "reads an inference tensor"
+
+
+class _WithFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.w2 = nn.Parameter(torch.randn(64, 8) / 8)
+
+    def forward(self, x, feat=None):
+        h = self.fc(x)
+        if feat is not None:
+            h = h + feat
+        h = torch.tanh(h)
+        out = (h @ self.w2).sum(1)
+        del h
+        return out
+
+
+def test_optimize_hybrid_with_inference_mode_forwards_trains_as_plain(monkeypatch):
+    """Features made under inference_mode fed to the model, and an evaluation forward under inference_mode
+    before the step ends: both crashed the recording of the forward ("Inference tensors do not track
+    version counter")."""
+    monkeypatch.setattr(sys.modules["memsched.optimize"], "make_plan", _recompute_the_tanh_output)
+
+    def train(m, o, run=None):
+        evals = []
+        for step in range(3):
+            x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+            with torch.inference_mode():
+                feat = torch.tanh(m.fc(x * 2)) * 0.1
+            m(x, feat).square().mean().backward()
+            with torch.inference_mode():
+                evals.append(m(x * 1.0).clone())
+            if run is not None:
+                run.step()
+            else:
+                o.step()
+                o.zero_grad(set_to_none=True)
+        return evals
+
+    torch.manual_seed(0)
+    model = _WithFeatures()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with memsched.optimize(model, opt, budget="1GiB", planner="hybrid") as run:
+        got = train(model, opt, run)
+    want = train(ref, ref_opt)
+    assert run.plan.num_recomputed() == 1
+    assert run.step_stats[-1].recompute_kept_reasons == {"reads an inference tensor": 1}
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
