@@ -43,7 +43,8 @@ import torch
 from memsched import _C
 from memsched.copy_inert import inert_on_copy
 
-__all__ = ["ModuleStack", "ActivationNumbering", "Activation", "storage_key", "activation_label", "dtype_name"]
+__all__ = ["ModuleStack", "ActivationNumbering", "Activation", "storage_key", "activation_label", "dtype_name",
+           "storage_free", "version_alias", "on_counter"]
 
 
 def storage_key(tensor: torch.Tensor) -> Optional[int]:
@@ -56,6 +57,54 @@ def storage_key(tensor: torch.Tensor) -> Optional[int]:
         return tensor.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def storage_free(alias: torch.Tensor) -> torch.Tensor:
+    """Set `alias`, a detached alias of ours, to an empty storage without bumping its version: it keeps
+    the version counter it shares and lets the storage go (Note [Version counter of a saved tensor])."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        alias.set_()
+    return alias
+
+
+def version_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor sharing `t`'s version counter but not its storage (Note [Version counter of a saved
+    tensor]). WARNING: only where autograd runs (a saved-tensor hook): inside a dispatch mode, below
+    ADInplaceOrView, detach() makes a new counter -- use storage_free() on an alias made earlier."""
+    return storage_free(t.detach())
+
+
+def on_counter(counter: torch.Tensor, base: torch.Tensor, geometry) -> torch.Tensor:
+    """A new tensor on `base`'s storage with geometry (size, stride, storage offset) and the dtype and
+    version counter of `counter` (a version_alias): what an unpack hook returns for a save whose
+    bytes were copied or recomputed (Note [Version counter of a saved tensor]). Where autograd runs
+    only, as version_alias."""
+    size, stride, offset = geometry
+    out = counter.detach()
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        out.set_(base.untyped_storage(), offset, size, stride)
+    return out
+
+
+# Note [Version counter of a saved tensor]
+#   Rationale: plain PyTorch raises at backward when a saved tensor was modified in place after its
+#   save, through any alias: views, detached aliases and the tensors autograd unpacks all share one
+#   version counter. Saved-tensor hooks turn that check off, so memsched redoes it; a save whose
+#   bytes are copied (the profiled step's offload) or recomputed must do so without holding the
+#   storage. Two holes were found: (1) the recompute check followed a weak reference to the saved
+#   tensor's Python object, which dies with the forward's frames (a block's output held only by
+#   the next block): `h = block(x); out = head(h); h.add_(1)` raised in plain PyTorch and trained
+#   silently on the replayed, unmodified values under planner="hybrid"; (2) an unpacked copy had a
+#   counter of its own, so a backward that changed it in place (a custom Function's backward
+#   writing its saved input) bumped nothing another save of the same tensor checks: plain PyTorch
+#   raises at that other save's unpack, memsched trained on.
+#   Approach: version_alias(t) holds t's counter: a detached alias (which shares the counter) set
+#   to an empty storage below ADInplaceOrView (so the set_ bumps no version) -- the activation's
+#   memory can go while its counter stays readable. An unpack checks that counter and returns its
+#   bytes as on_counter(...): another detached alias of the counter, set onto the copy, so a change
+#   made through the unpacked tensor bumps the saved tensor's counter as in plain PyTorch.
+#   Limitations: offloaded saves of executed steps are C++ (Note [Offloaded saves in C++]); their
+#   unpacked copies still have counters of their own.
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -218,6 +218,36 @@ def test_in_place_change_after_the_save_raises_as_in_plain_pytorch():
             _run(lin, step, how)
 
 
+class _ZeroesItsSavedInput(torch.autograd.Function):
+    """Its backward writes its saved input in place: plain PyTorch then raises at the unpack of any other
+    save of that tensor (here sigmoid's of its output), the unpacked tensor sharing its version counter."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        x.mul_(0.0)
+        return g * 2.0 + x
+
+
+def test_an_in_place_change_in_backward_raises_at_the_next_unpack_as_in_plain_pytorch():
+    """Note [Version counter of a saved tensor]: the unpacked copy had a version counter of its own, so the
+    change went unseen and sigmoid's backward read the zeroed storage."""
+    lin = nn.Linear(8, 8)
+
+    def step(m):
+        y = torch.sigmoid(m(torch.randn(4, 8)))  # sigmoid saves its output y
+        return _ZeroesItsSavedInput.apply(y).sum()
+
+    for how in ("plain", "keep", "offload"):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _run(lin, step, how)
+
+
 def test_a_retained_graph_unpacks_twice_with_plain_gradients():
     model, step = _case("cnn")
 

@@ -38,7 +38,12 @@ Note [Unpack-time recompute]
       statistics are small: the replay writes into a copy taken before the op, so the running
       statistics are updated once, as in plain PyTorch);
     - a recorded cuDNN/MIOpen RNN that applies dropout: its masks come from an RNG state buffer of
-      its own (dropout_state), which the kernel advances without a version bump (_OWN_RNG_STATE).
+      its own (dropout_state), which the kernel advances without a version bump (_OWN_RNG_STATE);
+    - a recorded op that reads an inference tensor (made under torch.inference_mode(): a teacher's
+      features fed to the model), which has no version counter to check at the replay.
+  Ops that run under torch.inference_mode() (an evaluation forward at the start of a step) save
+  nothing and are counted, never recorded: their tensors have no version counter either (reading
+  one raised "Inference tensors do not track version counter" from the recording).
   An external input written in place later in the forward (seen by the mode) makes every pending
   recipe that reads it replay at once, before the write, and keep its result. After the forward
   nothing is watched: an external input modified between the forward and the replay raises at
@@ -58,6 +63,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from memsched.saved_tensors import on_counter, version_alias
 
 kScratchBytes = 1 << 20  # largest external tensor a recorded op may write (replayed into a copy)
 
@@ -177,7 +184,7 @@ class Recipe:
     tensor itself (`held`); then either the recorded ops that recreate it (`records`), or, when it
     cannot be recreated exactly, still `held` (kept, with `why`)."""
     __slots__ = ("records", "key", "geometry", "value", "packs", "unpacks", "label", "nbytes", "ordinal",
-                 "version", "tensor", "shared", "indices", "held", "marker", "final", "why", "stream",
+                 "version", "shared", "indices", "held", "marker", "final", "why", "stream",
                  "__weakref__")
 
     def __init__(self, key, t, ordinal, shared, marker):
@@ -197,7 +204,6 @@ class Recipe:
         self.nbytes = t.untyped_storage().nbytes()
         self.ordinal = ordinal
         self.version = t._version
-        self.tensor = weakref.ref(t)  # the saved tensor while it lives: its version is checked at unpack
         self.shared = shared          # the plan recreates it inside another activation's replay
 
     def externals(self):
@@ -406,7 +412,8 @@ class ForwardOpLog:
         self.op = j + 1
         if self.unfinished and j > self.unfinished[0].marker:
             self.finish(j)
-        if j in self.record_ops or (info.writes and self._writes_live(info, args, kwargs)):
+        if (j in self.record_ops or (info.writes and self._writes_live(info, args, kwargs))) \
+                and not torch.is_inference_mode_enabled():  # nothing saved there; its tensors have no versions
             return self._record(func, info, args, kwargs)
         if info.writes:
             self._foreign_write(info, args, kwargs)
@@ -439,6 +446,11 @@ class ForwardOpLog:
                     r.writes.add(key)
                     if key in self.tainted:
                         r.valid, r.why = False, "tainted"
+            elif x.is_inference():
+                # made under torch.inference_mode(): no version counter, so a later change (inside
+                # inference mode) could not be told (Note [Unpack-time recompute])
+                r.valid, r.why = False, "reads an inference tensor"
+                r.leaves.append((_EXT, x, None))
             elif id(x) in written:
                 self._snapshot_for_readers(key, x)  # earlier recorded readers saw it before this write
                 if x.untyped_storage().nbytes() > kScratchBytes:
@@ -604,27 +616,29 @@ _LogMode.__torch_dispatch__ = _log_dispatch
 class RecomputedView:
     """A save of a recomputed activation: unpack() replays (or takes the shared replay's value) and
     returns the saved view. Saves of one storage share its Recipe; each has its own geometry (an
-    attention saves q as [B, T, D] in one op and as [B*H, T, d] in the next)."""
-    __slots__ = ("recipe", "log", "owner", "geometry")
+    attention saves q as [B, T, D] in one op and as [B*H, T, d] in the next) and its own version
+    counter (Note [Version counter of a saved tensor] in saved_tensors.py)."""
+    __slots__ = ("recipe", "log", "owner", "geometry", "counter", "version")
 
     def __init__(self, recipe, log, owner, t):
         self.recipe = recipe
         self.log = weakref.ref(log) if log is not None else (lambda: None)
         self.owner = owner
         self.geometry = _geometry(t)
+        self.counter = version_alias(t)  # the saved tensor's version counter, not its storage
+        self.version = t._version
 
     def unpack(self):
         r = self.recipe
         self.owner.path.observe(r.ordinal)
-        t = r.held if r.held is not None else r.tensor()
-        if t is not None and t._version != r.version:
+        if self.counter._version != self.version:
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: saved activation {r.label or r.ordinal} is at version {t._version}; expected "
-                f"version {r.version} instead (memsched recomputes it)")
+                f"operation: saved activation {r.label or r.ordinal} is at version {self.counter._version}; "
+                f"expected version {self.version} instead (memsched recomputes it)")
         if r.held is not None:
             # kept (Note [Unpack-time recompute]), or a step abandoned before its recipe was built
-            return _on_bytes(r.held, self.geometry)
+            return on_counter(self.counter, r.held, self.geometry[1:])
         if r.value is None:
             log = self.log()
             if log is not None and r.ordinal in log.pending:
@@ -639,4 +653,5 @@ class RecomputedView:
         r.unpacks += 1
         if r.unpacks % r.packs == 0:
             r.value = None  # every save has been used once; another backward replays again
-        return _on_bytes(out, self.geometry)  # a fresh tensor object: the caller may keep it
+        # a fresh tensor object (the caller may keep it) on the saved tensor's version counter
+        return on_counter(self.counter, out, self.geometry[1:])

@@ -24,8 +24,9 @@ Note [Profiling with saved activations offloaded]
   - release: after every recorded op (inside the dispatch mode, so nothing here is recorded) the
     pending storages are polled. When the only references left are ours -- the StorageImpl's use
     count is 1 (its Python object) plus our aliases -- nothing else can read or write it any more:
-    the aliases' versions are read (an in-place change after the save raises at unpack, as plain
-    PyTorch does), the whole storage is copied to a host block and `storage.resize_(0)` gives the
+    each alias gives way to a storage-free one on the same version counter (an in-place change
+    after the save raises at unpack, as plain PyTorch does; Note [Version counter of a saved
+    tensor] in saved_tensors.py), the whole storage is copied to a host block and `storage.resize_(0)` gives the
     memory back. The copies run through a CopyEngine on the compute stream (as save_on_cpu's):
     on CUDA the freed block returns to the caching allocator at once and is reused in stream
     order, after the copy, so the profiled step holds no memory for copies in flight and needs
@@ -35,7 +36,7 @@ Note [Profiling with saved activations offloaded]
     bitwise plain's.
   - unpack: a released storage is grown back (`resize_(nbytes)`, on the compute stream) and filled
     from its host block (the compute stream waits for the copy); the saved view is rebuilt on it
-    with its dtype, size, stride and offset. It is the same StorageImpl, so backward ops read the
+    with its dtype, size, stride and offset, and the saved tensor's version counter. It is the same StorageImpl, so backward ops read the
     trace's key, and it dies when the last packed object and unpacked tensor die -- when it would
     under keep-all. Grown back, it stays on the device until then.
   - Nothing done here goes through the profiler's dispatch mode: polls run inside
@@ -69,6 +70,7 @@ import torch
 
 from memsched import _C
 from memsched.profiler.recorder import Recorder
+from memsched.saved_tensors import storage_free
 
 _use_count = torch._C._storage_Use_Count
 _no_dispatch = torch._C._DisableTorchDispatch
@@ -116,14 +118,14 @@ class _Save:
     """What autograd stores for an offloaded save. Holds no tensor with a grad_fn (See Note
     [Packing without reference cycles] in offload/executor.py)."""
 
-    __slots__ = ("slot", "alias", "version", "modified_to", "dtype", "size", "stride", "offset", "owner",
+    __slots__ = ("slot", "alias", "counter", "version", "dtype", "size", "stride", "offset", "owner",
                  "__weakref__")
 
     def __init__(self, slot, t, owner):
         self.slot = slot
         self.alias = t.detach()     # shares the version counter; dropped at release
+        self.counter = None         # from release on: the version counter without the storage
         self.version = t._version
-        self.modified_to = None     # the alias's version at release, when it had changed
         self.dtype = t.dtype
         self.size = tuple(t.size())
         self.stride = tuple(t.stride())
@@ -131,10 +133,12 @@ class _Save:
         self.owner = owner          # the OffloadedSaves (a retained graph may unpack after the step)
 
     def settle(self):
-        """Release time: read the version, then drop the alias."""
+        """Release time: keep the version counter, drop the alias and with it the storage (Note [Version
+        counter of a saved tensor] in saved_tensors.py)."""
         a, self.alias = self.alias, None
-        if a is not None and a._version != self.version:
-            self.modified_to = a._version
+        if a is not None:
+            # our alias itself: here, inside the profiler's dispatch mode, detach() would make a new counter
+            self.counter = storage_free(a)
 
 
 def _modified(save, version):
@@ -311,8 +315,9 @@ class OffloadedSaves:
             if alias._version != save.version:
                 raise _modified(save, alias._version)
             return alias
-        if save.modified_to is not None:
-            raise _modified(save, save.modified_to)
+        counter = save.counter
+        if counter is not None and counter._version != save.version:
+            raise _modified(save, counter._version)
         with _no_dispatch():
             if slot.state == _RELEASED:
                 slot.storage.resize_(slot.nbytes)  # allocated on the compute stream
@@ -324,8 +329,15 @@ class OffloadedSaves:
                 self.stats.fetched += 1
                 self._account(slot.key, slot.storage)
             slot.state = _FETCHED
-            return torch.empty(0, dtype=save.dtype, device=self.device).set_(
-                slot.storage, save.offset, save.size, save.stride)
+            if counter is None:  # (cannot happen: a save is settled when its storage is released)
+                return torch.empty(0, dtype=save.dtype, device=self.device).set_(
+                    slot.storage, save.offset, save.size, save.stride)
+            # on the saved tensor's version counter: a change made through it in backward is seen by
+            # the other saves of this tensor, as in plain PyTorch
+            out = counter.detach()
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                out.set_(slot.storage, save.offset, save.size, save.stride)
+            return out
 
 
 class OffloadingRecorder(Recorder):

@@ -359,3 +359,189 @@ def test_a_kept_replay_value_is_ordered_for_another_stream(monkeypatch):
     current[0] = Stream("default")
     recipe.take_value()
     assert calls == [("wait", "default", "side"), ("record", "default")]
+
+
+class ModifiedAfterItsSave(nn.Module):
+    """The tanh output h is saved (by tanh and mm), then modified in place by the forward itself when
+    `modify` is set; the forward's frame then lets go of h, so nothing but autograd refers to it."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.w2 = nn.Parameter(torch.randn(64, 8) / 8)
+        self.modify = False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        a = (h @ self.w2).sum(1)
+        if self.modify:
+            h.mul_(2)
+        del h
+        return a
+
+
+def test_a_recomputed_save_modified_in_place_after_its_save_raises_as_plain_pytorch(monkeypatch):
+    """Note [Version counter of a recomputed save]: plain PyTorch raises at backward for a saved tensor
+    modified in place; the recomputed save's check followed a weak reference to the saved tensor,
+    which had died with the forward's frame, so the step trained silently on the replayed values."""
+    monkeypatch.setattr(sys.modules["memsched.optimize"], "make_plan", _recompute_the_tanh_output)
+
+    def train(m, o, run=None):
+        for step in range(3):
+            m.modify = step == 2
+            x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+            m(x).square().mean().backward()
+            if run is not None:
+                run.step()
+            else:
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    model = ModifiedAfterItsSave()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        train(ref, ref_opt)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with memsched.optimize(model, opt, budget="1GiB", planner="hybrid") as run:
+            train(model, opt, run)
+    assert run.plan.num_recomputed() == 1 and run.step_stats[-1].recomputed == 1
+    for p, q in zip(model.parameters(), ref.parameters()):  # the failed step updated neither
+        assert torch.equal(p, q)
+
+
+class _ZeroesItsSavedInput(torch.autograd.Function):
+    """Its backward writes its saved input in place, when told to (see the test below)."""
+    write = False
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        if _ZeroesItsSavedInput.write:
+            x.mul_(0.0)
+        return g * 2.0 + x
+
+
+class WritesInBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.w2 = nn.Parameter(torch.randn(64, 8) / 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))               # tanh saves its output h ...
+        out = _ZeroesItsSavedInput.apply(h) @ self.w2  # ... and so does the Function
+        del h
+        return out.sum(1)
+
+
+def test_a_recomputed_save_changed_in_place_in_backward_raises_at_the_next_unpack(monkeypatch):
+    """Note [Version counter of a saved tensor]: plain PyTorch's unpacked tensors share the saved
+    tensor's version counter, so a backward that writes one makes the next unpack of the tensor raise;
+    the replayed view had a counter of its own, and tanh's backward read the zeroed replay instead."""
+    monkeypatch.setattr(sys.modules["memsched.optimize"], "make_plan", _recompute_the_tanh_output)
+    monkeypatch.setattr(_ZeroesItsSavedInput, "write", False)
+
+    def train(m, o, run=None):
+        for step in range(3):
+            _ZeroesItsSavedInput.write = step == 2
+            x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+            m(x).square().mean().backward()
+            if run is not None:
+                run.step()
+            else:
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    model = WritesInBackward()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        train(ref, ref_opt)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with memsched.optimize(model, opt, budget="1GiB", planner="hybrid") as run:
+            train(model, opt, run)
+    assert run.plan.num_recomputed() == 1 and run.step_stats[-1].recomputed == 1
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_ops_under_inference_mode_are_counted_not_recorded():
+    """An evaluation forward under torch.inference_mode() inside a recorded step saves nothing; its
+    tensors have no version counter, and recording them raised "Inference tensors do not track version
+    counter" from inside memsched."""
+    x = torch.randn(10)
+    log = ForwardOpLog(record_ops={0, 1}, shared=set(), stats=RecomputeStats())
+    log.push(0)
+    try:
+        with torch.inference_mode():
+            torch.cos(torch.sin(x))  # ops 0 and 1: in the chain, but not recorded
+    finally:
+        log.mode.__exit__(None, None, None)
+    assert log.op == 2 and log.log == []
+
+
+def test_a_recorded_op_reading_an_inference_tensor_keeps_the_save():
+    with torch.inference_mode():
+        feat = torch.randn(10)  # a teacher's features, say
+    x = torch.randn(10)
+    log, h = _record(lambda a: torch.sin(a + feat), x)
+    assert _recipe(log, h) == "reads an inference tensor"
+
+
+class _WithFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.w2 = nn.Parameter(torch.randn(64, 8) / 8)
+
+    def forward(self, x, feat=None):
+        h = self.fc(x)
+        if feat is not None:
+            h = h + feat
+        h = torch.tanh(h)
+        out = (h @ self.w2).sum(1)
+        del h
+        return out
+
+
+def test_optimize_hybrid_with_inference_mode_forwards_trains_as_plain(monkeypatch):
+    """Features made under inference_mode fed to the model, and an evaluation forward under inference_mode
+    before the step ends: both crashed the recording of the forward ("Inference tensors do not track
+    version counter")."""
+    monkeypatch.setattr(sys.modules["memsched.optimize"], "make_plan", _recompute_the_tanh_output)
+
+    def train(m, o, run=None):
+        evals = []
+        for step in range(3):
+            x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+            with torch.inference_mode():
+                feat = torch.tanh(m.fc(x * 2)) * 0.1
+            m(x, feat).square().mean().backward()
+            with torch.inference_mode():
+                evals.append(m(x * 1.0).clone())
+            if run is not None:
+                run.step()
+            else:
+                o.step()
+                o.zero_grad(set_to_none=True)
+        return evals
+
+    torch.manual_seed(0)
+    model = _WithFeatures()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with memsched.optimize(model, opt, budget="1GiB", planner="hybrid") as run:
+        got = train(model, opt, run)
+    want = train(ref, ref_opt)
+    assert run.plan.num_recomputed() == 1
+    assert run.step_stats[-1].recompute_kept_reasons == {"reads an inference tensor": 1}
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
