@@ -103,8 +103,8 @@ def on_counter(counter: torch.Tensor, base: torch.Tensor, geometry) -> torch.Ten
 #   memory can go while its counter stays readable. An unpack checks that counter and returns its
 #   bytes as on_counter(...): another detached alias of the counter, set onto the copy, so a change
 #   made through the unpacked tensor bumps the saved tensor's counter as in plain PyTorch.
-#   Limitations: offloaded saves of executed steps are C++ (Note [Offloaded saves in C++]); their
-#   unpacked copies still have counters of their own.
+#   Offloaded saves of executed steps do the same in C++ (unpack_offloaded, Note [Offloaded saves in
+#   C++]): the returned tensor is set onto the counter the save holds.
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -81,13 +81,12 @@ Note [Version checks]
   backward but not by an offloaded copy taken at pack time (as with
   torch.autograd.graph.save_on_cpu): the gradient then uses the values at the
   save. PyTorch documents such changes as untracked by autograd.
-  Limitation: an offloaded save's unpacked copy has a version counter of its
-  own (C++, Note [Offloaded saves in C++]), so a backward that writes it in
-  place (a custom Function's backward changing its saved input) is not seen by
-  the other saves of that tensor, where plain PyTorch raises at their unpack.
-  Recomputed saves and the profiled step's offloaded saves return their bytes
-  on the saved tensor's counter (Note [Version counter of a saved tensor] in
-  saved_tensors.py).
+  Unpacked tensors share the saved tensor's counter, as SavedVariable::unpack
+  makes them in plain PyTorch, so a backward that writes one in place (a custom
+  Function's backward changing its saved input) is seen by the other saves of
+  that tensor: offloaded saves of executed steps set it in C++, recomputed saves
+  and the profiled step's offloaded saves through Note [Version counter of a
+  saved tensor] in saved_tensors.py.
 
 Note [Copy after the op]
   Rationale: autograd saves an op's inputs before its kernel runs, and some
