@@ -50,7 +50,10 @@ Note [Unpack-time recompute]
   unpack, as PyTorch does for a modified saved tensor.
   Limitations: the mode is Python per aten op of the forward (only in steps whose plan
   recomputes something); the replay is the slow path's Python; an op that is nondeterministic
-  on the device (atomics) may replay to different bits, as in torch.utils.checkpoint.
+  on the device (atomics) may replay to different bits, as in torch.utils.checkpoint; an external
+  input changed between the forward and the replay without a version bump (`p.data.add_(...)`, which
+  PyTorch documents as untracked by autograd) replays with its new values, as in
+  torch.utils.checkpoint, where plain PyTorch's saved activations keep the old ones.
 """
 from __future__ import annotations
 
