@@ -98,6 +98,7 @@ class ProfilerSession:
         self.device = str(device) if device is not None else _device_of(model)
         self.optimizer_steps = 0   # optimizer.step() calls seen while recording
         self.node_of_op = {}       # backward op id -> autograd node sequence offset, after stop()
+        self.forward_starts = []   # op id at which each root forward began (note_forward())
         self.unmodeled_bytes = 0   # after stop(): Note [Memory the trace does not model] (profiler/unmodeled.py)
         self.device_peak_bytes = None  # after stop(), when the allocator's peak was read around each op
         self._rec: Optional[Recorder] = None
@@ -124,6 +125,13 @@ class ProfilerSession:
                         seen.add(id(p))
                         params.append(p)
         return params
+
+    def note_forward(self) -> None:
+        """A root forward of the recorded step begins: its first op is the next op recorded. The
+        executor's op log of a planned step starts each forward's count there (Note [Unpack-time
+        recompute] in offload/recompute.py)."""
+        if self._rec is not None:
+            self.forward_starts.append(self._rec.builder.num_ops)
 
     def start(self) -> "ProfilerSession":
         if self._exits is not None:

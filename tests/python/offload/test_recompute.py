@@ -545,3 +545,39 @@ def test_optimize_hybrid_with_inference_mode_forwards_trains_as_plain(monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+def _siamese_steps(model, opt, run=None, steps=4):
+    """Two forwards per step with no backward between (a small and a large view), one loss."""
+    torch.manual_seed(5)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        a, b = torch.randn(8, 32, generator=g), torch.randn(64, 32, generator=g)
+        ((model(a).mean() - model(b).mean()) ** 2).backward()
+        if run is not None:
+            run.step()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def test_a_second_forward_before_backward_recomputes_as_planned():
+    """The profiled step notes where each root forward begins (ProfilerSession.forward_starts): a forward
+    following another with no backward between was not recorded, so the recomputes the plan made in it
+    kept their tensors ("forward not recorded") and the step held more than its plan."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), Block())
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    with memsched.optimize(model, opt, budget=0.3, planner="hybrid", device_model=slow_copies(),
+                           max_reprofiles=0) as run:
+        _siamese_steps(model, opt, run)
+        starts = run.schedule.forward_starts
+        second = [k for k in run.schedule.recompute if k >= len(run.schedule.labels) // 2]
+    _siamese_steps(ref, ref_opt)
+    assert len(starts) == 2 and second, (starts, sorted(run.schedule.recompute))
+    for s in run.step_stats:
+        assert s.mode == "planned" and s.recompute_kept == 0, s.recompute_kept_reasons
+        assert s.recomputed == len(run.schedule.recompute)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
