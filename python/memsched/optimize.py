@@ -342,6 +342,7 @@ class Run:
         self.plan = None             # the plan executed now (None: keep everything)
         self.schedule = None         # OffloadSchedule of self.plan
         self.node_of_op_ = {}        # the profiled step's backward op -> autograd node offset
+        self.forward_starts_ = None  # the profiled step's forwards with grad enabled: their first op ids
         self.unmodeled_bytes_ = 0    # device memory no traced tensor explains, at the profiled peak
         self.profiled_update_due_ = False  # the profiled step's update is next (Note [Where the peak went])
         self.profiled_update_peak_ = None  # its device peak (accelerator), None until read
@@ -517,6 +518,7 @@ class Run:
             session, self.profile_ = self.profile_, None
             trace = session.stop()
             self.node_of_op_ = session.node_of_op
+            self.forward_starts_ = getattr(session, "forward_starts", None)  # Note [Forwards that save nothing]
             self.unmodeled_bytes_ = getattr(session, "unmodeled_bytes", 0)  # Note [Memory the trace does not model]
             self.steps_profiled += 1
             self.profile_eval_grad_ = self.eval_grad_forward_  # named if later steps do not match it
@@ -803,6 +805,9 @@ class Run:
             else:
                 self.profile_ = start_profile(self.model, self.optimizer, self.device)
         if self.profile_ is not None:
+            note_forward = getattr(self.profile_, "note_forward", None)  # a stand-in profiler may lack it
+            if note_forward is not None:
+                note_forward()
             self._count_profiled_forward()
 
     def _saves(self):
@@ -899,7 +904,8 @@ class Run:
                 if self.budget_written_ and str(err).startswith(head):  # as the user wrote it, bytes beside
                     raise _C.MemschedError(f"budget {self._budget_echo()}{str(err)[len(head):]}") from None
                 raise
-        schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_)
+        schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_,
+                                         forward_starts=self.forward_starts_)
         need = schedule.offloaded_bytes
         self.host_limit_note_ = ""
         if self.host.limit is not None and need > self.host.limit:
@@ -912,7 +918,8 @@ class Run:
                 make_plan=lambda name, durations: memsched.plan(trace, self.budget_bytes, name, self.device_model,
                                                                 durations=durations),
                 schedule_of=lambda plan: OffloadSchedule.build(trace, plan, self.min_offload_bytes,
-                                                               node_of_op=self.node_of_op_),
+                                                               node_of_op=self.node_of_op_,
+                                                               forward_starts=self.forward_starts_),
                 simulate_of=lambda plan: simulate(trace, plan, self.device_model),
                 planners=[planner] + [p for p in planner_names() if p not in (planner, "keep_all")])
             self.host_limit_note_ = (f"host_memory_limit ({format_bytes(self.host.limit)}) is below the "

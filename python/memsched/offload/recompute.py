@@ -46,6 +46,19 @@ Note [Unpack-time recompute]
   Limitations: the mode is Python per aten op of the forward (only in steps whose plan
   recomputes something); the replay is the slow path's Python; an op that is nondeterministic
   on the device (atomics) may replay to different bits, as in torch.utils.checkpoint.
+
+Note [Forwards that save nothing]
+  Rationale: a forward of the model under torch.no_grad() or inference_mode() between two step
+  boundaries -- the Trainer's evaluation after an update, eval_on_start, a generate() call -- saves
+  nothing, but it is the step's first forward. Recording matched the n-th forward of a step with the
+  n-th run of forward ops of the trace, so an evaluation before the profiled step merged with the
+  training forward into one run (every later step recorded from the evaluation's first op: all
+  recomputes kept, "not made by a recorded op"), and one before an executed step took the training
+  forward's place ("forward not recorded"). Values were never at risk; the memory was (on a GPU the
+  first planned step's budget check then refuses the step).
+  Approach: the profiler notes where each forward that runs with grad enabled begins
+  (ProfilerSession.note_forward(), called from the Run's root pre-hook), OffloadSchedule.build takes
+  those as forward_starts, and the executor records only forwards that run with grad enabled.
 """
 from __future__ import annotations
 

@@ -93,12 +93,15 @@ class OffloadSchedule:
         self.before_step = set()   # ordinals whose storage existed before the step (the caller's batch)
 
     @classmethod
-    def build(cls, trace, plan, min_bytes=0, node_of_op=None):
+    def build(cls, trace, plan, min_bytes=0, node_of_op=None, forward_starts=None):
         """Turn (trace, plan) into an OffloadSchedule. plan=None: keep everything.
 
         node_of_op: the profiled step's backward op -> autograd node offset (ProfilerSession.node_of_op);
         with it a prefetch fires when its op's node starts (Note [Backward node triggers] in
         csrc/torch/saved_tensor_path.cpp), without it at the latest observable op before it.
+        forward_starts: the profiled step's first op of each forward with grad enabled
+        (ProfilerSession.forward_starts); without it, each run of forward ops starts one (Note [Forwards
+        that save nothing] in recompute.py).
         """
         s = cls()
         ops = trace.ops
@@ -155,7 +158,9 @@ class OffloadSchedule:
                 continue  # on demand
             s.trigger_op[k] = trigger
             s.prefetch_at.setdefault(trigger, []).append(k)
-        if s.recompute:
+        if s.recompute and forward_starts is not None:
+            s.forward_starts = list(forward_starts)
+        elif s.recompute:
             s.forward_starts = [op.id for op in ops
                                 if op.phase == "forward" and (op.id == 0 or ops[op.id - 1].phase != "forward")]
         s.trigger_ops = sorted(s.prefetch_at)
