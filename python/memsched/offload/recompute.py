@@ -54,8 +54,11 @@ Note [Forwards that save nothing]
   n-th run of forward ops of the trace, so an evaluation before the profiled step merged with the
   training forward into one run (every later step recorded from the evaluation's first op: all
   recomputes kept, "not made by a recorded op"), and one before an executed step took the training
-  forward's place ("forward not recorded"). Values were never at risk; the memory was (on a GPU the
-  first planned step's budget check then refuses the step).
+  forward's place ("forward not recorded"). Likewise, tensor ops of the loop between two
+  micro-batches of gradient accumulation (building or moving the next batch: the Trainer's
+  _prepare_inputs) opened a run of forward ops of their own, and the second micro-batch was recorded
+  from them. Values were never at risk; the memory was (on a GPU the first planned step's budget
+  check then refuses the step).
   Approach: the profiler notes where each forward that runs with grad enabled begins
   (ProfilerSession.note_forward(), called from the Run's root pre-hook), OffloadSchedule.build takes
   those as forward_starts, and the executor records only forwards that run with grad enabled.

@@ -239,6 +239,42 @@ def test_an_evaluation_forward_between_steps_does_not_stop_the_recomputes(evalua
         assert torch.equal(p, q)
 
 
+def test_ops_outside_the_model_between_micro_batches_do_not_stop_the_recomputes():
+    """Gradient accumulation whose loop runs tensor ops between the micro-batches (building the next
+    batch, moving it to the device: the Trainer's _prepare_inputs) records those ops inside the profiled
+    step. The second micro-batch's forward used to be matched with the trace from the end of the first
+    backward, i.e. from those ops: each of its recomputes kept its tensor ("not made by a recorded op")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), Block())
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def train(m, o, run=None):
+        torch.manual_seed(7)
+        for step in range(3):
+            for micro in range(2):
+                g = torch.Generator().manual_seed(10 * step + micro)
+                x, y = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+                x = (x * 2).clone()  # ops of the loop, not of the model
+                (F.mse_loss(m(x), y) / 2).backward()
+            if run is not None:
+                run.step()
+            else:
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=slow_copies()) as run:
+        train(model, opt, run)
+    train(ref, ref_opt)
+    assert run.plan.num_recomputed() > 0
+    executed = list(run.step_stats)
+    assert len(executed) == 2 and all(s.mode == "planned" for s in executed)
+    assert all(s.recomputed == len(run.schedule.recompute) and s.recompute_kept == 0 for s in executed), \
+        [s.recompute_kept_reasons for s in executed]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
 class TwoViews(nn.Module):
     """h is saved twice, as [256, 64] by mm and as [32, 8, 64] by bmm: one storage, two geometries."""
     def __init__(self):
