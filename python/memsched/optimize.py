@@ -342,7 +342,7 @@ class Run:
         self.plan = None             # the plan executed now (None: keep everything)
         self.schedule = None         # OffloadSchedule of self.plan
         self.node_of_op_ = {}        # the profiled step's backward op -> autograd node offset
-        self.forward_starts_ = None  # the profiled step's op id at each root forward's start
+        self.forward_starts_ = None  # the profiled step's forwards with grad enabled: their first op ids
         self.unmodeled_bytes_ = 0    # device memory no traced tensor explains, at the profiled peak
         self.profiled_update_due_ = False  # the profiled step's update is next (Note [Where the peak went])
         self.profiled_update_peak_ = None  # its device peak (accelerator), None until read
@@ -518,7 +518,7 @@ class Run:
             session, self.profile_ = self.profile_, None
             trace = session.stop()
             self.node_of_op_ = session.node_of_op
-            self.forward_starts_ = getattr(session, "forward_starts", None)
+            self.forward_starts_ = getattr(session, "forward_starts", None)  # Note [Forwards that save nothing]
             self.unmodeled_bytes_ = getattr(session, "unmodeled_bytes", 0)  # Note [Memory the trace does not model]
             self.steps_profiled += 1
             self.profile_eval_grad_ = self.eval_grad_forward_  # named if later steps do not match it
@@ -805,9 +805,9 @@ class Run:
             else:
                 self.profile_ = start_profile(self.model, self.optimizer, self.device)
         if self.profile_ is not None:
-            note = getattr(self.profile_, "note_forward", None)
-            if note is not None:
-                note()
+            note_forward = getattr(self.profile_, "note_forward", None)  # a stand-in profiler may lack it
+            if note_forward is not None:
+                note_forward()
             self._count_profiled_forward()
 
     def _saves(self):

@@ -551,6 +551,8 @@ class OffloadExecutor:
     # -- unpack-time recompute (See Note [Unpack-time recompute] in recompute.py) -----------------------
     def _start_recording(self):
         """Record this forward's chain ops; its first op is the trace's n-th forward start."""
+        if not torch.is_grad_enabled():
+            return  # Note [Forwards that save nothing] (recompute.py): not one of the plan's forwards
         n = len(self.oplogs_)
         starts = self.schedule.forward_starts
         if n >= len(starts) or self.diverged_ or torch._C._len_torch_dispatch_stack() > 0:

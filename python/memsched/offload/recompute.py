@@ -54,6 +54,23 @@ Note [Unpack-time recompute]
   input changed between the forward and the replay without a version bump (`p.data.add_(...)`, which
   PyTorch documents as untracked by autograd) replays with its new values, as in
   torch.utils.checkpoint, where plain PyTorch's saved activations keep the old ones.
+
+Note [Forwards that save nothing]
+  Rationale: a forward of the model under torch.no_grad() or inference_mode() between two step
+  boundaries -- the Trainer's evaluation after an update, eval_on_start, a generate() call -- saves
+  nothing, but it is the step's first forward. Recording matched the n-th forward of a step with the
+  n-th run of forward ops of the trace, so an evaluation before the profiled step merged with the
+  training forward into one run (every later step recorded from the evaluation's first op: all
+  recomputes kept, "not made by a recorded op"), and one before an executed step took the training
+  forward's place ("forward not recorded"); so did a second forward with grad enabled before the
+  backward (a siamese step's second view: one run of forward ops). Likewise, tensor ops of the loop between two
+  micro-batches of gradient accumulation (building or moving the next batch: the Trainer's
+  _prepare_inputs) opened a run of forward ops of their own, and the second micro-batch was recorded
+  from them. Values were never at risk; the memory was (on a GPU the first planned step's budget
+  check then refuses the step).
+  Approach: the profiler notes where each forward that runs with grad enabled begins
+  (ProfilerSession.note_forward(), called from the Run's root pre-hook), OffloadSchedule.build takes
+  those as forward_starts, and the executor records only forwards that run with grad enabled.
 """
 from __future__ import annotations
 

@@ -99,9 +99,9 @@ class OffloadSchedule:
         node_of_op: the profiled step's backward op -> autograd node offset (ProfilerSession.node_of_op);
         with it a prefetch fires when its op's node starts (Note [Backward node triggers] in
         csrc/torch/saved_tensor_path.cpp), without it at the latest observable op before it.
-        forward_starts: the trace op id at which each root forward of the profiled step began
-        (ProfilerSession.forward_starts); without it, where the forward phase begins, which misses a
-        forward that follows another with no backward between (two views of a siamese step).
+        forward_starts: the profiled step's first op of each forward with grad enabled
+        (ProfilerSession.forward_starts); without it, each run of forward ops starts one (Note [Forwards
+        that save nothing] in recompute.py).
         """
         s = cls()
         ops = trace.ops

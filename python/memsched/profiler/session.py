@@ -98,7 +98,9 @@ class ProfilerSession:
         self.device = str(device) if device is not None else _device_of(model)
         self.optimizer_steps = 0   # optimizer.step() calls seen while recording
         self.node_of_op = {}       # backward op id -> autograd node sequence offset, after stop()
-        self.forward_starts = []   # op id at which each root forward began (note_forward())
+        # op id where each forward of the model that ran with grad enabled began (note_forward());
+        # a forward under no_grad (an evaluation) saves nothing: Note [Forwards that save nothing]
+        self.forward_starts = []
         self.unmodeled_bytes = 0   # after stop(): Note [Memory the trace does not model] (profiler/unmodeled.py)
         self.device_peak_bytes = None  # after stop(), when the allocator's peak was read around each op
         self._rec: Optional[Recorder] = None
@@ -125,13 +127,6 @@ class ProfilerSession:
                         seen.add(id(p))
                         params.append(p)
         return params
-
-    def note_forward(self) -> None:
-        """A root forward of the recorded step begins: its first op is the next op recorded. The
-        executor's op log of a planned step starts each forward's count there (Note [Unpack-time
-        recompute] in offload/recompute.py)."""
-        if self._rec is not None:
-            self.forward_starts.append(self._rec.builder.num_ops)
 
     def start(self) -> "ProfilerSession":
         if self._exits is not None:
@@ -179,6 +174,12 @@ class ProfilerSession:
             raise
         self._rec, self._mode, self._exits = rec, mode, exits
         return self
+
+    def note_forward(self) -> None:
+        """The model's forward begins now (its root's forward pre-hook): with grad enabled, its first
+        op is the next one recorded. See Note [Forwards that save nothing] in offload/recompute.py."""
+        if self._rec is not None and torch.is_grad_enabled():
+            self.forward_starts.append(self._rec.builder.num_ops)
 
     def abort(self) -> None:
         """Stop recording and drop what was recorded. Safe to call twice."""

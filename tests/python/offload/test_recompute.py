@@ -197,6 +197,84 @@ def test_optimize_hybrid_recomputes_bitwise_even_when_the_forward_changes(shift_
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("evaluate_before", [(0,), (2,), (0, 2)])
+def test_an_evaluation_forward_between_steps_does_not_stop_the_recomputes(evaluate_before):
+    """A forward under torch.no_grad() before a step's training forward (the Trainer's evaluation,
+    eval_on_start, a generate() call) saves nothing. It used to count as the step's first forward: in
+    the profiled step its ops merged with the training forward's into one run of forward ops (every
+    executed step then recorded from the wrong op: "not made by a recorded op"), and in an executed
+    step it took the training forward's place in the plan's forward starts ("forward not recorded"):
+    every recompute of those steps kept its tensor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), Block())
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def train(m, o, run=None):
+        torch.manual_seed(7)
+        for step in range(4):
+            if step in evaluate_before:
+                m.eval()
+                with torch.no_grad():
+                    m(torch.randn(16, 32, generator=torch.Generator().manual_seed(99)))
+                m.train()
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+            F.mse_loss(m(x), y).backward()
+            if run is not None:
+                run.step()
+            else:
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=slow_copies()) as run:
+        train(model, opt, run)
+    train(ref, ref_opt)
+    assert run.plan.num_recomputed() > 0
+    executed = list(run.step_stats)
+    assert len(executed) == 3 and all(s.mode == "planned" for s in executed)
+    assert all(s.recomputed == len(run.schedule.recompute) and s.recompute_kept == 0 for s in executed), \
+        [s.recompute_kept_reasons for s in executed]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_ops_outside_the_model_between_micro_batches_do_not_stop_the_recomputes():
+    """Gradient accumulation whose loop runs tensor ops between the micro-batches (building the next
+    batch, moving it to the device: the Trainer's _prepare_inputs) records those ops inside the profiled
+    step. The second micro-batch's forward used to be matched with the trace from the end of the first
+    backward, i.e. from those ops: each of its recomputes kept its tensor ("not made by a recorded op")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), Block())
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def train(m, o, run=None):
+        torch.manual_seed(7)
+        for step in range(3):
+            for micro in range(2):
+                g = torch.Generator().manual_seed(10 * step + micro)
+                x, y = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+                x = (x * 2).clone()  # ops of the loop, not of the model
+                (F.mse_loss(m(x), y) / 2).backward()
+            if run is not None:
+                run.step()
+            else:
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=slow_copies()) as run:
+        train(model, opt, run)
+    train(ref, ref_opt)
+    assert run.plan.num_recomputed() > 0
+    executed = list(run.step_stats)
+    assert len(executed) == 2 and all(s.mode == "planned" for s in executed)
+    assert all(s.recomputed == len(run.schedule.recompute) and s.recompute_kept == 0 for s in executed), \
+        [s.recompute_kept_reasons for s in executed]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
 class TwoViews(nn.Module):
     """h is saved twice, as [256, 64] by mm and as [32, 8, 64] by bmm: one storage, two geometries."""
     def __init__(self):
