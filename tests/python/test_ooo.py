@@ -64,7 +64,9 @@ def test_linear_gradients_are_bitwise_plain_autograd():
     a(xa).sum().backward()
     with OutOfOrderBackward(b) as ooo:
         b(xb).sum().backward()
-    assert ooo.report()["deferred_items"] == 3
+    # a: a non-contiguous 4-D input with a bias runs through autograd (Note [Linear inputs that at::linear
+    # reduces in another order] in ooo/backward.py); b and c are deferred
+    assert ooo.report()["deferred_items"] == 2
     _assert_grads_equal(_grads(a), _grads(b))
     assert torch.equal(xa.grad, xb.grad)  # dX chain
 

@@ -173,6 +173,18 @@ Note [Gradients the fused update did not see]
   (ooo/ddp.py, "Unused parameters"). Under memsched's DDP bucket reducer the optimizer's parameters
   outside the model are not stepped.
 
+Note [Linear inputs that at::linear reduces in another order]
+  Rationale: the deferred dW/db of a Linear are mm and sum(0) over the input and output gradient
+  flattened to rows, which is what autograd computes for at::linear's addmm path (a 2-D input, or a
+  contiguous one flattened). For an input of more than two dimensions that is not contiguous (a
+  transposed [T, B, D] view), at::linear runs matmul and adds the bias in place, so autograd reduces
+  the bias gradient over the output gradient's own dimensions in memory order: it differed from the
+  rows' sum(0) in the last bits when the output gradient was not contiguous either (found with a
+  Linear applied to `h.view(B, T, D).transpose(0, 1)`). The weight gradient stays the rows' mm: with
+  the weight requiring grad, matmul folds such an input into rows too.
+  Approach: such a call with a bias that requires grad runs the stock forward and counts as an
+  autograd use of its parameters, as an autocast call does; every other call keeps the deferred path.
+
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
   that queued them, the rest at the end-of-backward flush, on the autograd
@@ -546,9 +558,10 @@ class OutOfOrderBackward:
                 bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
                 if wi is None and bi is None:
                     return nn.Linear.forward(mod, x)
-                # See Note [Parameters with gradient hooks]
-                if torch.is_autocast_enabled(x.device.type) or (wi is not None and _user_hooked(mod.weight)) \
-                        or (bi is not None and _user_hooked(mod.bias)):
+                # See Notes [Parameters with gradient hooks], [Linear inputs that at::linear reduces in
+                # another order]
+                if torch.is_autocast_enabled(x.device.type) or (bi is not None and x.dim() > 2 and not x.is_contiguous()) \
+                        or (wi is not None and _user_hooked(mod.weight)) or (bi is not None and _user_hooked(mod.bias)):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return nn.Linear.forward(mod, x)
                 wi = -1 if wi is None else wi
