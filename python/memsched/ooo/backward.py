@@ -185,6 +185,27 @@ Note [Linear inputs that at::linear reduces in another order]
   Approach: such a call with a bias that requires grad runs the stock forward and counts as an
   autograd use of its parameters, as an autocast call does; every other call keeps the deferred path.
 
+Note [Linear calls the deferred path gives at::linear's own rows]
+  Rationale: autograd's gradients of at::linear depend on the matrices at::linear multiplies, which
+  the deferred Function did not always see: (a) mm_mat1_backward computes the input gradient as
+  (W^T grad^T)^T when the input matrix is column-major (a transposed [B, D] input, a [1, 1] one),
+  where the Function's grad.mm(W) differed in the last bits (Linear(33, 33) on a [3, 33] view of a
+  [33, 3] tensor); (b) with a frozen weight, the Function's grad.matmul(W) over a 3-D output
+  gradient that is not contiguous takes bmm where autograd multiplies the flattened rows, so the
+  input gradient differed (float64, 1e-16); (c) for an input flattened with a bias (3-D contiguous,
+  1-D) at::linear returns a view of addmm's output: returned from the Function it is a view made in
+  a custom Function, and an in-place op on it (relu_, mul_) raised "Output 0 of ... LinearFunction
+  is a view and is being modified inplace" where plain PyTorch runs; (d) a weight whose strides are
+  not a contiguous matrix's (a transposed Parameter) gets autograd's gradient as (rows^T grad)^T in
+  the weight's own layout, where the deferred one is grad^T rows, contiguous (the fused AdamW kernel
+  then read the gradient in the wrong order: 3e-2 off).
+  Approach: the patched forward hands the Function the [rows, in] matrix at::linear itself
+  multiplies (x.reshape(rows, in), as at::linear's flatten and matmul's fold do) and gives back
+  at::linear's output form (a view for the flattened bias path, an _unsafe_view for the folded
+  one), so the Function's output gradient is autograd's flattened one. A call whose matrix is
+  column-major, or whose trainable weight is not a contiguous matrix, runs the stock forward and
+  counts as an autograd use.
+
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
   that queued them, the rest at the end-of-backward flush, on the autograd
@@ -252,6 +273,47 @@ def _eligible(module: nn.Module) -> bool:
             return (t.forward is base.forward and module.padding_mode == "zeros"
                     and not isinstance(module.padding, str) and not module.transposed)
     return False
+
+
+_unsafe_view = torch.ops.aten._unsafe_view
+
+
+def _rows_major(w: torch.Tensor) -> bool:
+    """w [out, in] has the strides of a contiguous matrix, size-1 dimensions included: autograd's
+    weight gradient of at::linear is then grad.t().mm(rows) in that layout, as the deferred one is
+    (Note [Linear calls the deferred path gives at::linear's own rows])."""
+    return w.dim() == 2 and w.stride(1) == 1 and w.stride(0) == w.size(1)
+
+
+def _linear_rows(x: torch.Tensor, has_bias: bool):
+    """What the deferred Linear is applied to: x itself (2-D, or 1-D / folded by at::linear without
+    a view), the [rows, in] matrix at::linear itself multiplies (x of more than two dimensions, or
+    1-D with a bias, which at::linear flattens and views back), or None when autograd must run the
+    call: the matrix is column-major, where autograd's input gradient is a differently ordered mm, or
+    x has more than two dimensions, is not contiguous and meets a bias (See Notes [Linear inputs that
+    at::linear reduces in another order], [Linear calls the deferred path gives at::linear's own
+    rows])."""
+    d = x.dim()
+    if d == 2:
+        rows = x
+    elif d == 1:
+        if x.size(0) == 1:
+            return None  # [1, 1]: column-major strides
+        if not (has_bias and x.is_contiguous()):
+            return x
+        rows = x.view(1, x.size(0))
+    elif d == 0:
+        return x  # at::linear raises its own error
+    else:
+        if has_bias and not x.is_contiguous():
+            return None
+        n = 1
+        for k in x.shape[:-1]:
+            n *= k
+        rows = x.reshape(n, x.size(-1))  # at::linear's reshape: a view, or the copy it makes too
+    if rows.stride(0) == 1 and rows.stride(1) == rows.size(0):
+        return None
+    return rows if d != 2 else x
 
 
 def _in_reentrant_checkpoint() -> bool:
@@ -559,15 +621,23 @@ class OutOfOrderBackward:
                 if wi is None and bi is None:
                     return nn.Linear.forward(mod, x)
                 # See Notes [Parameters with gradient hooks], [Linear inputs that at::linear reduces in
-                # another order]
-                if torch.is_autocast_enabled(x.device.type) or (bi is not None and x.dim() > 2 and not x.is_contiguous()) \
-                        or (wi is not None and _user_hooked(mod.weight)) or (bi is not None and _user_hooked(mod.bias)):
+                # another order], [Linear calls the deferred path gives at::linear's own rows]
+                rows = _linear_rows(x, mod.bias is not None)
+                if rows is None or torch.is_autocast_enabled(x.device.type) \
+                        or (wi is not None and (_user_hooked(mod.weight) or not _rows_major(mod.weight))) \
+                        or (bi is not None and _user_hooked(mod.bias)):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return nn.Linear.forward(mod, x)
                 wi = -1 if wi is None else wi
                 bi = -1 if bi is None else bi
                 me._note_deferred_use(wi, bi)
-                return deferred_linear(rt, x, mod.weight, mod.bias, wi, bi, me.graph_token())
+                if rows is x:
+                    return deferred_linear(rt, x, mod.weight, mod.bias, wi, bi, me.graph_token())
+                out = deferred_linear(rt, rows, mod.weight, mod.bias, wi, bi, me.graph_token())
+                shape = x.shape[:-1] + out.shape[-1:]
+                # at::linear's own output: a view of addmm's for a flattened input with a bias, an
+                # _unsafe_view of mm's where matmul folded it
+                return out.view(shape) if mod.bias is not None else _unsafe_view(out, shape)
         else:
             base = next(b for b in _CONV_TYPES if isinstance(m, b))
             nd = _CONV_TYPES[base]
