@@ -206,6 +206,24 @@ Note [Linear calls the deferred path gives at::linear's own rows]
   column-major, or whose trainable weight is not a contiguous matrix, runs the stock forward and
   counts as an autograd use.
 
+Note [Conv weight gradients in the weight's layout]
+  Rationale: autograd's AccumulateGrad stores a gradient in its parameter's layout (the gradient
+  layout contract: a channels_last weight gets a channels_last .grad), while the deferred weight
+  gradient is stored as aten.convolution_backward returns it, and that layout depends on the
+  backend it picks: channels_last when the input or the weight is (oneDNN), contiguous on the
+  float64 and other native paths even for a channels_last weight; which one runs depends on the
+  dtype, the sizes and the thread count. Found with a channels_last input and a contiguous weight
+  (float32) and with a channels_last weight (float64): equal values in another layout, which
+  torch's fused Adam/AdamW/SGD kernels (fused=True) read element by element in the parameter's
+  order, so the update was wrong (6e-2 off) -- also with ooo=True alone, where the caller's
+  optimizer.step() reads that .grad.
+  Approach: a conv call with a trainable weight is deferred only when its input and its weight
+  are both contiguous, where every CPU backend returns a contiguous weight gradient; any other
+  call (channels_last input or weight, a sliced input) runs the stock forward and counts as an
+  autograd use.
+  Limitations: channels_last models get no deferred weight gradients. Storing the deferred
+  gradient as AccumulateGrad does (clone_obey_contract in DwRuntime::finalize) would lift this.
+
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
   that queued them, the rest at the end-of-backward flush, on the autograd
@@ -650,8 +668,10 @@ class OutOfOrderBackward:
                 bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
                 if wi is None and bi is None:
                     return base.forward(mod, x)
+                # See Notes [Parameters with gradient hooks], [Conv weight gradients in the weight's layout]
                 if torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2 \
-                        or (wi is not None and _user_hooked(mod.weight)) \
+                        or (wi is not None and (_user_hooked(mod.weight) or not x.is_contiguous()
+                                                or not mod.weight.is_contiguous())) \
                         or (bi is not None and _user_hooked(mod.bias)):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None])
                     return base.forward(mod, x)
