@@ -21,11 +21,12 @@ Note [One iteration of out-of-order backward]
   one parameter are summed into a pending buffer in arrival order and added to
   ``param.grad`` once, when the parameter is final -- the same additions
   autograd's InputBuffer + AccumulateGrad perform, hence bitwise equal
-  gradients (for up to two contributions of one parameter: float addition is
-  commutative, not associative; a parameter with both deferred and autograd uses
-  is summed in another order once autograd sees two or more, so a Linear owning
-  a tied parameter stays plain -- See Note [Tied parameters] for what remains,
-  and Note [Parameters with gradient hooks]). Autograd contributions (non-eligible uses)
+  gradients (float addition is commutative, not associative: a parameter with both
+  deferred and autograd uses would be summed in another order once autograd sees two
+  or more, so a Linear owning a tied parameter stays plain, and a patched layer's
+  calls of one iteration are all summed on one side -- See Notes [Tied parameters],
+  [One kind of use per parameter and iteration], [Parameters with gradient
+  hooks]). Autograd contributions (non-eligible uses)
   are seen through a tensor hook (is the gradient defined?) and a
   post-accumulate-grad hook. At the end of the backward pass (an engine
   callback, so ``loss.backward()`` returns with everything done) the queue is
@@ -138,8 +139,9 @@ Note [Tied parameters]
   patchable (two Linears sharing a weight, one layer reached by several paths) stays deferred:
   all its uses are deferred and summed in autograd's order.
   Limitations: a patched layer's weight also read functionally (F.linear(x, layer.weight)) is
-  refused (Note [AccumulateGrad gate]); one also run under autocast in the same iteration mixes
-  the two kinds of use and is exact only for one autograd use.
+  refused (Note [AccumulateGrad gate]). A patched layer called both ways in one iteration (under
+  autocast and not, say) sums all its contributions in arrival order (Note [One kind of use per
+  parameter and iteration]).
 
 Note [Gradients the fused update did not see]
   Rationale: plain optimizer.step() steps every parameter whose .grad is not None. A parameter
