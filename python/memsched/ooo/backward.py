@@ -248,7 +248,12 @@ Note [One kind of use per parameter and iteration]
   adds), so each parameter's contributions complete in arrival order. Under
   torch.autograd.grad() asking for the parameter a _Tap passes the gradient on (plain). Calls of a
   parameter with a caller's gradient hook stay the stock forward (Note [Parameters with gradient
-  hooks]).
+  hooks]). Under autocast a deferred-kind parameter gets no _Tap: autocast casts a weight once per
+  autocast region (its cast cache) and autograd sums that region's calls in bfloat16 in the cast's
+  node before the parameter sees them (a _Tap per call split that sum: 5e-3 off). Such a call goes to
+  autograd, whose sum the runtime adds to the deferred one: autograd's order for two contributions;
+  a use that makes three is refused (MemschedError, in forward) -- it may also refuse three uses whose
+  autocast calls share one region, which plain sums as two.
   Limitations: a _Tap costs a Python Function per parameter and call, and a queueing executor a
   Python pre-hook per deferred call of a parameter used more than once; the flush runs a reused
   layer's items earlier than the byte limit alone would. A queueing executor keeps the node of each
@@ -563,6 +568,7 @@ class OutOfOrderBackward:
         self._deferred_only: Set[int] = set()
         self._kind: Dict[int, int] = {}  # this iteration's kind of use per parameter (_DEFERRED / _AUTOGRAD)
         self._maybe_queued: Set[int] = set()  # parameters an item of which may wait in the queue
+        self._cast_uses: Dict[int, int] = {}  # deferred-kind parameters' uses under autocast this iteration
         self._first_node: Dict[int, tuple] = {}  # queueing executors: a parameter's first deferred node
         self._queues = False  # items may wait in the queue and complete out of arrival order
         self._acc: List = []  # each parameter's AccumulateGrad node
@@ -740,11 +746,11 @@ class OutOfOrderBackward:
                 # See Notes [Linear inputs that at::linear reduces in another order], [Linear calls the
                 # deferred path gives at::linear's own rows], [One kind of use per parameter and iteration]
                 rows = _linear_rows(x, mod.bias is not None)
-                autograd = rows is None or torch.is_autocast_enabled(x.device.type) \
-                    or (wi is not None and not _rows_major(mod.weight))
+                cast = torch.is_autocast_enabled(x.device.type)
+                autograd = cast or rows is None or (wi is not None and not _rows_major(mod.weight))
                 wd, bd = me._deferred_indices(wi, bi, autograd)
                 if wd < 0 and bd < 0:
-                    return stock(lambda w, b: F.linear(x, w, b), mod.weight, mod.bias, wi, bi)
+                    return stock(lambda w, b: F.linear(x, w, b), mod.weight, mod.bias, wi, bi, cast)
                 out = deferred_linear(rt, rows, mod.weight, mod.bias, wd, bd, me.graph_token())
                 if me._queues:
                     me._keep_arrival_order(out, wd, bd)
@@ -772,11 +778,12 @@ class OutOfOrderBackward:
                     return base.forward(mod, x)
                 # See Notes [Conv weight gradients in the weight's layout], [One kind of use per parameter
                 # and iteration]
-                autograd = torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2 \
+                cast = torch.is_autocast_enabled(x.device.type)
+                autograd = cast or x.dim() != nd + 2 \
                     or (wi is not None and not (x.is_contiguous() and mod.weight.is_contiguous()))
                 wd, bd = me._deferred_indices(wi, bi, autograd)
                 if wd < 0 and bd < 0:
-                    return stock(lambda w, b: mod._conv_forward(x, w, b), mod.weight, mod.bias, wi, bi)
+                    return stock(lambda w, b: mod._conv_forward(x, w, b), mod.weight, mod.bias, wi, bi, cast)
                 out = deferred_conv(rt, x, mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
                                     mod.groups, wd, bd, me.graph_token())
                 if me._queues:
@@ -843,6 +850,7 @@ class OutOfOrderBackward:
                 self._rt.post_hooks_last()  # See Note [Parameters with gradient hooks]
             self._iter_stepped = 0  # parameters the fused update stepped in this iteration (Note [A failed backward])
             self._kind.clear()
+            self._cast_uses.clear()
             self._maybe_queued.clear()
             self._first_node.clear()
             self._rt.begin_iteration(self._last_micro_step())
@@ -948,17 +956,30 @@ class OutOfOrderBackward:
             if direct:
                 self._note_autograd_use(direct)  # the Function hands that gradient to autograd at once
             self._note_deferred_use(out[0], out[1])
+            if self._cast_uses:
+                for i in out:
+                    if i in self._cast_uses:
+                        self._check_cast_mix(i)
         return out[0], out[1]
 
-    def _stock_call(self, run, w, b, wi, bi):
+    def _stock_call(self, run, w, b, wi, bi, cast: bool = False):
         """The stock forward of a call no index is deferred for: run(weight, bias). A parameter whose
-        uses this iteration are deferred gets a _Tap, so this call's gradient joins its deferred sum."""
+        uses this iteration are deferred gets a _Tap, so this call's gradient joins its deferred sum --
+        except under autocast (cast), whose weight cast autograd shares between the calls of one autocast
+        region: the call goes to autograd, and a third contribution of such a parameter is refused."""
         kind = self._kind
+        tw = wi is not None and kind.get(wi) == _DEFERRED
+        tb = bi is not None and kind.get(bi) == _DEFERRED
+        if cast and (tw or tb):
+            self._note_autograd_use([i for i in (wi, bi) if i is not None])
+            for i, t in ((wi, tw), (bi, tb)):
+                if t:
+                    self._cast_uses[i] = self._cast_uses.get(i, 0) + 1
+                    self._check_cast_mix(i)
+            return run(w, b)
         direct = [i for i in (wi, bi) if i is not None and kind.get(i) != _DEFERRED]
         if direct:
             self._note_autograd_use(direct)
-        tw = wi is not None and kind.get(wi) == _DEFERRED
-        tb = bi is not None and kind.get(bi) == _DEFERRED
         if tw or tb:
             self._note_deferred_use(wi if tw else -1, bi if tb else -1)
             me = self._proxy
@@ -971,6 +992,22 @@ class OutOfOrderBackward:
             if tb:
                 b = _Tap.apply(b, me, bi)
         return run(w, b)
+
+    def _check_cast_mix(self, i: int) -> None:
+        """Parameter i has deferred uses and uses under autocast in this iteration: autograd sums the
+        latter (after the autocast regions' weight casts summed theirs) and the runtime adds that sum to
+        the deferred one, which is autograd's order for two contributions, not for three."""
+        n = self._rt.expected(i) - 1 + self._cast_uses[i]  # deferred/tapped uses (+1: the gate) and autocast ones
+        if n < 3:
+            return
+        raise MemschedError(
+            f"parameter {self._name(i)} is used both outside torch.autocast (its weight gradient deferred by "
+            f"out-of-order backward) and inside it in one forward pass, {n} uses in all: autograd sums such uses "
+            f"in an order memsched cannot reproduce (autocast shares one weight cast between the calls of a "
+            f"region, and memsched sees only their sum), so gradients would differ from plain PyTorch's in the "
+            f"last bits. Nothing was changed. Call that layer either only inside or only outside autocast within "
+            f"one forward pass (the first use decides), or leave the model out of ooo (ooo=False, "
+            f"fuse_optimizer=False).")
 
     def _keep_arrival_order(self, out: torch.Tensor, wd: int, bd: int) -> None:
         """A queueing executor: from a parameter's second use in an iteration on, each of its deferred
