@@ -7,6 +7,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Exceptions.h>
@@ -268,7 +269,11 @@ void DwRuntime::defer(DwItem item) {
       wait_for_current(side);
       record_on(item.x, side.stream);
       record_on(item.grad, side.stream);
-    } else if (executor_ == Executor::kThread && on_accelerator(item.grad)) {
+    }
+    if (executor_ == Executor::kThread) {
+      item.intra_op_threads = at::get_num_threads();  // See Note [The worker's intra-op threads]
+    }
+    if (executor_ == Executor::kThread && on_accelerator(item.grad)) {
       // See Note [dW runtime in C++]: the item runs on the stream its inputs were made on
       const c10::Device dev = item.grad.device();
       item.stream = c10::impl::VirtualGuardImpl(dev.type()).getStream(dev);
@@ -965,6 +970,11 @@ void DwRuntime::worker_loop() {
     worker_busy_ = true;
     lock.unlock();
     try {
+      // See Note [The worker's intra-op threads]; only on a change: at::set_num_threads also clears
+      // oneDNN's primitive cache
+      if (item.intra_op_threads > 0 && at::get_num_threads() != item.intra_op_threads) {
+        at::set_num_threads(item.intra_op_threads);
+      }
       Completion done;
       execute(id, item, &done);
     } catch (...) {

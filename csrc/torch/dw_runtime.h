@@ -103,6 +103,7 @@ struct DwItem {
   std::vector<int64_t> stride, padding, dilation;  // conv only
   int64_t groups = 1;                // conv only
   std::optional<c10::Stream> stream; // executor "thread" on an accelerator: the stream current at defer()
+  int intra_op_threads = 0;          // executor "thread": at::get_num_threads() of the thread that queued it
   int64_t held_bytes() const;        // bytes: x + grad
 };
 
@@ -251,6 +252,16 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void hand_over(const Completion& c, Side* side);  // no lock; GIL taken when the owner is called
   // step_native on `side`'s stream (nullptr: the current one); no lock held.
   std::vector<int32_t> step_native_on(const std::vector<int32_t>& params, Side* side);
+  // Note [The worker's intra-op threads]
+  //   Rationale: the "thread" executor's worker is a std::thread. Its OpenMP and MKL thread counts
+  //   are the process defaults until ATen's lazy per-thread init (at its first thread-count query),
+  //   which came inside the first kernel, after oneDNN had already split its work by the default; and
+  //   a later torch.set_num_threads never reaches the worker. With torch.set_num_threads(1) on a
+  //   2-core machine a deferred Conv1d's weight and bias gradients differed from plain PyTorch's in
+  //   the last bits (a Python thread that queries torch.get_num_threads() before the kernel matches).
+  //   Approach: defer() records at::get_num_threads() of the queuing thread in the item; before an
+  //   item the worker queries its own (which runs ATen's lazy init) and calls at::set_num_threads
+  //   with the item's count when they differ.
   void worker_loop();
   void track(int64_t delta_bytes, int64_t transient_bytes);  // under the lock
   void expect_hook(int32_t param);                            // under the lock

@@ -21,11 +21,12 @@ Note [One iteration of out-of-order backward]
   one parameter are summed into a pending buffer in arrival order and added to
   ``param.grad`` once, when the parameter is final -- the same additions
   autograd's InputBuffer + AccumulateGrad perform, hence bitwise equal
-  gradients (for up to two contributions of one parameter: float addition is
-  commutative, not associative; a parameter with both deferred and autograd uses
-  is summed in another order once autograd sees two or more, so a Linear owning
-  a tied parameter stays plain -- See Note [Tied parameters] for what remains,
-  and Note [Parameters with gradient hooks]). Autograd contributions (non-eligible uses)
+  gradients (float addition is commutative, not associative: a parameter with both
+  deferred and autograd uses would be summed in another order once autograd sees two
+  or more, so a Linear owning a tied parameter stays plain, and a patched layer's
+  calls of one iteration are all summed on one side -- See Notes [Tied parameters],
+  [One kind of use per parameter and iteration], [Parameters with gradient
+  hooks]). Autograd contributions (non-eligible uses)
   are seen through a tensor hook (is the gradient defined?) and a
   post-accumulate-grad hook. At the end of the backward pass (an engine
   callback, so ``loss.backward()`` returns with everything done) the queue is
@@ -138,8 +139,9 @@ Note [Tied parameters]
   patchable (two Linears sharing a weight, one layer reached by several paths) stays deferred:
   all its uses are deferred and summed in autograd's order.
   Limitations: a patched layer's weight also read functionally (F.linear(x, layer.weight)) is
-  refused (Note [AccumulateGrad gate]); one also run under autocast in the same iteration mixes
-  the two kinds of use and is exact only for one autograd use.
+  refused (Note [AccumulateGrad gate]). A patched layer called both ways in one iteration (under
+  autocast and not, say) sums all its contributions in arrival order (Note [One kind of use per
+  parameter and iteration]).
 
 Note [Gradients the fused update did not see]
   Rationale: plain optimizer.step() steps every parameter whose .grad is not None. A parameter
@@ -185,6 +187,78 @@ Note [Linear inputs that at::linear reduces in another order]
   Approach: such a call with a bias that requires grad runs the stock forward and counts as an
   autograd use of its parameters, as an autocast call does; every other call keeps the deferred path.
 
+Note [Linear calls the deferred path gives at::linear's own rows]
+  Rationale: autograd's gradients of at::linear depend on the matrices at::linear multiplies, which
+  the deferred Function did not always see: (a) mm_mat1_backward computes the input gradient as
+  (W^T grad^T)^T when the input matrix is column-major (a transposed [B, D] input, a [1, 1] one),
+  where the Function's grad.mm(W) differed in the last bits (Linear(33, 33) on a [3, 33] view of a
+  [33, 3] tensor); (b) with a frozen weight, the Function's grad.matmul(W) over a 3-D output
+  gradient that is not contiguous takes bmm where autograd multiplies the flattened rows, so the
+  input gradient differed (float64, 1e-16); (c) for an input flattened with a bias (3-D contiguous,
+  1-D) at::linear returns a view of addmm's output: returned from the Function it is a view made in
+  a custom Function, and an in-place op on it (relu_, mul_) raised "Output 0 of ... LinearFunction
+  is a view and is being modified inplace" where plain PyTorch runs; (d) a weight whose strides are
+  not a contiguous matrix's (a transposed Parameter) gets autograd's gradient as (rows^T grad)^T in
+  the weight's own layout, where the deferred one is grad^T rows, contiguous (the fused AdamW kernel
+  then read the gradient in the wrong order: 3e-2 off).
+  Approach: the patched forward hands the Function the [rows, in] matrix at::linear itself
+  multiplies (x.reshape(rows, in), as at::linear's flatten and matmul's fold do) and gives back
+  at::linear's output form (a view for the flattened bias path, an _unsafe_view for the folded
+  one), so the Function's output gradient is autograd's flattened one. A call whose matrix is
+  column-major, or whose trainable weight is not a contiguous matrix, runs the stock forward and
+  counts as an autograd use.
+
+Note [Conv weight gradients in the weight's layout]
+  Rationale: autograd's AccumulateGrad stores a gradient in its parameter's layout (the gradient
+  layout contract: a channels_last weight gets a channels_last .grad), while the deferred weight
+  gradient is stored as aten.convolution_backward returns it, and that layout depends on the
+  backend it picks: channels_last when the input or the weight is (oneDNN), contiguous on the
+  float64 and other native paths even for a channels_last weight; which one runs depends on the
+  dtype, the sizes and the thread count. Found with a channels_last input and a contiguous weight
+  (float32) and with a channels_last weight (float64): equal values in another layout, which
+  torch's fused Adam/AdamW/SGD kernels (fused=True) read element by element in the parameter's
+  order, so the update was wrong (6e-2 off) -- also with ooo=True alone, where the caller's
+  optimizer.step() reads that .grad.
+  Approach: a conv call with a trainable weight is deferred only when its input and its weight
+  are both contiguous, where every CPU backend returns a contiguous weight gradient; any other
+  call (channels_last input or weight, a sliced input) runs the stock forward and counts as an
+  autograd use.
+  Limitations: channels_last models get no deferred weight gradients. Storing the deferred
+  gradient as AccumulateGrad does (clone_obey_contract in DwRuntime::finalize) would lift this.
+
+Note [One kind of use per parameter and iteration]
+  Rationale: autograd sums a parameter's contributions in the order they arrive, and float addition
+  is not associative. A patched layer called both ways in one iteration -- some calls deferred, some
+  through autograd (an input layout the deferred path leaves to autograd, a call under autocast) --
+  had its deferred contributions summed in the runtime and its autograd ones in AccumulateGrad, and
+  the two sums added: another order than autograd's once there were three contributions (a Linear on
+  two row-major inputs and one column-major: 1e-6 off). A queueing executor (a byte limit above 0,
+  "thread": 64 MiB by default, DDP) ran a parameter's queued items by priority (the item holding
+  the most bytes first), so three or more deferred uses were summed out of arrival order too (a Linear
+  on 8, 2 and 4 rows).
+  Approach: the first use of a parameter in an iteration fixes its kind for the iteration.
+  _AUTOGRAD (that call needed autograd's math): later calls that could be deferred run the deferred
+  Function with index -1 for it, which hands the gradient to autograd at once, so autograd sums all.
+  _DEFERRED: a later call that needs autograd's math runs the stock forward on a _Tap of the
+  parameter, whose backward adds the call's gradient to the deferred sum where it arrives (in the
+  parameter's layout, as AccumulateGrad would store it) instead of passing it to the AccumulateGrad
+  node. With a queueing executor, from a parameter's second use in an iteration on, each of its
+  deferred calls' nodes (the first one's too) gets a pre-hook that, just before the item is queued,
+  runs the queued items if one of them is for one of the call's parameters (as a _Tap does before it
+  adds), so each parameter's contributions complete in arrival order. Under
+  torch.autograd.grad() asking for the parameter a _Tap passes the gradient on (plain). Calls of a
+  parameter with a caller's gradient hook stay the stock forward (Note [Parameters with gradient
+  hooks]). Under autocast a deferred-kind parameter gets no _Tap: autocast casts a weight once per
+  autocast region (its cast cache) and autograd sums that region's calls in bfloat16 in the cast's
+  node before the parameter sees them (a _Tap per call split that sum: 5e-3 off). Such a call goes to
+  autograd, whose sum the runtime adds to the deferred one: autograd's order for two contributions;
+  a use that makes three is refused (MemschedError, in forward) -- it may also refuse three uses whose
+  autocast calls share one region, which plain sums as two.
+  Limitations: a _Tap costs a Python Function per parameter and call, and a queueing executor a
+  Python pre-hook per deferred call of a parameter used more than once; the flush runs a reused
+  layer's items earlier than the byte limit alone would. A queueing executor keeps the node of each
+  parameter's first deferred call until that backward pass ends.
+
 Note [Executors]
   "inline" (default on CPU): urgent items run inside the backward Function
   that queued them, the rest at the end-of-backward flush, on the autograd
@@ -209,6 +283,7 @@ Note [Executors]
 from __future__ import annotations
 
 import math
+import functools
 import numbers
 import sys
 import threading
@@ -219,6 +294,8 @@ from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.utils import parametrize
 
 from memsched._C import DwRuntime, MemschedError, deferred_conv, deferred_linear
@@ -252,6 +329,100 @@ def _eligible(module: nn.Module) -> bool:
             return (t.forward is base.forward and module.padding_mode == "zeros"
                     and not isinstance(module.padding, str) and not module.transposed)
     return False
+
+
+_unsafe_view = torch.ops.aten._unsafe_view
+
+
+def _rows_major(w: torch.Tensor) -> bool:
+    """w [out, in] has the strides of a contiguous matrix, size-1 dimensions included: autograd's
+    weight gradient of at::linear is then grad.t().mm(rows) in that layout, as the deferred one is
+    (Note [Linear calls the deferred path gives at::linear's own rows])."""
+    return w.dim() == 2 and w.stride(1) == 1 and w.stride(0) == w.size(1)
+
+
+def _linear_rows(x: torch.Tensor, has_bias: bool):
+    """What the deferred Linear is applied to: x itself (2-D, or 1-D / folded by at::linear without
+    a view), the [rows, in] matrix at::linear itself multiplies (x of more than two dimensions, or
+    1-D with a bias, which at::linear flattens and views back), or None when autograd must run the
+    call: the matrix is column-major, where autograd's input gradient is a differently ordered mm, or
+    x has more than two dimensions, is not contiguous and meets a bias (See Notes [Linear inputs that
+    at::linear reduces in another order], [Linear calls the deferred path gives at::linear's own
+    rows])."""
+    d = x.dim()
+    if d == 2:
+        rows = x
+    elif d == 1:
+        if x.size(0) == 1:
+            return None  # [1, 1]: column-major strides
+        if not (has_bias and x.is_contiguous()):
+            return x
+        rows = x.view(1, x.size(0))
+    elif d == 0:
+        return x  # at::linear raises its own error
+    else:
+        if has_bias and not x.is_contiguous():
+            return None
+        n = 1
+        for k in x.shape[:-1]:
+            n *= k
+        rows = x.reshape(n, x.size(-1))  # at::linear's reshape: a view, or the copy it makes too
+    if rows.stride(0) == 1 and rows.stride(1) == rows.size(0):
+        return None
+    return rows if d != 2 else x
+
+
+_DEFERRED, _AUTOGRAD = 1, 2  # a parameter's kind of use in one iteration (Note [One kind of use per parameter and iteration])
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """t's elements fill its storage span once (is_non_overlapping_and_dense)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _in_layout_of(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """g as AccumulateGrad would store it for p (the gradient layout contract: p's strides when p is
+    dense, else contiguous); g itself when it already is."""
+    if g.stride() == p.stride():
+        return g
+    if _dense(p):
+        if all(gs == ps if n != 1 else gs != 0 for n, gs, ps in zip(g.shape, g.stride(), p.stride())):
+            return g
+        return torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
+    return g.contiguous()
+
+
+class _Tap(torch.autograd.Function):
+    """See Note [One kind of use per parameter and iteration]: the identity on a parameter for one layer
+    call that autograd computes; the gradient this call gives the parameter arrives in backward() and
+    joins the parameter's deferred sum where it arrives, instead of reaching its AccumulateGrad."""
+
+    @staticmethod
+    def forward(ctx, p, owner, i):
+        ctx.owner, ctx.i = owner, i
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        try:
+            taken = g is not None and not torch.is_grad_enabled() and ctx.owner._tap_arrived(ctx.i, g)
+        except ReferenceError:  # the OutOfOrderBackward is gone: plain
+            taken = False
+        return (None if taken else g), None, None
+
+
+def _before_queued(owner, params, grad_outputs):
+    """Pre-hook of a deferred call's node, run just before it queues its item (Note [One kind of use
+    per parameter and iteration])."""
+    try:
+        owner._arriving(params)
+    except ReferenceError:
+        pass
 
 
 def _in_reentrant_checkpoint() -> bool:
@@ -395,6 +566,12 @@ class OutOfOrderBackward:
         self._patchable: Set[int] = set()  # ids of modules patched (See Note [Tied parameters])
         self._structure_changed = True
         self._deferred_only: Set[int] = set()
+        self._kind: Dict[int, int] = {}  # this iteration's kind of use per parameter (_DEFERRED / _AUTOGRAD)
+        self._maybe_queued: Set[int] = set()  # parameters an item of which may wait in the queue
+        self._cast_uses: Dict[int, int] = {}  # deferred-kind parameters' uses under autocast this iteration
+        self._first_node: Dict[int, tuple] = {}  # queueing executors: a parameter's first deferred node
+        self._queues = False  # items may wait in the queue and complete out of arrival order
+        self._acc: List = []  # each parameter's AccumulateGrad node
         self._phase = "idle"
         self._callback_queued = False
         self._micro_step = 0
@@ -517,6 +694,7 @@ class OutOfOrderBackward:
         if executor == "stream" and not any(p.is_cuda for p in self._params):
             raise MemschedError("executor='stream' needs the model on a CUDA device; use 'inline' or 'thread'")
         self._executor = executor
+        self._queues = executor == "thread" or (executor == "inline" and self.max_deferred_bytes > 0)
         rt = DwRuntime(self.max_deferred_bytes, executor, self)
         for i, p in enumerate(self._params):
             rt.add_param(p, self._reducer.bucket_of[i] if self._reducer is not None else -1)
@@ -528,6 +706,7 @@ class OutOfOrderBackward:
         self._native_seen = 0
 
         me = weakref.proxy(self)
+        self._proxy = me
         for m in modules:
             if id(m) in self._patchable:
                 self._patch(m, me)
@@ -535,6 +714,7 @@ class OutOfOrderBackward:
                 ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
                 self._handles.append(m.register_forward_pre_hook(
                     inert_on_copy(lambda mod, args, ids=ids: me._note_autograd_use(ids))))
+        self._acc = [get_gradient_edge(p).node for p in self._params]  # the runtime holds them too
         for i, p in enumerate(self._params):  # C functions (See Note [dW runtime in C++])
             self._handles.append(p.register_hook(self._rt.grad_hook(i)))
             post = p.register_post_accumulate_grad_hook(self._rt.accumulated_hook(i))
@@ -548,6 +728,7 @@ class OutOfOrderBackward:
         w_idx = self._index.get(id(m.weight)) if m.weight is not None else None
         b_idx = self._index.get(id(m.bias)) if m.bias is not None else None
         rt = self._rt
+        stock = self._stock_call
         if isinstance(m, nn.Linear):
             def forward(mod, x):
                 if not torch.is_grad_enabled():
@@ -558,16 +739,27 @@ class OutOfOrderBackward:
                 bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
                 if wi is None and bi is None:
                     return nn.Linear.forward(mod, x)
-                # See Notes [Parameters with gradient hooks], [Linear inputs that at::linear reduces in
-                # another order]
-                if torch.is_autocast_enabled(x.device.type) or (bi is not None and x.dim() > 2 and not x.is_contiguous()) \
-                        or (wi is not None and _user_hooked(mod.weight)) or (bi is not None and _user_hooked(mod.bias)):
-                    me._note_autograd_use([i for i in (wi, bi) if i is not None])
+                # See Note [Parameters with gradient hooks]
+                if (wi is not None and _user_hooked(mod.weight)) or (bi is not None and _user_hooked(mod.bias)):
+                    me._note_autograd_use([i for i in (wi, bi) if i is not None], hooked=True)
                     return nn.Linear.forward(mod, x)
-                wi = -1 if wi is None else wi
-                bi = -1 if bi is None else bi
-                me._note_deferred_use(wi, bi)
-                return deferred_linear(rt, x, mod.weight, mod.bias, wi, bi, me.graph_token())
+                # See Notes [Linear inputs that at::linear reduces in another order], [Linear calls the
+                # deferred path gives at::linear's own rows], [One kind of use per parameter and iteration]
+                rows = _linear_rows(x, mod.bias is not None)
+                cast = torch.is_autocast_enabled(x.device.type)
+                autograd = cast or rows is None or (wi is not None and not _rows_major(mod.weight))
+                wd, bd = me._deferred_indices(wi, bi, autograd)
+                if wd < 0 and bd < 0:
+                    return stock(lambda w, b: F.linear(x, w, b), mod.weight, mod.bias, wi, bi, cast)
+                out = deferred_linear(rt, rows, mod.weight, mod.bias, wd, bd, me.graph_token())
+                if me._queues:
+                    me._keep_arrival_order(out, wd, bd)
+                if rows is x:
+                    return out
+                shape = x.shape[:-1] + out.shape[-1:]
+                # at::linear's own output: a view of addmm's for a flattened input with a bias, an
+                # _unsafe_view of mm's where matmul folded it
+                return out.view(shape) if mod.bias is not None else _unsafe_view(out, shape)
         else:
             base = next(b for b in _CONV_TYPES if isinstance(m, b))
             nd = _CONV_TYPES[base]
@@ -580,16 +772,23 @@ class OutOfOrderBackward:
                 bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
                 if wi is None and bi is None:
                     return base.forward(mod, x)
-                if torch.is_autocast_enabled(x.device.type) or x.dim() != nd + 2 \
-                        or (wi is not None and _user_hooked(mod.weight)) \
-                        or (bi is not None and _user_hooked(mod.bias)):
-                    me._note_autograd_use([i for i in (wi, bi) if i is not None])
+                # See Note [Parameters with gradient hooks]
+                if (wi is not None and _user_hooked(mod.weight)) or (bi is not None and _user_hooked(mod.bias)):
+                    me._note_autograd_use([i for i in (wi, bi) if i is not None], hooked=True)
                     return base.forward(mod, x)
-                wi = -1 if wi is None else wi
-                bi = -1 if bi is None else bi
-                me._note_deferred_use(wi, bi)
-                return deferred_conv(rt, x, mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
-                                     mod.groups, wi, bi, me.graph_token())
+                # See Notes [Conv weight gradients in the weight's layout], [One kind of use per parameter
+                # and iteration]
+                cast = torch.is_autocast_enabled(x.device.type)
+                autograd = cast or x.dim() != nd + 2 \
+                    or (wi is not None and not (x.is_contiguous() and mod.weight.is_contiguous()))
+                wd, bd = me._deferred_indices(wi, bi, autograd)
+                if wd < 0 and bd < 0:
+                    return stock(lambda w, b: mod._conv_forward(x, w, b), mod.weight, mod.bias, wi, bi, cast)
+                out = deferred_conv(rt, x, mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
+                                    mod.groups, wd, bd, me.graph_token())
+                if me._queues:
+                    me._keep_arrival_order(out, wd, bd)
+                return out
         m.forward = PatchedForward(forward, m, had, old)  # See Note [Copies of a model under memsched]
         self._patched.append((m, had, old))
         self._eligible_layers = len(self._patched)
@@ -605,6 +804,7 @@ class OutOfOrderBackward:
             else:
                 m.__dict__.pop("forward", None)
         self._patched = []
+        self._acc = []
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -649,6 +849,10 @@ class OutOfOrderBackward:
             if self._stepper is not None:
                 self._rt.post_hooks_last()  # See Note [Parameters with gradient hooks]
             self._iter_stepped = 0  # parameters the fused update stepped in this iteration (Note [A failed backward])
+            self._kind.clear()
+            self._cast_uses.clear()
+            self._maybe_queued.clear()
+            self._first_node.clear()
             self._rt.begin_iteration(self._last_micro_step())
             if self._reducer is not None:
                 self._reducer.begin_iteration()
@@ -715,15 +919,167 @@ class OutOfOrderBackward:
         if self._stepper is not None and _in_reentrant_checkpoint():
             raise MemschedError(_REENTRANT_MESSAGE)
 
-    def _note_autograd_use(self, ids: Sequence[int]) -> None:
+    def _note_autograd_use(self, ids: Sequence[int], hooked: bool = False) -> None:
         if not torch.is_grad_enabled():
             self._check_no_grad_use()
             return
         if self._phase_name != "forward":
             self._begin_if_idle()
+        if hooked:  # autograd sums every use of a hooked parameter (Note [Parameters with gradient hooks])
+            for i in ids:
+                self._kind.setdefault(i, _AUTOGRAD)
         late = self._rt.note_autograd_use(ids)
         if late >= 0:
             self._refuse_late_use(late)
+
+    # See Note [One kind of use per parameter and iteration]
+    def _deferred_indices(self, wi, bi, autograd: bool):
+        """The runtime indices this eligible call defers its weight and bias gradient to (-1: autograd
+        gets that gradient); its counted uses. autograd: the call's math must be autograd's own (it runs
+        the stock forward when neither index is >= 0)."""
+        if self._phase_name != "forward":
+            self._begin_if_idle()
+        kind = self._kind
+        out = [-1, -1]
+        direct = []
+        for k, i in enumerate((wi, bi)):
+            if i is None:
+                continue
+            c = kind.get(i)
+            if c is None:
+                c = kind[i] = _AUTOGRAD if autograd else _DEFERRED
+            if c == _DEFERRED and not autograd:
+                out[k] = i
+            elif c == _AUTOGRAD:
+                direct.append(i)
+        if out[0] >= 0 or out[1] >= 0:
+            if direct:
+                self._note_autograd_use(direct)  # the Function hands that gradient to autograd at once
+            self._note_deferred_use(out[0], out[1])
+            if self._cast_uses:
+                for i in out:
+                    if i in self._cast_uses:
+                        self._check_cast_mix(i)
+        return out[0], out[1]
+
+    def _stock_call(self, run, w, b, wi, bi, cast: bool = False):
+        """The stock forward of a call no index is deferred for: run(weight, bias). A parameter whose
+        uses this iteration are deferred gets a _Tap, so this call's gradient joins its deferred sum --
+        except under autocast (cast), whose weight cast autograd shares between the calls of one autocast
+        region: the call goes to autograd, and a third contribution of such a parameter is refused."""
+        kind = self._kind
+        tw = wi is not None and kind.get(wi) == _DEFERRED
+        tb = bi is not None and kind.get(bi) == _DEFERRED
+        if cast and (tw or tb):
+            self._note_autograd_use([i for i in (wi, bi) if i is not None])
+            for i, t in ((wi, tw), (bi, tb)):
+                if t:
+                    self._cast_uses[i] = self._cast_uses.get(i, 0) + 1
+                    self._check_cast_mix(i)
+            return run(w, b)
+        direct = [i for i in (wi, bi) if i is not None and kind.get(i) != _DEFERRED]
+        if direct:
+            self._note_autograd_use(direct)
+        if tw or tb:
+            self._note_deferred_use(wi if tw else -1, bi if tb else -1)
+            me = self._proxy
+            if self._queues:
+                for i, t in ((wi, tw), (bi, tb)):
+                    if t:
+                        self._another_use(i)
+            if tw:
+                w = _Tap.apply(w, me, wi)
+            if tb:
+                b = _Tap.apply(b, me, bi)
+        return run(w, b)
+
+    def _check_cast_mix(self, i: int) -> None:
+        """Parameter i has deferred uses and uses under autocast in this iteration: autograd sums the
+        latter (after the autocast regions' weight casts summed theirs) and the runtime adds that sum to
+        the deferred one, which is autograd's order for two contributions, not for three."""
+        n = self._rt.expected(i) - 1 + self._cast_uses[i]  # deferred/tapped uses (+1: the gate) and autocast ones
+        if n < 3:
+            return
+        raise MemschedError(
+            f"parameter {self._name(i)} is used both outside torch.autocast (its weight gradient deferred by "
+            f"out-of-order backward) and inside it in one forward pass, {n} uses in all: autograd sums such uses "
+            f"in an order memsched cannot reproduce (autocast shares one weight cast between the calls of a "
+            f"region, and memsched sees only their sum), so gradients would differ from plain PyTorch's in the "
+            f"last bits. Nothing was changed. Call that layer either only inside or only outside autocast within "
+            f"one forward pass (the first use decides), or leave the model out of ooo (ooo=False, "
+            f"fuse_optimizer=False).")
+
+    def _keep_arrival_order(self, out: torch.Tensor, wd: int, bd: int) -> None:
+        """A queueing executor: from a parameter's second use in an iteration on, each of its deferred
+        calls -- the first one too: backward usually reaches it last -- tells _arriving() before its
+        item is queued (a pre-hook of its node). A parameter used once costs no Python in backward."""
+        first = self._first_node
+        params = tuple(i for i in (wd, bd) if i >= 0)
+        again = False
+        for i in params:
+            if i in first:
+                again = True
+                self._another_use(i)
+        if again:
+            out.grad_fn.register_prehook(functools.partial(_before_queued, self._proxy, params))
+        entry = (None, None) if again else (out.grad_fn, params)  # (None, None): hooked, or to be hooked
+        for i in params:
+            first[i] = entry
+
+    def _another_use(self, i: int) -> None:
+        """Parameter i has another use this iteration: its first deferred call's node gets the pre-hook."""
+        node, params = self._first_node.get(i, (None, None))
+        if node is not None:
+            node.register_prehook(functools.partial(_before_queued, self._proxy, params))
+            for j in params:
+                self._first_node[j] = (None, None)
+        else:
+            self._first_node[i] = (None, None)  # a _Tap first: i's deferred calls get the pre-hook
+
+    def _arriving(self, params) -> None:
+        """A gradient of these parameters is about to join their sums (an item queued, a _Tap adding):
+        a queued item of one of them runs first, so each parameter's contributions complete in the
+        order they arrive."""
+        waiting = self._maybe_queued
+        if any(i in waiting for i in params):
+            self._flush_queue()
+            waiting.clear()
+        if self._queues:
+            waiting.update(i for i in params if i >= 0)
+
+    def _flush_queue(self) -> None:
+        """Runs every queued item now (the thread executor: waits for its worker to finish them)."""
+        rt = self._rt
+        if rt is None or not rt.queued:
+            return
+        if self._executor == "thread":
+            rt.drain()
+        else:
+            rt.run(False)
+
+    def _tap_arrived(self, i: int, g: torch.Tensor) -> bool:
+        """A _Tap's backward (See Note [One kind of use per parameter and iteration]): adds g to
+        parameter i's deferred sum, after every item queued before it; False: autograd takes g (the
+        runtime is gone, torch.autograd.grad() asks for the parameter, or this pass does not want it)."""
+        rt = self._rt
+        if rt is None or not self._installed:
+            return False
+        try:
+            runs = torch._C._will_engine_execute_node(self._acc[i])
+        except RuntimeError:  # torch.autograd.grad() capturing this leaf's gradient: plain
+            return False
+        if not runs:
+            return False
+        if not rt.backward_started:
+            self._first_deferred()  # as the runtime's first deferred item does
+            rt.backward_started = True
+        self._arriving((i,))
+        self._maybe_queued.discard(i)  # added below, not queued
+        rt.add_autograd_grad(i, _in_layout_of(g, self._params[i]))
+        rt.contribute(i)
+        if rt.poll_after_defer:
+            self._poll_reducer()
+        return True
 
     # ------------------------------------------------------------------ backward
     def _backward_started(self) -> None:
@@ -917,12 +1273,14 @@ class OutOfOrderBackward:
                 f"Raise before backward (check the loss) or use fuse_optimizer=False to skip such a step "
                 f"exactly (Note [A failed backward] in memsched/ooo/backward.py).", RuntimeWarning, stacklevel=2)
         self._callback_queued = False
+        self._first_node.clear()
         self._phase = "idle"
         self._graph = None
         self.__dict__.pop("_graph_obj", None)
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
+        self._first_node.clear()  # (the nodes of a queueing executor's first deferred calls)
         rt = self._rt
         try:
             if self._executor == "thread":

@@ -1,0 +1,73 @@
+"""A convolution under out-of-order backward leaves the weight gradient in the weight's layout, as
+autograd's AccumulateGrad does, so torch's fused optimizer kernels read it in the right order (Note
+[Conv weight gradients in the weight's layout] in python/memsched/ooo/backward.py)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from memsched.ooo import OutOfOrderBackward
+
+CL = {2: torch.channels_last, 3: torch.channels_last_3d}
+
+CASES = {
+    # nd, dtype, input channels_last, weight channels_last, groups, batch
+    "2d_float32_channels_last_input": (2, torch.float32, True, False, 2, 1),
+    "3d_float64_channels_last_weight": (3, torch.float64, False, True, 1, 2),
+}
+
+
+class Net(nn.Module):
+    def __init__(self, nd, dtype, x_cl, groups):
+        super().__init__()
+        conv = nn.Conv2d if nd == 2 else nn.Conv3d
+        self.pre = conv(2, 4, 1, dtype=dtype)
+        self.conv = conv(4, 6, 3, stride=2, padding=1, groups=groups, dtype=dtype)
+        self.x_cl = CL[nd] if x_cl else None
+
+    def forward(self, z):
+        h = torch.tanh(self.pre(z))
+        if self.x_cl is not None:
+            h = h.contiguous(memory_format=self.x_cl)
+        return self.conv(h)
+
+
+def _train(model, nd, under):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ooo = OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=under == "fuse").install() if under else None
+    grads = []
+    try:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            z = torch.randn((2, 2) + (6,) * nd, generator=g, dtype=model.pre.weight.dtype)
+            y = model(z)
+            (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum().backward()
+            grads.append([None if p.grad is None else p.grad.clone(memory_format=torch.preserve_format)
+                          for p in model.parameters()])
+            if ooo is None or ooo.step():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        if ooo is not None:
+            ooo.remove()
+    return grads
+
+
+@pytest.mark.parametrize("under", ["ooo", "fuse"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_conv_weight_gradient_keeps_the_weights_layout(case, under):
+    nd, dtype, x_cl, w_cl, groups, _ = CASES[case]
+    torch.manual_seed(0)
+    plain = Net(nd, dtype, x_cl, groups)
+    if w_cl:
+        plain.conv.to(memory_format=CL[nd])
+    model = copy.deepcopy(plain)
+    want = _train(plain, nd, None)
+    got = _train(model, nd, under)
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
+    if under == "ooo":
+        for gw, gg in zip(want, got):
+            for a, b in zip(gw, gg):
+                assert torch.equal(a, b) and a.stride() == b.stride(), (a.stride(), b.stride())

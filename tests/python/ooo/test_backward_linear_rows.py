@@ -1,0 +1,96 @@
+"""A Linear under out-of-order backward is handed the [rows, in] matrix at::linear itself multiplies and
+gives back at::linear's output form (Note [Linear calls the deferred path gives at::linear's own rows] in
+python/memsched/ooo/backward.py): column-major inputs, a frozen weight under a non-contiguous output
+gradient, in-place ops on the output, and a weight that is not a contiguous matrix train bitwise as in
+plain PyTorch."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from memsched.ooo import OutOfOrderBackward
+
+
+class Net(nn.Module):
+    """pre (trainable, so input gradients reach parameters) -> a layout -> lin -> a post-op."""
+
+    def __init__(self, layout, post, d, out, bias, dtype):
+        super().__init__()
+        self.pre = nn.Linear(4, 24 * d, dtype=dtype)
+        self.lin = nn.Linear(d, out, bias=bias, dtype=dtype)
+        self.layout, self.post, self.d = layout, post, d
+
+    def forward(self, z):
+        t = torch.tanh(self.pre(z)).reshape(-1)  # 96 * d values
+        d = self.d
+        x = {"column_major": lambda: t[:3 * d].view(d, 3).t(),  # [3, d], strides (1, 3)
+             "one_by_one": lambda: t[:1],  # 1-D with in_features 1: at::linear's [1, 1] matrix
+             "3d": lambda: t[:24 * d].view(4, 6, d),
+             "1d": lambda: t[:d]}[self.layout]()
+        y = self.lin(x)
+        if self.post == "inplace":
+            y = y.mul_(1.5)
+        elif self.post == "transposed_grad":
+            y = y.transpose(0, 1).contiguous()  # the output gradient arrives as a transposed view
+        elif self.post == "chain":
+            y = self.lin(torch.tanh(y))
+        return y
+
+
+CASES = {
+    # (layout, post, in, out, bias, dtype, freeze_weight, weight_transposed, optimizer)
+    "column_major_input": ("column_major", "chain", 33, 33, True, torch.float32, False, False, "adam"),
+    "column_major_input_no_bias": ("column_major", "none", 33, 17, False, torch.float32, False, False, "sgd"),
+    "1d_in_features_1": ("one_by_one", "none", 1, 64, False, torch.float32, False, False, "sgd"),
+    "inplace_after_3d_with_bias": ("3d", "inplace", 8, 16, True, torch.float32, False, False, "sgd"),
+    "inplace_after_1d_with_bias": ("1d", "inplace", 8, 16, True, torch.float32, False, False, "sgd"),
+    "frozen_weight_transposed_grad": ("3d", "transposed_grad", 64, 17, True, torch.float64, True, False, "sgd"),
+    "transposed_weight_fused_adamw": ("3d", "none", 16, 8, False, torch.float64, False, True, "adamw_fused"),
+}
+
+OPTS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+        "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+        "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True)}
+
+
+def _train(model, make_opt, under):
+    opt = make_opt([p for p in model.parameters() if p.requires_grad])
+    ooo = OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=under == "fuse").install() if under else None
+    grads = []
+    try:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            z = torch.randn(4, 4, generator=g, dtype=model.pre.weight.dtype)
+            y = model(z)
+            (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum().backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            if ooo is None or ooo.step():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        if ooo is not None:
+            ooo.remove()
+    return grads
+
+
+@pytest.mark.parametrize("under", ["ooo", "fuse"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_linear_trains_bitwise_as_plain(case, under):
+    layout, post, d, out, bias, dtype, freeze, transposed, opt = CASES[case]
+    torch.manual_seed(0)
+    plain = Net(layout, post, d, out, bias, dtype)
+    if transposed:
+        plain.lin.weight = nn.Parameter(plain.lin.weight.detach().t().contiguous().t())
+    plain.lin.weight.requires_grad_(not freeze)
+    model = copy.deepcopy(plain)
+    want = _train(plain, OPTS[opt], None)
+    got = _train(model, OPTS[opt], under)
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
+    if under == "ooo":  # gradients, and their layout (AccumulateGrad's contract), before each step
+        for gw, gg in zip(want, got):
+            for a, b in zip(gw, gg):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert torch.equal(a, b) and a.stride() == b.stride()
