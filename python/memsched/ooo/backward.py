@@ -253,7 +253,11 @@ Note [One kind of use per parameter and iteration]
   node before the parameter sees them (a _Tap per call split that sum: 5e-3 off). Such a call goes to
   autograd, whose sum the runtime adds to the deferred one: autograd's order for two contributions;
   a use that makes three is refused (MemschedError, in forward) -- it may also refuse three uses whose
-  autocast calls share one region, which plain sums as two.
+  autocast calls share one region, which plain sums as two. The thread executor gets no _Tap either:
+  a tensor that has a Python object needs the GIL when the worker drops it, which DwRuntime::finalize
+  does under the runtime's lock while the engine thread, in memsched's gradient hook, holds the GIL
+  and waits for that lock (a Linear called row-major, then column-major, hung); such calls are
+  treated as autocast ones are.
   Limitations: a _Tap costs a Python Function per parameter and call, and a queueing executor a
   Python pre-hook per deferred call of a parameter used more than once; the flush runs a reused
   layer's items earlier than the byte limit alone would. A queueing executor keeps the node of each
@@ -970,12 +974,12 @@ class OutOfOrderBackward:
         kind = self._kind
         tw = wi is not None and kind.get(wi) == _DEFERRED
         tb = bi is not None and kind.get(bi) == _DEFERRED
-        if cast and (tw or tb):
+        if (cast or self._executor == "thread") and (tw or tb):
             self._note_autograd_use([i for i in (wi, bi) if i is not None])
             for i, t in ((wi, tw), (bi, tb)):
                 if t:
                     self._cast_uses[i] = self._cast_uses.get(i, 0) + 1
-                    self._check_cast_mix(i)
+                    self._check_cast_mix(i, cast)
             return run(w, b)
         direct = [i for i in (wi, bi) if i is not None and kind.get(i) != _DEFERRED]
         if direct:
@@ -993,21 +997,26 @@ class OutOfOrderBackward:
                 b = _Tap.apply(b, me, bi)
         return run(w, b)
 
-    def _check_cast_mix(self, i: int) -> None:
-        """Parameter i has deferred uses and uses under autocast in this iteration: autograd sums the
-        latter (after the autocast regions' weight casts summed theirs) and the runtime adds that sum to
-        the deferred one, which is autograd's order for two contributions, not for three."""
-        n = self._rt.expected(i) - 1 + self._cast_uses[i]  # deferred/tapped uses (+1: the gate) and autocast ones
+    def _check_cast_mix(self, i: int, cast: Optional[bool] = None) -> None:
+        """Parameter i has deferred uses and untapped autograd uses in this iteration (under autocast, or
+        any with the thread executor): autograd sums the latter and the runtime adds that sum to the
+        deferred one, which is autograd's order for two contributions, not for three."""
+        n = self._rt.expected(i) - 1 + self._cast_uses[i]  # deferred/tapped uses (+1: the gate) and the others
         if n < 3:
             return
+        if cast is None:
+            cast = self._executor != "thread"
+        why = ("inside torch.autocast, which shares one weight cast between the calls of a region and hands "
+               "memsched only their sum" if cast else
+               "with executor='thread', whose worker cannot take a gradient made in Python: it would wait for "
+               "the GIL while holding the runtime's lock")
         raise MemschedError(
-            f"parameter {self._name(i)} is used both outside torch.autocast (its weight gradient deferred by "
-            f"out-of-order backward) and inside it in one forward pass, {n} uses in all: autograd sums such uses "
-            f"in an order memsched cannot reproduce (autocast shares one weight cast between the calls of a "
-            f"region, and memsched sees only their sum), so gradients would differ from plain PyTorch's in the "
-            f"last bits. Nothing was changed. Call that layer either only inside or only outside autocast within "
-            f"one forward pass (the first use decides), or leave the model out of ooo (ooo=False, "
-            f"fuse_optimizer=False).")
+            f"parameter {self._name(i)} has {n} uses in one forward pass, some whose weight gradient out-of-order "
+            f"backward defers and some it leaves to autograd ({why}): autograd sums them in an order memsched "
+            f"cannot reproduce there, so gradients would differ from plain PyTorch's in the last bits. Nothing "
+            f"was changed. Call that layer the same way in every use of a forward pass (all inside or all outside "
+            f"autocast; with executor='thread', inputs of one layout: contiguous, not transposed), use the default "
+            f"executor, or leave the model out of ooo (ooo=False, fuse_optimizer=False).")
 
     def _keep_arrival_order(self, out: torch.Tensor, wd: int, bd: int) -> None:
         """A queueing executor: from a parameter's second use in an iteration on, each of its deferred
