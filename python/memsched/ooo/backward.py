@@ -987,10 +987,12 @@ class OutOfOrderBackward:
         if tw or tb:
             self._note_deferred_use(wi if tw else -1, bi if tb else -1)
             me = self._proxy
-            if self._queues:
-                for i, t in ((wi, tw), (bi, tb)):
-                    if t:
+            for i, t in ((wi, tw), (bi, tb)):
+                if t:
+                    if self._queues:
                         self._another_use(i)
+                    if i in self._cast_uses:  # a tapped use counts as a deferred one there
+                        self._check_cast_mix(i)
             if tw:
                 w = _Tap.apply(w, me, wi)
             if tb:

@@ -170,3 +170,12 @@ def test_thread_executor_refuses_a_third_use_mixing_deferred_and_autograd_calls(
     with OutOfOrderBackward(model, executor="thread"):
         with pytest.raises(MemschedError, match="executor='thread'"):
             model(torch.randn(4, 4))
+
+
+def test_a_tapped_use_after_an_autocast_use_of_a_deferred_weight_is_refused():
+    """r, a, c: the column-major call's gradient joined the deferred sum as it arrived, the autocast one's
+    was added after it: not autograd's order for three contributions."""
+    model = Reused("rac")
+    with OutOfOrderBackward(model):
+        with pytest.raises(MemschedError, match="inside torch.autocast"):
+            model(torch.randn(4, 4))
