@@ -201,9 +201,15 @@ Note [Linear calls the deferred path gives at::linear's own rows]
   not a contiguous matrix's (a transposed Parameter) gets autograd's gradient as (rows^T grad)^T in
   the weight's own layout, where the deferred one is grad^T rows, contiguous (the fused AdamW kernel
   then read the gradient in the wrong order: 3e-2 off).
-  Approach: the patched forward hands the Function the [rows, in] matrix at::linear itself
-  multiplies (x.reshape(rows, in), as at::linear's flatten and matmul's fold do) and gives back
-  at::linear's output form (a view for the flattened bias path, an _unsafe_view for the folded
+  Approach: a contiguous input of more than two dimensions with a trainable weight (the common
+  case) goes to the Function as it is: at::linear flattens it to contiguous rows, and the Function's
+  grad.matmul(W) in backward folds the output gradient to rows as autograd's view does (matmul
+  folds when the weight requires grad); its output, when a view (the bias path), is handed back as
+  an _unsafe_view, which an in-place op may change (a Python op and autograd node, ~8 us a call on
+  CPU, until the C++ Function returns no view: deferred_layers.cpp). Any other input the patched
+  forward hands over as the [rows, in] matrix at::linear itself multiplies (x.reshape(rows, in),
+  as at::linear's flatten and matmul's fold do; a 1-D input with a bias viewed [1, in]) and gives
+  back at::linear's output form (a view for the flattened bias path, an _unsafe_view for the folded
   one), so the Function's output gradient is autograd's flattened one. A call whose matrix is
   column-major, or whose trainable weight is not a contiguous matrix, runs the stock forward and
   counts as an autograd use.
@@ -336,6 +342,7 @@ def _eligible(module: nn.Module) -> bool:
 
 
 _unsafe_view = torch.ops.aten._unsafe_view
+_unsafe_view_default = torch.ops.aten._unsafe_view.default
 
 
 def _rows_major(w: torch.Tensor) -> bool:
@@ -345,14 +352,14 @@ def _rows_major(w: torch.Tensor) -> bool:
     return w.dim() == 2 and w.stride(1) == 1 and w.stride(0) == w.size(1)
 
 
-def _linear_rows(x: torch.Tensor, has_bias: bool):
-    """What the deferred Linear is applied to: x itself (2-D, or 1-D / folded by at::linear without
-    a view), the [rows, in] matrix at::linear itself multiplies (x of more than two dimensions, or
-    1-D with a bias, which at::linear flattens and views back), or None when autograd must run the
-    call: the matrix is column-major, where autograd's input gradient is a differently ordered mm, or
-    x has more than two dimensions, is not contiguous and meets a bias (See Notes [Linear inputs that
-    at::linear reduces in another order], [Linear calls the deferred path gives at::linear's own
-    rows])."""
+def _linear_rows(x: torch.Tensor, has_bias: bool, folds: bool):
+    """What the deferred Linear is applied to: x itself (2-D; 1-D or more than two dimensions where
+    at::linear's own flattening and the Function's matmul in backward, which folds x's leading
+    dimensions when the weight requires grad (folds), multiply the same contiguous rows), the [rows,
+    in] matrix at::linear itself multiplies (otherwise), or None when autograd must run the call: the
+    matrix is column-major, where autograd's input gradient is a differently ordered mm, or x has more
+    than two dimensions, is not contiguous and meets a bias (See Notes [Linear inputs that at::linear
+    reduces in another order], [Linear calls the deferred path gives at::linear's own rows])."""
     d = x.dim()
     if d == 2:
         rows = x
@@ -365,7 +372,10 @@ def _linear_rows(x: torch.Tensor, has_bias: bool):
     elif d == 0:
         return x  # at::linear raises its own error
     else:
-        if has_bias and not x.is_contiguous():
+        contiguous = x.is_contiguous()
+        if contiguous and folds and x.numel() > x.size(-1) > 1:
+            return x  # rows > 1 and in > 1: row-major [rows, in] strides
+        if has_bias and not contiguous:
             return None
         n = 1
         for k in x.shape[:-1]:
@@ -749,9 +759,13 @@ class OutOfOrderBackward:
                     return nn.Linear.forward(mod, x)
                 # See Notes [Linear inputs that at::linear reduces in another order], [Linear calls the
                 # deferred path gives at::linear's own rows], [One kind of use per parameter and iteration]
-                rows = _linear_rows(x, mod.bias is not None)
+                w = mod.weight
+                if x.dim() == 2:  # the common case, inline: x itself unless column-major
+                    rows = None if x.stride(0) == 1 and x.stride(1) == x.size(0) else x
+                else:
+                    rows = _linear_rows(x, mod.bias is not None, w.requires_grad)
                 cast = torch.is_autocast_enabled(x.device.type)
-                autograd = cast or rows is None or (wi is not None and not _rows_major(mod.weight))
+                autograd = cast or rows is None or (wi is not None and not (w.stride(1) == 1 and w.stride(0) == w.size(1)))
                 wd, bd = me._deferred_indices(wi, bi, autograd)
                 if wd < 0 and bd < 0:
                     return stock(lambda w, b: F.linear(x, w, b), mod.weight, mod.bias, wi, bi, cast)
@@ -759,7 +773,9 @@ class OutOfOrderBackward:
                 if me._queues:
                     me._keep_arrival_order(out, wd, bd)
                 if rows is x:
-                    return out
+                    # at::linear flattened x and viewed addmm's output back (3-D with a bias): a view made in
+                    # a custom Function, which an in-place op may not change; plain's may be
+                    return _unsafe_view_default(out, out.shape) if out._is_view() else out
                 shape = x.shape[:-1] + out.shape[-1:]
                 # at::linear's own output: a view of addmm's for a flattened input with a bias, an
                 # _unsafe_view of mm's where matmul folded it
@@ -944,6 +960,14 @@ class OutOfOrderBackward:
         if self._phase_name != "forward":
             self._begin_if_idle()
         kind = self._kind
+        if not autograd and not self._cast_uses:  # the common case, in short
+            kw = _DEFERRED if wi is None else kind.setdefault(wi, _DEFERRED)
+            kb = _DEFERRED if bi is None else kind.setdefault(bi, _DEFERRED)
+            if kw == _DEFERRED and kb == _DEFERRED:
+                wd = -1 if wi is None else wi
+                bd = -1 if bi is None else bi
+                self._note_deferred_use(wd, bd)
+                return wd, bd
         out = [-1, -1]
         direct = []
         for k, i in enumerate((wi, bi)):
