@@ -128,7 +128,13 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                             const std::optional<at::Tensor>& bias, const c10::intrusive_ptr<LayerConf>& conf) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["c"] = at::IValue::make_capsule(conf);
-    return at::linear(x, weight, bias);
+    at::Tensor out = at::linear(x, weight, bias);
+    // at::linear flattens an input of more than two dimensions with a bias and views addmm's output
+    // back; returned from a custom Function, that view may not be changed in place (relu_), where
+    // plain PyTorch's may: return it as no view (Note [Linear calls the deferred path gives
+    // at::linear's own rows] in backward.py, which launders it in Python while this is unbuilt).
+    if (out.is_view()) out = at::_unsafe_view(out, out.sizes());
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

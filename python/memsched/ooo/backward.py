@@ -201,9 +201,15 @@ Note [Linear calls the deferred path gives at::linear's own rows]
   not a contiguous matrix's (a transposed Parameter) gets autograd's gradient as (rows^T grad)^T in
   the weight's own layout, where the deferred one is grad^T rows, contiguous (the fused AdamW kernel
   then read the gradient in the wrong order: 3e-2 off).
-  Approach: the patched forward hands the Function the [rows, in] matrix at::linear itself
-  multiplies (x.reshape(rows, in), as at::linear's flatten and matmul's fold do) and gives back
-  at::linear's output form (a view for the flattened bias path, an _unsafe_view for the folded
+  Approach: a contiguous input of more than two dimensions with a trainable weight (the common
+  case) goes to the Function as it is: at::linear flattens it to contiguous rows, and the Function's
+  grad.matmul(W) in backward folds the output gradient to rows as autograd's view does (matmul
+  folds when the weight requires grad); its output, when a view (the bias path), is handed back as
+  an _unsafe_view, which an in-place op may change (a Python op and autograd node, ~8 us a call on
+  CPU, until the C++ Function returns no view: deferred_layers.cpp). Any other input the patched
+  forward hands over as the [rows, in] matrix at::linear itself multiplies (x.reshape(rows, in),
+  as at::linear's flatten and matmul's fold do; a 1-D input with a bias viewed [1, in]) and gives
+  back at::linear's output form (a view for the flattened bias path, an _unsafe_view for the folded
   one), so the Function's output gradient is autograd's flattened one. A call whose matrix is
   column-major, or whose trainable weight is not a contiguous matrix, runs the stock forward and
   counts as an autograd use.
@@ -253,7 +259,11 @@ Note [One kind of use per parameter and iteration]
   node before the parameter sees them (a _Tap per call split that sum: 5e-3 off). Such a call goes to
   autograd, whose sum the runtime adds to the deferred one: autograd's order for two contributions;
   a use that makes three is refused (MemschedError, in forward) -- it may also refuse three uses whose
-  autocast calls share one region, which plain sums as two.
+  autocast calls share one region, which plain sums as two. The thread executor gets no _Tap either:
+  a tensor that has a Python object needs the GIL when the worker drops it, which DwRuntime::finalize
+  does under the runtime's lock while the engine thread, in memsched's gradient hook, holds the GIL
+  and waits for that lock (a Linear called row-major, then column-major, hung); such calls are
+  treated as autocast ones are.
   Limitations: a _Tap costs a Python Function per parameter and call, and a queueing executor a
   Python pre-hook per deferred call of a parameter used more than once; the flush runs a reused
   layer's items earlier than the byte limit alone would. A queueing executor keeps the node of each
@@ -332,6 +342,7 @@ def _eligible(module: nn.Module) -> bool:
 
 
 _unsafe_view = torch.ops.aten._unsafe_view
+_unsafe_view_default = torch.ops.aten._unsafe_view.default
 
 
 def _rows_major(w: torch.Tensor) -> bool:
@@ -341,14 +352,14 @@ def _rows_major(w: torch.Tensor) -> bool:
     return w.dim() == 2 and w.stride(1) == 1 and w.stride(0) == w.size(1)
 
 
-def _linear_rows(x: torch.Tensor, has_bias: bool):
-    """What the deferred Linear is applied to: x itself (2-D, or 1-D / folded by at::linear without
-    a view), the [rows, in] matrix at::linear itself multiplies (x of more than two dimensions, or
-    1-D with a bias, which at::linear flattens and views back), or None when autograd must run the
-    call: the matrix is column-major, where autograd's input gradient is a differently ordered mm, or
-    x has more than two dimensions, is not contiguous and meets a bias (See Notes [Linear inputs that
-    at::linear reduces in another order], [Linear calls the deferred path gives at::linear's own
-    rows])."""
+def _linear_rows(x: torch.Tensor, has_bias: bool, folds: bool):
+    """What the deferred Linear is applied to: x itself (2-D; 1-D or more than two dimensions where
+    at::linear's own flattening and the Function's matmul in backward, which folds x's leading
+    dimensions when the weight requires grad (folds), multiply the same contiguous rows), the [rows,
+    in] matrix at::linear itself multiplies (otherwise), or None when autograd must run the call: the
+    matrix is column-major, where autograd's input gradient is a differently ordered mm, or x has more
+    than two dimensions, is not contiguous and meets a bias (See Notes [Linear inputs that at::linear
+    reduces in another order], [Linear calls the deferred path gives at::linear's own rows])."""
     d = x.dim()
     if d == 2:
         rows = x
@@ -361,7 +372,10 @@ def _linear_rows(x: torch.Tensor, has_bias: bool):
     elif d == 0:
         return x  # at::linear raises its own error
     else:
-        if has_bias and not x.is_contiguous():
+        contiguous = x.is_contiguous()
+        if contiguous and folds and x.numel() > x.size(-1) > 1:
+            return x  # rows > 1 and in > 1: row-major [rows, in] strides
+        if has_bias and not contiguous:
             return None
         n = 1
         for k in x.shape[:-1]:
@@ -745,9 +759,13 @@ class OutOfOrderBackward:
                     return nn.Linear.forward(mod, x)
                 # See Notes [Linear inputs that at::linear reduces in another order], [Linear calls the
                 # deferred path gives at::linear's own rows], [One kind of use per parameter and iteration]
-                rows = _linear_rows(x, mod.bias is not None)
+                w = mod.weight
+                if x.dim() == 2:  # the common case, inline: x itself unless column-major
+                    rows = None if x.stride(0) == 1 and x.stride(1) == x.size(0) else x
+                else:
+                    rows = _linear_rows(x, mod.bias is not None, w.requires_grad)
                 cast = torch.is_autocast_enabled(x.device.type)
-                autograd = cast or rows is None or (wi is not None and not _rows_major(mod.weight))
+                autograd = cast or rows is None or (wi is not None and not (w.stride(1) == 1 and w.stride(0) == w.size(1)))
                 wd, bd = me._deferred_indices(wi, bi, autograd)
                 if wd < 0 and bd < 0:
                     return stock(lambda w, b: F.linear(x, w, b), mod.weight, mod.bias, wi, bi, cast)
@@ -755,7 +773,9 @@ class OutOfOrderBackward:
                 if me._queues:
                     me._keep_arrival_order(out, wd, bd)
                 if rows is x:
-                    return out
+                    # at::linear flattened x and viewed addmm's output back (3-D with a bias): a view made in
+                    # a custom Function, which an in-place op may not change; plain's may be
+                    return _unsafe_view_default(out, out.shape) if out._is_view() else out
                 shape = x.shape[:-1] + out.shape[-1:]
                 # at::linear's own output: a view of addmm's for a flattened input with a bias, an
                 # _unsafe_view of mm's where matmul folded it
@@ -940,6 +960,14 @@ class OutOfOrderBackward:
         if self._phase_name != "forward":
             self._begin_if_idle()
         kind = self._kind
+        if not autograd and not self._cast_uses:  # the common case, in short
+            kw = _DEFERRED if wi is None else kind.setdefault(wi, _DEFERRED)
+            kb = _DEFERRED if bi is None else kind.setdefault(bi, _DEFERRED)
+            if kw == _DEFERRED and kb == _DEFERRED:
+                wd = -1 if wi is None else wi
+                bd = -1 if bi is None else bi
+                self._note_deferred_use(wd, bd)
+                return wd, bd
         out = [-1, -1]
         direct = []
         for k, i in enumerate((wi, bi)):
@@ -970,12 +998,12 @@ class OutOfOrderBackward:
         kind = self._kind
         tw = wi is not None and kind.get(wi) == _DEFERRED
         tb = bi is not None and kind.get(bi) == _DEFERRED
-        if cast and (tw or tb):
+        if (cast or self._executor == "thread") and (tw or tb):
             self._note_autograd_use([i for i in (wi, bi) if i is not None])
             for i, t in ((wi, tw), (bi, tb)):
                 if t:
                     self._cast_uses[i] = self._cast_uses.get(i, 0) + 1
-                    self._check_cast_mix(i)
+                    self._check_cast_mix(i, cast)
             return run(w, b)
         direct = [i for i in (wi, bi) if i is not None and kind.get(i) != _DEFERRED]
         if direct:
@@ -983,31 +1011,38 @@ class OutOfOrderBackward:
         if tw or tb:
             self._note_deferred_use(wi if tw else -1, bi if tb else -1)
             me = self._proxy
-            if self._queues:
-                for i, t in ((wi, tw), (bi, tb)):
-                    if t:
+            for i, t in ((wi, tw), (bi, tb)):
+                if t:
+                    if self._queues:
                         self._another_use(i)
+                    if i in self._cast_uses:  # a tapped use counts as a deferred one there
+                        self._check_cast_mix(i)
             if tw:
                 w = _Tap.apply(w, me, wi)
             if tb:
                 b = _Tap.apply(b, me, bi)
         return run(w, b)
 
-    def _check_cast_mix(self, i: int) -> None:
-        """Parameter i has deferred uses and uses under autocast in this iteration: autograd sums the
-        latter (after the autocast regions' weight casts summed theirs) and the runtime adds that sum to
-        the deferred one, which is autograd's order for two contributions, not for three."""
-        n = self._rt.expected(i) - 1 + self._cast_uses[i]  # deferred/tapped uses (+1: the gate) and autocast ones
+    def _check_cast_mix(self, i: int, cast: Optional[bool] = None) -> None:
+        """Parameter i has deferred uses and untapped autograd uses in this iteration (under autocast, or
+        any with the thread executor): autograd sums the latter and the runtime adds that sum to the
+        deferred one, which is autograd's order for two contributions, not for three."""
+        n = self._rt.expected(i) - 1 + self._cast_uses[i]  # deferred/tapped uses (+1: the gate) and the others
         if n < 3:
             return
+        if cast is None:
+            cast = self._executor != "thread"
+        why = ("inside torch.autocast, which shares one weight cast between the calls of a region and hands "
+               "memsched only their sum" if cast else
+               "with executor='thread', whose worker cannot take a gradient made in Python: it would wait for "
+               "the GIL while holding the runtime's lock")
         raise MemschedError(
-            f"parameter {self._name(i)} is used both outside torch.autocast (its weight gradient deferred by "
-            f"out-of-order backward) and inside it in one forward pass, {n} uses in all: autograd sums such uses "
-            f"in an order memsched cannot reproduce (autocast shares one weight cast between the calls of a "
-            f"region, and memsched sees only their sum), so gradients would differ from plain PyTorch's in the "
-            f"last bits. Nothing was changed. Call that layer either only inside or only outside autocast within "
-            f"one forward pass (the first use decides), or leave the model out of ooo (ooo=False, "
-            f"fuse_optimizer=False).")
+            f"parameter {self._name(i)} has {n} uses in one forward pass, some whose weight gradient out-of-order "
+            f"backward defers and some it leaves to autograd ({why}): autograd sums them in an order memsched "
+            f"cannot reproduce there, so gradients would differ from plain PyTorch's in the last bits. Nothing "
+            f"was changed. Call that layer the same way in every use of a forward pass (all inside or all outside "
+            f"autocast; with executor='thread', inputs of one layout: contiguous, not transposed), use the default "
+            f"executor, or leave the model out of ooo (ooo=False, fuse_optimizer=False).")
 
     def _keep_arrival_order(self, out: torch.Tensor, wd: int, bd: int) -> None:
         """A queueing executor: from a parameter's second use in an iteration on, each of its deferred

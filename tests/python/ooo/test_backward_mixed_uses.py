@@ -130,5 +130,52 @@ def test_a_deferred_weight_used_again_under_autocast_beyond_two_contributions_is
     cannot split them as they arrive, and a _Tap per call summed them in float32 (5e-3 off)."""
     model = UnderAutocast("r|AA")
     with OutOfOrderBackward(model):
-        with pytest.raises(MemschedError, match="both outside torch.autocast"):
+        with pytest.raises(MemschedError, match="inside torch.autocast"):
+            model(torch.randn(4, 4))
+
+
+_THREAD_MIXED = r"""
+import torch, torch.nn as nn
+from memsched.ooo import OutOfOrderBackward
+torch.manual_seed(0)
+layers = nn.ModuleList([nn.Linear(512, 512) for _ in range(4)])
+norms = nn.ModuleList([nn.LayerNorm(512) for _ in range(4)])  # autograd parameters: their hooks take the lock
+model = nn.ModuleList([layers, norms])
+with OutOfOrderBackward(model, executor="thread"):
+    for step in range(3):
+        h = torch.randn(8, 512)
+        for lin, ln in zip(layers, norms):
+            a = lin(h)  # deferred
+            h = ln(torch.tanh(a + lin(h.t().contiguous().t())))  # column-major: left to autograd
+        h.square().sum().backward()
+print("done")
+"""
+
+
+def test_thread_executor_with_deferred_and_autograd_calls_of_one_layer_finishes():
+    """A _Tap's gradient (a tensor with a Python object) in the worker's pending sum made the worker wait
+    for the GIL under the runtime's lock while the engine thread held the GIL waiting for that lock."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", _THREAD_MIXED], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip().endswith("done"), r.stderr[-2000:]
+
+
+def test_thread_executor_refuses_a_third_use_mixing_deferred_and_autograd_calls():
+    torch.manual_seed(0)
+    model = Reused("rrc")
+    with OutOfOrderBackward(model, executor="thread"):
+        with pytest.raises(MemschedError, match="executor='thread'"):
+            model(torch.randn(4, 4))
+
+
+def test_a_tapped_use_after_an_autocast_use_of_a_deferred_weight_is_refused():
+    """r, a, c: the column-major call's gradient joined the deferred sum as it arrived, the autocast one's
+    was added after it: not autograd's order for three contributions."""
+    model = Reused("rac")
+    with OutOfOrderBackward(model):
+        with pytest.raises(MemschedError, match="inside torch.autocast"):
             model(torch.randn(4, 4))
