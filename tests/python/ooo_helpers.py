@@ -71,3 +71,27 @@ def assert_same_state(model_a, opt_a, model_b, opt_b, exact=True):
                 assert sa[k] == sb[k], k
     for ba, bb in zip(model_a.buffers(), model_b.buffers()):
         assert torch.equal(ba, bb)
+
+
+def weighted_sum_steps(model, opt, input_of, ooo_kw=None, steps=3, keep_grads=False):
+    """`steps` training steps of model(input_of(g)) with a fixed random weighting of the output as the
+    loss (every output element gets its own gradient), g a generator seeded with the step: plainly
+    (ooo_kw None) or under OutOfOrderBackward(model, optimizer=opt, **ooo_kw). Returns each step's
+    gradients (clones keeping their layout) when keep_grads, else []."""
+    ooo = OutOfOrderBackward(model, optimizer=opt, **ooo_kw).install() if ooo_kw is not None else None
+    grads = []
+    try:
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            y = model(input_of(g))
+            (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum().backward()
+            if keep_grads:
+                grads.append([None if p.grad is None else p.grad.clone(memory_format=torch.preserve_format)
+                              for p in model.parameters()])
+            if ooo is None or ooo.step():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        if ooo is not None:
+            ooo.remove()
+    return grads

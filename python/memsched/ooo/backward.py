@@ -345,13 +345,6 @@ _unsafe_view = torch.ops.aten._unsafe_view
 _unsafe_view_default = torch.ops.aten._unsafe_view.default
 
 
-def _rows_major(w: torch.Tensor) -> bool:
-    """w [out, in] has the strides of a contiguous matrix, size-1 dimensions included: autograd's
-    weight gradient of at::linear is then grad.t().mm(rows) in that layout, as the deferred one is
-    (Note [Linear calls the deferred path gives at::linear's own rows])."""
-    return w.dim() == 2 and w.stride(1) == 1 and w.stride(0) == w.size(1)
-
-
 def _linear_rows(x: torch.Tensor, has_bias: bool, folds: bool):
     """What the deferred Linear is applied to: x itself (2-D; 1-D or more than two dimensions where
     at::linear's own flattening and the Function's matmul in backward, which folds x's leading

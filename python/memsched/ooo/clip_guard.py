@@ -52,6 +52,15 @@ _FIX = ("For global-norm clipping use fuse_optimizer=False with max_grad_norm=..
         "register_post_accumulate_grad_hook).")
 
 
+def _norm_clip_refused(name, freed_note=""):
+    """The refusal of torch.nn.utils.<name> on parameters the fused update steps."""
+    return MemschedError(
+        f"torch.nn.utils.{name} on parameters of a model under OutOfOrderBackward(fuse_optimizer=True) "
+        "(memsched.optimize(..., fuse_optimizer=True)): each parameter was already stepped during backward with "
+        f"its unclipped gradient, which was then freed{freed_note}, so clipping now would silently clip nothing. "
+        + _FIX)
+
+
 def _guarded_clip_grad_norm_(parameters, max_norm, *args, **kwargs):
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
     if not math.isfinite(float(max_norm)):
@@ -60,23 +69,15 @@ def _guarded_clip_grad_norm_(parameters, max_norm, *args, **kwargs):
         return _original(params, max_norm, *args, **kwargs)
     for owner in list(_fused_owners):
         if any(owner.owns_parameter(p) for p in params):
-            raise MemschedError(
-                "torch.nn.utils.clip_grad_norm_ on parameters of a model under "
-                "OutOfOrderBackward(fuse_optimizer=True) (memsched.optimize(..., fuse_optimizer=True)): each "
-                "parameter was already stepped during backward with its unclipped gradient, which was then "
-                "freed, so clipping now would silently clip nothing. " + _FIX)
+            raise _norm_clip_refused("clip_grad_norm_")
     return _original(params, max_norm, *args, **kwargs)
 
 
 def _guarded_clip_grads_with_norm_(parameters, max_norm, *args, **kwargs):
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
     if math.isfinite(float(max_norm)) and any(o.owns_parameter(p) for o in list(_fused_owners) for p in params):
-        raise MemschedError(
-            "torch.nn.utils.clip_grads_with_norm_ on parameters of a model under "
-            "OutOfOrderBackward(fuse_optimizer=True) (memsched.optimize(..., fuse_optimizer=True)): each "
-            "parameter was already stepped during backward with its unclipped gradient, which was then freed "
-            "(torch.nn.utils.get_total_norm of the gradients left finds none of them), so clipping now would "
-            "silently clip nothing. " + _FIX)
+        raise _norm_clip_refused("clip_grads_with_norm_",
+                                 " (torch.nn.utils.get_total_norm of the gradients left finds none of them)")
     return _original_with_norm(params, max_norm, *args, **kwargs)
 
 

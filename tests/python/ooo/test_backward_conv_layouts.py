@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memsched.ooo import OutOfOrderBackward
+from ooo_helpers import weighted_sum_steps
 
 CL = {2: torch.channels_last, 3: torch.channels_last_3d}
 
@@ -35,23 +35,9 @@ class Net(nn.Module):
 
 def _train(model, nd, under):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    ooo = OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=under == "fuse").install() if under else None
-    grads = []
-    try:
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            z = torch.randn((2, 2) + (6,) * nd, generator=g, dtype=model.pre.weight.dtype)
-            y = model(z)
-            (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum().backward()
-            grads.append([None if p.grad is None else p.grad.clone(memory_format=torch.preserve_format)
-                          for p in model.parameters()])
-            if ooo is None or ooo.step():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    finally:
-        if ooo is not None:
-            ooo.remove()
-    return grads
+    shape, dtype = (2, 2) + (6,) * nd, model.pre.weight.dtype
+    return weighted_sum_steps(model, opt, lambda g: torch.randn(shape, generator=g, dtype=dtype),
+                              dict(fuse_optimizer=under == "fuse") if under else None, keep_grads=True)
 
 
 @pytest.mark.parametrize("under", ["ooo", "fuse"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memsched.ooo import OutOfOrderBackward
+from ooo_helpers import weighted_sum_steps
 
 
 class Net(nn.Module):
@@ -56,22 +56,8 @@ OPTS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1),
 
 def _train(model, make_opt, under):
     opt = make_opt([p for p in model.parameters() if p.requires_grad])
-    ooo = OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=under == "fuse").install() if under else None
-    grads = []
-    try:
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            z = torch.randn(4, 4, generator=g, dtype=model.pre.weight.dtype)
-            y = model(z)
-            (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum().backward()
-            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
-            if ooo is None or ooo.step():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    finally:
-        if ooo is not None:
-            ooo.remove()
-    return grads
+    return weighted_sum_steps(model, opt, lambda g: torch.randn(4, 4, generator=g, dtype=model.pre.weight.dtype),
+                              dict(fuse_optimizer=under == "fuse") if under else None, keep_grads=True)
 
 
 @pytest.mark.parametrize("under", ["ooo", "fuse"])

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from memsched import MemschedError
 from memsched.ooo import OutOfOrderBackward
+from ooo_helpers import weighted_sum_steps
 
 D = 33
 
@@ -46,18 +47,8 @@ class Reused(nn.Module):
 
 def _train(model, under, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ooo = OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=under == "fuse", **kw).install() if under else None
-    try:
-        for step in range(2):
-            g = torch.Generator().manual_seed(step)
-            y = model(torch.randn(4, 4, generator=g))
-            (y * torch.randn(y.shape, generator=g)).sum().backward()
-            if ooo is None or ooo.step():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    finally:
-        if ooo is not None:
-            ooo.remove()
+    weighted_sum_steps(model, opt, lambda g: torch.randn(4, 4, generator=g),
+                       dict(fuse_optimizer=under == "fuse", **kw) if under else None, steps=2)
 
 
 def _assert_trains_as_plain(calls, under, **kw):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memsched.ooo import OutOfOrderBackward
+from ooo_helpers import weighted_sum_steps
 
 
 class Net(nn.Module):
@@ -24,18 +24,8 @@ class Net(nn.Module):
 
 def _train(model, ooo_kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ooo = OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=True, **ooo_kw).install() if ooo_kw else None
-    try:
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            y = model(torch.randn(4, 4, generator=g))
-            (y * torch.randn(y.shape, generator=g)).sum().backward()
-            if ooo is None or ooo.step():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    finally:
-        if ooo is not None:
-            ooo.remove()
+    weighted_sum_steps(model, opt, lambda g: torch.randn(4, 4, generator=g),
+                       dict(fuse_optimizer=True, **ooo_kw) if ooo_kw else None)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores: one thread against the default")
