@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "torch/deferred_layers.h"
 #include "torch/dw_runtime.h"
+#include "torch/layer_fast_path.h"
 
 namespace memsched::bindings {
 
@@ -109,6 +110,27 @@ void bind_ooo(py::module_& m) {
       .def("grad_hook", &DwRuntime::grad_hook, py::arg("param"))
       .def("accumulated_hook", &DwRuntime::accumulated_hook, py::arg("param"))
       .def_readwrite("phase", &DwRuntime::phase)
+      .def_readwrite("fast_calls", &DwRuntime::fast_calls)
+      .def("set_iteration_dicts", &DwRuntime::set_iteration_dicts, py::arg("kind"), py::arg("cast_uses"),
+           "The owner's per-iteration kind and cast_uses dicts, which the layers' fast path reads and writes in "
+           "place (Note [Fast path of a patched layer call]).")
+      .def("set_graph", &DwRuntime::set_graph, py::arg("graph"), py::arg("graph_ref"))
+      .def("graph_token", &DwRuntime::graph_token,
+           "The object every Deferred* node of this iteration keeps (Note [A failed backward]).")
+      .def(
+          "linear_fast_path",
+          [](const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx) {
+            return linear_fast_path(rt, weight_idx, bias_idx);
+          },
+          py::arg("weight_idx"), py::arg("bias_idx"),
+          "fast(module, x) for a patched Linear: its deferred output, or NotImplemented when the Python path "
+          "must decide (Note [Fast path of a patched layer call]).")
+      .def(
+          "autograd_use_hook",
+          [](const std::shared_ptr<DwRuntime>& rt, std::vector<int32_t> params) {
+            return autograd_use_hook(rt, std::move(params));
+          },
+          py::arg("params"), "A forward pre-hook counting one autograd use of `params`.")
       .def("set_units", &DwRuntime::set_units, py::arg("unit_of"))
       .def("take_partial_units", &DwRuntime::take_partial_units)
       .def_readonly("installed", &DwRuntime::installed)

@@ -110,8 +110,16 @@ DwRuntime::~DwRuntime() {
     py::gil_scoped_acquire gil;
     owner_ref_ = py::object();
     hook_dicts_.clear();
+    kind_ = py::object();
+    cast_uses_ = py::object();
+    graph_ = py::object();
+    graph_ref_ = py::object();
   } else {
     owner_ref_.release();  // interpreter gone: leak the references rather than touch Python
+    kind_.release();
+    cast_uses_.release();
+    graph_.release();
+    graph_ref_.release();
     for (HookDicts& d : hook_dicts_) {
       d.tensor_hooks.release();
       d.post_hooks.release();
@@ -858,6 +866,33 @@ void DwRuntime::set_hook_dicts(int32_t param, py::object tensor_hooks, py::objec
   MEMSCHED_CHECK(param >= 0 && param < static_cast<int32_t>(hook_dicts_.size()), "DwRuntime.set_hook_dicts: ",
                  "parameter ", param, " is not registered");
   hook_dicts_[param] = HookDicts{std::move(tensor_hooks), std::move(post_hooks), std::move(own_post_key)};
+}
+
+bool DwRuntime::user_hooked(int32_t param) const {
+  const HookDicts& d = hook_dicts_[static_cast<size_t>(param)];
+  return hooks_in(d.tensor_hooks) > 1 || hooks_in(d.post_hooks) > 1;
+}
+
+void DwRuntime::set_iteration_dicts(py::object kind, py::object cast_uses) {
+  MEMSCHED_CHECK(PyDict_Check(kind.ptr()) && PyDict_Check(cast_uses.ptr()),
+                 "DwRuntime.set_iteration_dicts: kind and cast_uses must be dicts");
+  kind_ = std::move(kind);
+  cast_uses_ = std::move(cast_uses);
+}
+
+void DwRuntime::set_graph(py::object graph, py::object graph_ref) {
+  graph_ = graph.is_none() ? py::object() : std::move(graph);
+  graph_ref_ = graph_ref.is_none() ? py::object() : std::move(graph_ref);
+}
+
+py::object DwRuntime::graph_token() {
+  if (graph_) {
+    py::object g = std::move(graph_);
+    graph_ = py::object();
+    return g;
+  }
+  if (graph_ref_) return graph_ref_();
+  return py::none();
 }
 
 int32_t DwRuntime::first_hooked_deferred() {

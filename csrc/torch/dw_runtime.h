@@ -210,6 +210,26 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // Moves memsched's post-accumulate-grad hook behind the caller's wherever it is not last.
   void post_hooks_last();
 
+  // -- the patched layers' fast path (See Note [Fast path of a patched layer call] in -----------
+  // layer_fast_path.h); GIL held for all of these.
+  // The owner's per-iteration dicts, read and written in place by the fast path: kind (parameter
+  // index -> _DEFERRED 1 / _AUTOGRAD 2) and cast_uses (its autocast uses; the fast path runs only
+  // while it is empty). The owner clears them, never rebinds them.
+  void set_iteration_dicts(pybind11::object kind, pybind11::object cast_uses);
+  // A new iteration's graph token (kept until the first node takes it) and the owner's weak
+  // reference to it; (None, None) drops both (See Note [A failed backward] in backward.py).
+  void set_graph(pybind11::object graph, pybind11::object graph_ref);
+  // The token a Deferred* node of this iteration keeps: the graph itself at the first call (then
+  // no longer held here), after that whatever the weak reference still reaches (None when none).
+  pybind11::object graph_token();
+  // True when the caller added a gradient hook of its own to the parameter besides memsched's
+  // (See Note [Parameters with gradient hooks] in backward.py).
+  bool user_hooked(int32_t param) const;
+  const at::Tensor& param(int32_t i) const { return params_[static_cast<size_t>(i)]; }
+  pybind11::object kind_dict() const { return kind_; }
+  pybind11::object cast_uses_dict() const { return cast_uses_; }
+  pybind11::object owner() const { return owner_ref_(); }
+
   // -- gradient memory accounting (peak_grad_bytes in report()) ----------------------------
   void track_locked(int64_t delta_bytes, int64_t transient_bytes);  // the owner's updates
   void start_tracking();  // grad_bytes = the .grad bytes held now
@@ -218,6 +238,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   bool notify = false;            // call owner._on_ready (fused update or DDP) on the last micro-step
   bool poll_after_defer = false;  // call owner._poll_reducer() after each deferred item (DDP)
   bool backward_started = false;  // owner._backward_started ran for this iteration
+  bool fast_calls = false;        // the owner allows the layers' fast path (no queueing executor)
   int phase = 0;                  // the owner's phase: 0 idle, 1 forward, 2 backward
   int64_t grad_bytes = 0;         // SUM: gradient bytes held (.grad + pending sums)
   int64_t peak_grad_bytes = 0;    // SUM: max of grad_bytes (+ a transient addend) this iteration
@@ -300,6 +321,8 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
     pybind11::object tensor_hooks, post_hooks, own_post_key;
   };
   std::vector<HookDicts> hook_dicts_;           // per parameter
+  pybind11::object kind_, cast_uses_;           // the owner's dicts (set_iteration_dicts); GIL
+  pybind11::object graph_, graph_ref_;          // set_graph(); GIL
   std::unordered_map<int64_t, DwItem> items_;   // queued, by scheduler id
   std::deque<std::pair<c10::Device, Side>> sides_;  // a deque: a Side& stays valid as devices are added
   bool last_micro_step_ = true;

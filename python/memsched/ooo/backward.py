@@ -709,6 +709,10 @@ class OutOfOrderBackward:
         if self._stepper is not None and self._reducer is None:
             rt.set_units(self._unit_of)  # final parameters come back a whole unit at a time
         rt.poll_after_defer = self._reducer is not None
+        # See Note [Fast path of a patched layer call] (csrc/torch/layer_fast_path.h): it reads and
+        # writes these two dicts in place, and leaves calls a queueing executor orders to Python
+        rt.set_iteration_dicts(self._kind, self._cast_uses)
+        rt.fast_calls = not self._queues
         self._rt = rt
         self._native_seen = 0
 
@@ -719,8 +723,8 @@ class OutOfOrderBackward:
                 self._patch(m, me)
             elif any(id(p) in self._index for p in m.parameters(recurse=False)):
                 ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
-                self._handles.append(m.register_forward_pre_hook(
-                    inert_on_copy(lambda mod, args, ids=ids: me._note_autograd_use(ids))))
+                # a C function counting the use (Note [Fast path of a patched layer call])
+                self._handles.append(m.register_forward_pre_hook(inert_on_copy(rt.autograd_use_hook(ids))))
         self._acc = [get_gradient_edge(p).node for p in self._params]  # the runtime holds them too
         for i, p in enumerate(self._params):  # C functions (See Note [dW runtime in C++])
             self._handles.append(p.register_hook(self._rt.grad_hook(i)))
@@ -737,7 +741,14 @@ class OutOfOrderBackward:
         rt = self._rt
         stock = self._stock_call
         if isinstance(m, nn.Linear):
+            # See Note [Fast path of a patched layer call]: the common call, decided and applied in C++
+            fast = rt.linear_fast_path(w_idx, -1 if b_idx is None else b_idx) if w_idx is not None else None
+
             def forward(mod, x):
+                if fast is not None:
+                    out = fast(mod, x)
+                    if out is not NotImplemented:
+                        return out
                 if not torch.is_grad_enabled():
                     me._check_no_grad_use()
                     return nn.Linear.forward(mod, x)
@@ -830,6 +841,7 @@ class OutOfOrderBackward:
             self._stepper.close()
         if self._rt is not None:
             self._rt.shutdown()  # nodes recorded before now return their gradients plainly
+            self._rt.set_graph(None, None)
         if self._reducer is not None and self._ddp_saved_sync is not None:
             self.model.require_backward_grad_sync = self._ddp_saved_sync
             self._ddp_saved_sync = None
@@ -874,15 +886,12 @@ class OutOfOrderBackward:
             self._phase = "forward"
             graph = _IterationGraph()
             self._graph = weakref.ref(graph, self._graph_gone)
-            self._graph_obj = graph  # handed to the iteration's nodes by graph_token(), then dropped
+            self._rt.set_graph(graph, self._graph)  # handed to the iteration's nodes by graph_token(), then dropped
 
     def graph_token(self):
         """The object every Deferred* node of this iteration keeps in its ctx: it dies with the
         iteration's last node (Note [A failed backward])."""
-        graph = self.__dict__.pop("_graph_obj", None)
-        if graph is None and self._graph is not None:
-            graph = self._graph()
-        return graph
+        return self._rt.graph_token()  # the graph at the first call, then what self._graph still reaches
 
     def _graph_gone(self, ref) -> None:
         # Every node of the iteration died, outside the engine, while its backward pass was
@@ -1304,7 +1313,7 @@ class OutOfOrderBackward:
         self._first_node.clear()
         self._phase = "idle"
         self._graph = None
-        self.__dict__.pop("_graph_obj", None)
+        self._rt.set_graph(None, None)
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False

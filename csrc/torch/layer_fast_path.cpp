@@ -1,0 +1,203 @@
+// layer_fast_path.cpp -- see layer_fast_path.h, Note [Fast path of a patched layer call].
+#include "torch/layer_fast_path.h"
+
+#include <optional>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "core/check.h"
+#include "torch/deferred_layers.h"
+
+namespace py = pybind11;
+
+namespace memsched {
+
+namespace {
+
+constexpr const char* kLinearCapsule = "memsched.LinearFastPath";
+constexpr const char* kUseHookCapsule = "memsched.AutogradUseHook";
+constexpr long kDeferred = 1;  // backward.py's _DEFERRED
+
+struct LinearTarget {
+  std::weak_ptr<DwRuntime> rt;
+  int32_t weight_idx;  // >= 0: only layers whose weight was trainable at install get a fast path
+  int32_t bias_idx;    // -1: no bias, or a bias frozen at install
+};
+
+struct UseHookTarget {
+  std::weak_ptr<DwRuntime> rt;
+  std::vector<int32_t> params;
+};
+
+PyObject* interned(const char* s) {
+  PyObject* o = PyUnicode_InternFromString(s);
+  if (o == nullptr) throw python_error();
+  return o;  // immortal for our purposes: held by the static that caches it
+}
+
+// The kind the owner's dict gives parameter i this iteration: 0 unset, else its value; -1 on error.
+long kind_of(PyObject* kinds, int32_t i) {
+  PyObject* key = PyLong_FromLong(i);
+  if (key == nullptr) return -1;
+  PyObject* v = PyDict_GetItemWithError(kinds, key);  // borrowed
+  Py_DECREF(key);
+  if (v == nullptr) return PyErr_Occurred() ? -1 : 0;
+  return PyLong_AsLong(v);
+}
+
+bool set_default_deferred(PyObject* kinds, int32_t i) {
+  PyObject* key = PyLong_FromLong(i);
+  PyObject* value = PyLong_FromLong(kDeferred);
+  PyObject* r = key != nullptr && value != nullptr ? PyDict_SetDefault(kinds, key, value) : nullptr;
+  Py_XDECREF(key);
+  Py_XDECREF(value);
+  return r != nullptr;  // borrowed
+}
+
+// The registered parameter `idx` if `obj` is still it and requires grad (the Python path's
+// `w_idx if mod.weight.requires_grad`), else nullptr.
+const at::Tensor* same_trainable(PyObject* obj, const DwRuntime& rt, int32_t idx) {
+  if (obj == nullptr || !THPVariable_Check(obj)) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.unsafeGetTensorImpl() != rt.param(idx).unsafeGetTensorImpl() || !t.requires_grad()) return nullptr;
+  return &t;
+}
+
+void refuse_late_use(const DwRuntime& rt, int32_t late) {
+  py::object owner = rt.owner();
+  if (owner.is_none()) return;
+  owner.attr("_refuse_late_use")(late);  // raises
+}
+
+PyObject* linear_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  auto* target = static_cast<LinearTarget*>(PyCapsule_GetPointer(capsule, kLinearCapsule));
+  if (target == nullptr) return nullptr;
+  if (nargs != 2 || !at::GradMode::is_enabled()) Py_RETURN_NOTIMPLEMENTED;
+  std::shared_ptr<DwRuntime> rt = target->rt.lock();
+  // the first call of an iteration (phase idle) goes to Python, which begins the iteration
+  if (rt == nullptr || !rt->installed || !rt->fast_calls || rt->phase != 1) Py_RETURN_NOTIMPLEMENTED;
+  PyObject* kinds = rt->kind_dict().ptr();
+  PyObject* cast_uses = rt->cast_uses_dict().ptr();
+  if (kinds == nullptr || cast_uses == nullptr || PyDict_GET_SIZE(cast_uses) != 0) Py_RETURN_NOTIMPLEMENTED;
+  PyObject* xo = args[1];
+  if (!THPVariable_Check(xo)) Py_RETURN_NOTIMPLEMENTED;
+  const at::Tensor& x = THPVariable_Unpack(xo);
+
+  static PyObject* s_parameters = interned("_parameters");
+  static PyObject* s_weight = interned("weight");
+  static PyObject* s_bias = interned("bias");
+  py::object params = py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_parameters));
+  if (!params) throw python_error();
+  if (!PyDict_Check(params.ptr())) Py_RETURN_NOTIMPLEMENTED;
+  PyObject* wo = PyDict_GetItemWithError(params.ptr(), s_weight);  // borrowed
+  PyObject* bo = wo != nullptr ? PyDict_GetItemWithError(params.ptr(), s_bias) : nullptr;
+  if (PyErr_Occurred()) return nullptr;
+  const at::Tensor* w = same_trainable(wo, *rt, target->weight_idx);
+  if (w == nullptr || rt->user_hooked(target->weight_idx)) Py_RETURN_NOTIMPLEMENTED;
+  std::optional<at::Tensor> bias;
+  if (target->bias_idx >= 0) {
+    const at::Tensor* b = same_trainable(bo, *rt, target->bias_idx);
+    if (b == nullptr || rt->user_hooked(target->bias_idx)) Py_RETURN_NOTIMPLEMENTED;
+    bias = *b;
+  } else if (bo != nullptr && bo != Py_None) {
+    if (!THPVariable_Check(bo)) Py_RETURN_NOTIMPLEMENTED;
+    bias = THPVariable_Unpack(bo);
+    if (bias->requires_grad()) Py_RETURN_NOTIMPLEMENTED;  // unfrozen since install: Python refuses it
+  }
+  if (at::autocast::is_autocast_enabled(x.device().type())) Py_RETURN_NOTIMPLEMENTED;
+  // See Notes [Linear inputs that at::linear reduces in another order], [Linear calls the deferred
+  // path gives at::linear's own rows] (backward.py): only the inputs _linear_rows hands over as they are
+  const int64_t d = x.dim();
+  if (d == 2) {
+    if (x.stride(0) == 1 && x.stride(1) == x.size(0)) Py_RETURN_NOTIMPLEMENTED;  // column-major
+  } else if (d > 2) {
+    if (!(x.is_contiguous() && x.numel() > x.size(-1) && x.size(-1) > 1)) Py_RETURN_NOTIMPLEMENTED;
+  } else {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  if (!(w->dim() == 2 && w->stride(1) == 1 && w->stride(0) == w->size(1))) Py_RETURN_NOTIMPLEMENTED;
+  // See Note [One kind of use per parameter and iteration] (backward.py)
+  const long kw = kind_of(kinds, target->weight_idx);
+  const long kb = target->bias_idx >= 0 ? kind_of(kinds, target->bias_idx) : 0;
+  if (kw < 0 || kb < 0) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  if ((kw != 0 && kw != kDeferred) || (kb != 0 && kb != kDeferred)) Py_RETURN_NOTIMPLEMENTED;
+
+  // Taken: what the Python path does for this call.
+  if (!set_default_deferred(kinds, target->weight_idx)) return nullptr;
+  if (target->bias_idx >= 0 && !set_default_deferred(kinds, target->bias_idx)) return nullptr;
+  const int32_t late = rt->note_deferred_use(target->weight_idx, target->bias_idx);
+  if (late >= 0) {
+    refuse_late_use(*rt, late);
+    Py_RETURN_NOTIMPLEMENTED;  // (the owner raised above; unreachable)
+  }
+  py::object token = rt->graph_token();
+  at::Tensor out = deferred_linear(rt, x, *w, bias, target->weight_idx, target->bias_idx, token);
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* use_hook_call(PyObject* capsule, PyObject* const* /*args*/, Py_ssize_t /*nargs*/) {
+  HANDLE_TH_ERRORS
+  auto* target = static_cast<UseHookTarget*>(PyCapsule_GetPointer(capsule, kUseHookCapsule));
+  if (target == nullptr) return nullptr;
+  std::shared_ptr<DwRuntime> rt = target->rt.lock();
+  if (rt == nullptr || !rt->installed) Py_RETURN_NONE;
+  if (at::GradMode::is_enabled() && rt->phase == 1) {
+    const int32_t late = rt->note_autograd_use(target->params);
+    if (late >= 0) refuse_late_use(*rt, late);
+    Py_RETURN_NONE;
+  }
+  py::object owner = rt->owner();
+  if (!owner.is_none()) owner.attr("_note_autograd_use")(py::cast(target->params));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef linear_def{"memsched_ooo_linear_fast_path", reinterpret_cast<PyCFunction>(
+                                                            reinterpret_cast<void (*)()>(linear_call)),
+                       METH_FASTCALL,
+                       "fast(module, x): the deferred Linear's output, or NotImplemented (See Note [Fast path of "
+                       "a patched layer call])."};
+PyMethodDef use_hook_def{"memsched_ooo_autograd_use_hook", reinterpret_cast<PyCFunction>(
+                                                              reinterpret_cast<void (*)()>(use_hook_call)),
+                         METH_FASTCALL,
+                         "A forward pre-hook counting an autograd use (See Note [Fast path of a patched layer "
+                         "call])."};
+
+template <typename T>
+py::object make_function(PyMethodDef* def, const char* name, T* target) {
+  PyObject* capsule = PyCapsule_New(target, name, [](PyObject* c) {
+    delete static_cast<T*>(PyCapsule_GetPointer(c, PyCapsule_GetName(c)));
+  });
+  if (capsule == nullptr) {
+    delete target;
+    throw py::error_already_set();
+  }
+  PyObject* fn = PyCFunction_New(def, capsule);
+  Py_DECREF(capsule);
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
+}  // namespace
+
+py::object linear_fast_path(const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx) {
+  MEMSCHED_CHECK(rt != nullptr && weight_idx >= 0, "linear_fast_path: a runtime and a registered weight are needed");
+  return make_function(&linear_def, kLinearCapsule, new LinearTarget{rt, weight_idx, bias_idx});
+}
+
+py::object autograd_use_hook(const std::shared_ptr<DwRuntime>& rt, std::vector<int32_t> params) {
+  MEMSCHED_CHECK(rt != nullptr, "autograd_use_hook: a runtime is needed");
+  return make_function(&use_hook_def, kUseHookCapsule, new UseHookTarget{rt, std::move(params)});
+}
+
+}  // namespace memsched
