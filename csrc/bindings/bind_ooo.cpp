@@ -126,6 +126,14 @@ void bind_ooo(py::module_& m) {
           "fast(module, x) for a patched Linear: its deferred output, or NotImplemented when the Python path "
           "must decide (Note [Fast path of a patched layer call]).")
       .def(
+          "conv_fast_path",
+          [](const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx, int64_t nd) {
+            return conv_fast_path(rt, weight_idx, bias_idx, nd);
+          },
+          py::arg("weight_idx"), py::arg("bias_idx"), py::arg("nd"),
+          "fast(module, x) for a patched Conv1d/2d/3d (nd spatial dimensions): its deferred output, or "
+          "NotImplemented (Note [Fast path of a patched layer call]).")
+      .def(
           "autograd_use_hook",
           [](const std::shared_ptr<DwRuntime>& rt, std::vector<int32_t> params) {
             return autograd_use_hook(rt, std::move(params));

@@ -20,13 +20,15 @@ namespace memsched {
 namespace {
 
 constexpr const char* kLinearCapsule = "memsched.LinearFastPath";
+constexpr const char* kConvCapsule = "memsched.ConvFastPath";
 constexpr const char* kUseHookCapsule = "memsched.AutogradUseHook";
 constexpr long kDeferred = 1;  // backward.py's _DEFERRED
 
-struct LinearTarget {
+struct LayerTarget {
   std::weak_ptr<DwRuntime> rt;
   int32_t weight_idx;  // >= 0: only layers whose weight was trainable at install get a fast path
   int32_t bias_idx;    // -1: no bias, or a bias frozen at install
+  int64_t nd;          // conv: spatial dimensions (1, 2, 3); 0: Linear
 };
 
 struct UseHookTarget {
@@ -74,43 +76,91 @@ void refuse_late_use(const DwRuntime& rt, int32_t late) {
   owner.attr("_refuse_late_use")(late);  // raises
 }
 
-PyObject* linear_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  auto* target = static_cast<LinearTarget*>(PyCapsule_GetPointer(capsule, kLinearCapsule));
-  if (target == nullptr) return nullptr;
-  if (nargs != 2 || !at::GradMode::is_enabled()) Py_RETURN_NOTIMPLEMENTED;
-  std::shared_ptr<DwRuntime> rt = target->rt.lock();
-  // the first call of an iteration (phase idle) goes to Python, which begins the iteration
-  if (rt == nullptr || !rt->installed || !rt->fast_calls || rt->phase != 1) Py_RETURN_NOTIMPLEMENTED;
-  PyObject* kinds = rt->kind_dict().ptr();
-  PyObject* cast_uses = rt->cast_uses_dict().ptr();
-  if (kinds == nullptr || cast_uses == nullptr || PyDict_GET_SIZE(cast_uses) != 0) Py_RETURN_NOTIMPLEMENTED;
-  PyObject* xo = args[1];
-  if (!THPVariable_Check(xo)) Py_RETURN_NOTIMPLEMENTED;
-  const at::Tensor& x = THPVariable_Unpack(xo);
-
+// The module's parameters if they are the registered ones with their install-time requires_grad and
+// no caller's hook, x is a tensor and no autocast is on for its device; else false (NotImplemented).
+// Sets *w (borrowed from the module) and *bias.
+bool common_checks(const LayerTarget& target, const DwRuntime& rt, PyObject* module, const at::Tensor& x,
+                   const at::Tensor** w, std::optional<at::Tensor>* bias) {
   static PyObject* s_parameters = interned("_parameters");
   static PyObject* s_weight = interned("weight");
   static PyObject* s_bias = interned("bias");
-  py::object params = py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_parameters));
+  py::object params = py::reinterpret_steal<py::object>(PyObject_GetAttr(module, s_parameters));
   if (!params) throw python_error();
-  if (!PyDict_Check(params.ptr())) Py_RETURN_NOTIMPLEMENTED;
+  if (!PyDict_Check(params.ptr())) return false;
   PyObject* wo = PyDict_GetItemWithError(params.ptr(), s_weight);  // borrowed
   PyObject* bo = wo != nullptr ? PyDict_GetItemWithError(params.ptr(), s_bias) : nullptr;
-  if (PyErr_Occurred()) return nullptr;
-  const at::Tensor* w = same_trainable(wo, *rt, target->weight_idx);
-  if (w == nullptr || rt->user_hooked(target->weight_idx)) Py_RETURN_NOTIMPLEMENTED;
-  std::optional<at::Tensor> bias;
-  if (target->bias_idx >= 0) {
-    const at::Tensor* b = same_trainable(bo, *rt, target->bias_idx);
-    if (b == nullptr || rt->user_hooked(target->bias_idx)) Py_RETURN_NOTIMPLEMENTED;
-    bias = *b;
+  if (PyErr_Occurred()) throw python_error();
+  *w = same_trainable(wo, rt, target.weight_idx);
+  if (*w == nullptr || rt.user_hooked(target.weight_idx)) return false;
+  if (target.bias_idx >= 0) {
+    const at::Tensor* b = same_trainable(bo, rt, target.bias_idx);
+    if (b == nullptr || rt.user_hooked(target.bias_idx)) return false;
+    *bias = *b;
   } else if (bo != nullptr && bo != Py_None) {
-    if (!THPVariable_Check(bo)) Py_RETURN_NOTIMPLEMENTED;
-    bias = THPVariable_Unpack(bo);
-    if (bias->requires_grad()) Py_RETURN_NOTIMPLEMENTED;  // unfrozen since install: Python refuses it
+    if (!THPVariable_Check(bo)) return false;
+    *bias = THPVariable_Unpack(bo);
+    if ((*bias)->requires_grad()) return false;  // unfrozen since install: the Python path refuses it
   }
-  if (at::autocast::is_autocast_enabled(x.device().type())) Py_RETURN_NOTIMPLEMENTED;
+  return !at::autocast::is_autocast_enabled(x.device().type());
+}
+
+// Both parameters' kind this iteration is unset or deferred (See Note [One kind of use per parameter
+// and iteration] in backward.py): set them to deferred and count the use (what _deferred_indices does
+// for such a call); false: leave the call to Python.
+bool take_as_deferred(const LayerTarget& target, DwRuntime& rt, PyObject* kinds) {
+  const long kw = kind_of(kinds, target.weight_idx);
+  const long kb = target.bias_idx >= 0 ? kind_of(kinds, target.bias_idx) : 0;
+  if (kw < 0 || kb < 0) {
+    if (PyErr_Occurred()) throw python_error();
+    return false;
+  }
+  if ((kw != 0 && kw != kDeferred) || (kb != 0 && kb != kDeferred)) return false;
+  if (!set_default_deferred(kinds, target.weight_idx)) throw python_error();
+  if (target.bias_idx >= 0 && !set_default_deferred(kinds, target.bias_idx)) throw python_error();
+  const int32_t late = rt.note_deferred_use(target.weight_idx, target.bias_idx);
+  if (late >= 0) {
+    refuse_late_use(rt, late);  // raises (py::error_already_set), unless the owner is gone
+    return false;
+  }
+  return true;
+}
+
+// The runtime when the fast path may run at all: grad mode on, the iteration's forward phase (its
+// first call goes to Python, which begins it), no queueing executor, no autocast use of a deferred
+// parameter this iteration.
+std::shared_ptr<DwRuntime> live_runtime(const LayerTarget& target) {
+  if (!at::GradMode::is_enabled()) return nullptr;
+  std::shared_ptr<DwRuntime> rt = target.rt.lock();
+  if (rt == nullptr || !rt->installed || !rt->fast_calls || rt->phase != 1) return nullptr;
+  PyObject* kinds = rt->kind_dict().ptr();
+  PyObject* cast_uses = rt->cast_uses_dict().ptr();
+  if (kinds == nullptr || cast_uses == nullptr || PyDict_GET_SIZE(cast_uses) != 0) return nullptr;
+  return rt;
+}
+
+bool int_list(PyObject* seq, std::vector<int64_t>* out) {
+  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out->resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!PyLong_CheckExact(items[i])) return false;
+    (*out)[static_cast<size_t>(i)] = PyLong_AsLongLong(items[i]);
+  }
+  return !PyErr_Occurred();
+}
+
+PyObject* linear_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  auto* target = static_cast<LayerTarget*>(PyCapsule_GetPointer(capsule, kLinearCapsule));
+  if (target == nullptr) return nullptr;
+  if (nargs != 2 || !THPVariable_Check(args[1])) Py_RETURN_NOTIMPLEMENTED;
+  std::shared_ptr<DwRuntime> rt = live_runtime(*target);
+  if (rt == nullptr) Py_RETURN_NOTIMPLEMENTED;
+  const at::Tensor& x = THPVariable_Unpack(args[1]);
+  const at::Tensor* w = nullptr;
+  std::optional<at::Tensor> bias;
+  if (!common_checks(*target, *rt, args[0], x, &w, &bias)) Py_RETURN_NOTIMPLEMENTED;
   // See Notes [Linear inputs that at::linear reduces in another order], [Linear calls the deferred
   // path gives at::linear's own rows] (backward.py): only the inputs _linear_rows hands over as they are
   const int64_t d = x.dim();
@@ -122,25 +172,47 @@ PyObject* linear_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs
     Py_RETURN_NOTIMPLEMENTED;
   }
   if (!(w->dim() == 2 && w->stride(1) == 1 && w->stride(0) == w->size(1))) Py_RETURN_NOTIMPLEMENTED;
-  // See Note [One kind of use per parameter and iteration] (backward.py)
-  const long kw = kind_of(kinds, target->weight_idx);
-  const long kb = target->bias_idx >= 0 ? kind_of(kinds, target->bias_idx) : 0;
-  if (kw < 0 || kb < 0) {
-    if (PyErr_Occurred()) return nullptr;
-    Py_RETURN_NOTIMPLEMENTED;
-  }
-  if ((kw != 0 && kw != kDeferred) || (kb != 0 && kb != kDeferred)) Py_RETURN_NOTIMPLEMENTED;
-
-  // Taken: what the Python path does for this call.
-  if (!set_default_deferred(kinds, target->weight_idx)) return nullptr;
-  if (target->bias_idx >= 0 && !set_default_deferred(kinds, target->bias_idx)) return nullptr;
-  const int32_t late = rt->note_deferred_use(target->weight_idx, target->bias_idx);
-  if (late >= 0) {
-    refuse_late_use(*rt, late);
-    Py_RETURN_NOTIMPLEMENTED;  // (the owner raised above; unreachable)
-  }
+  if (!take_as_deferred(*target, *rt, rt->kind_dict().ptr())) Py_RETURN_NOTIMPLEMENTED;
   py::object token = rt->graph_token();
   at::Tensor out = deferred_linear(rt, x, *w, bias, target->weight_idx, target->bias_idx, token);
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* conv_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  auto* target = static_cast<LayerTarget*>(PyCapsule_GetPointer(capsule, kConvCapsule));
+  if (target == nullptr) return nullptr;
+  if (nargs != 2 || !THPVariable_Check(args[1])) Py_RETURN_NOTIMPLEMENTED;
+  std::shared_ptr<DwRuntime> rt = live_runtime(*target);
+  if (rt == nullptr) Py_RETURN_NOTIMPLEMENTED;
+  const at::Tensor& x = THPVariable_Unpack(args[1]);
+  const at::Tensor* w = nullptr;
+  std::optional<at::Tensor> bias;
+  if (!common_checks(*target, *rt, args[0], x, &w, &bias)) Py_RETURN_NOTIMPLEMENTED;
+  // See Note [Conv weight gradients in the weight's layout] (backward.py)
+  if (x.dim() != target->nd + 2 || !x.is_contiguous() || !w->is_contiguous()) Py_RETURN_NOTIMPLEMENTED;
+  static PyObject* s_stride = interned("stride");
+  static PyObject* s_padding = interned("padding");
+  static PyObject* s_dilation = interned("dilation");
+  static PyObject* s_groups = interned("groups");
+  std::vector<int64_t> stride, padding, dilation;
+  py::object so = py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_stride));
+  py::object po = so ? py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_padding)) : py::object();
+  py::object dl = po ? py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_dilation)) : py::object();
+  py::object go = dl ? py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_groups)) : py::object();
+  if (!go) throw python_error();
+  if (!int_list(so.ptr(), &stride) || !int_list(po.ptr(), &padding) || !int_list(dl.ptr(), &dilation) ||
+      !PyLong_CheckExact(go.ptr())) {
+    PyErr_Clear();
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  const int64_t groups = PyLong_AsLongLong(go.ptr());
+  if (PyErr_Occurred()) return nullptr;
+  if (!take_as_deferred(*target, *rt, rt->kind_dict().ptr())) Py_RETURN_NOTIMPLEMENTED;
+  py::object token = rt->graph_token();
+  at::Tensor out = deferred_conv(rt, x, *w, bias, std::move(stride), std::move(padding), std::move(dilation), groups,
+                                 target->weight_idx, target->bias_idx, token);
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
 }
@@ -167,6 +239,11 @@ PyMethodDef linear_def{"memsched_ooo_linear_fast_path", reinterpret_cast<PyCFunc
                        METH_FASTCALL,
                        "fast(module, x): the deferred Linear's output, or NotImplemented (See Note [Fast path of "
                        "a patched layer call])."};
+PyMethodDef conv_def{"memsched_ooo_conv_fast_path", reinterpret_cast<PyCFunction>(
+                                                        reinterpret_cast<void (*)()>(conv_call)),
+                     METH_FASTCALL,
+                     "fast(module, x): the deferred conv's output, or NotImplemented (See Note [Fast path of a "
+                     "patched layer call])."};
 PyMethodDef use_hook_def{"memsched_ooo_autograd_use_hook", reinterpret_cast<PyCFunction>(
                                                               reinterpret_cast<void (*)()>(use_hook_call)),
                          METH_FASTCALL,
@@ -192,7 +269,13 @@ py::object make_function(PyMethodDef* def, const char* name, T* target) {
 
 py::object linear_fast_path(const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx) {
   MEMSCHED_CHECK(rt != nullptr && weight_idx >= 0, "linear_fast_path: a runtime and a registered weight are needed");
-  return make_function(&linear_def, kLinearCapsule, new LinearTarget{rt, weight_idx, bias_idx});
+  return make_function(&linear_def, kLinearCapsule, new LayerTarget{rt, weight_idx, bias_idx, 0});
+}
+
+py::object conv_fast_path(const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx, int64_t nd) {
+  MEMSCHED_CHECK(rt != nullptr && weight_idx >= 0 && nd >= 1 && nd <= 3,
+                 "conv_fast_path: a runtime, a registered weight and 1-3 spatial dimensions are needed");
+  return make_function(&conv_def, kConvCapsule, new LayerTarget{rt, weight_idx, bias_idx, nd});
 }
 
 py::object autograd_use_hook(const std::shared_ptr<DwRuntime>& rt, std::vector<int32_t> params) {

@@ -24,7 +24,10 @@
 //   autograd_use_hook() is the forward pre-hook of a module owning parameters autograd handles:
 //   in the forward phase with grad mode on it counts the use here; otherwise it calls the owner's
 //   _note_autograd_use, as the Python hook did.
-//   Limitations: conv layers still decide in Python. Both callables hold the runtime weakly: once
+//   conv_fast_path() does the same for a patched Conv1d/2d/3d (a contiguous input of nd + 2
+//   dimensions and a contiguous weight, Note [Conv weight gradients in the weight's layout]; the
+//   module's stride, padding, dilation and groups are read at each call, as the Python path does).
+//   Limitations: the callables hold the runtime weakly: once
 //   it is gone they return NotImplemented / do nothing.
 #pragma once
 
@@ -40,6 +43,10 @@ namespace memsched {
 
 // fast(module, x): the deferred Linear's output for this call, or NotImplemented.
 pybind11::object linear_fast_path(const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx);
+
+// fast(module, x) for a patched Conv1d/2d/3d (nd spatial dimensions).
+pybind11::object conv_fast_path(const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx,
+                                int64_t nd);
 
 // hook(module, args): a forward pre-hook counting one autograd use of `params` (returns None).
 pybind11::object autograd_use_hook(const std::shared_ptr<DwRuntime>& rt, std::vector<int32_t> params);

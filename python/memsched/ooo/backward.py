@@ -787,8 +787,13 @@ class OutOfOrderBackward:
         else:
             base = next(b for b in _CONV_TYPES if isinstance(m, b))
             nd = _CONV_TYPES[base]
+            fast = rt.conv_fast_path(w_idx, -1 if b_idx is None else b_idx, nd) if w_idx is not None else None
 
             def forward(mod, x):
+                if fast is not None:  # See Note [Fast path of a patched layer call]
+                    out = fast(mod, x)
+                    if out is not NotImplemented:
+                        return out
                 if not torch.is_grad_enabled():
                     me._check_no_grad_use()
                     return base.forward(mod, x)

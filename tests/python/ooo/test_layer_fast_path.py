@@ -135,3 +135,39 @@ def test_a_gradient_hook_added_during_forward_sends_later_calls_to_python(monkey
         assert (p.grad is None) == (q.grad is None)
         if p.grad is not None:
             assert torch.equal(p.grad, q.grad)
+
+
+class Convs(nn.Module):
+    """Conv1d/2d/3d with BatchNorm (autograd-handled parameters); `channels_last` feeds the 2-D conv a
+    channels_last input once per forward, which the fast path leaves to Python (Note [Conv weight
+    gradients in the weight's layout])."""
+
+    def __init__(self, channels_last=False):
+        super().__init__()
+        self.c1 = nn.Conv1d(3, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 3, stride=(1, 2), padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.c3 = nn.Conv3d(4, 2, (1, 3, 3), dilation=(1, 2, 1), groups=2)
+        self.channels_last = channels_last
+
+    def forward(self, x):
+        h = torch.tanh(self.c1(x))                     # [N, 4, 64]
+        h = h.view(h.size(0), 4, 8, 8)
+        if self.channels_last:
+            h = h.contiguous(memory_format=torch.channels_last)
+        h = torch.relu(self.bn(self.c2(h)))            # [N, 4, 8, 4]
+        return self.c3(h.unsqueeze(2).expand(-1, -1, 3, -1, -1).contiguous())
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_calls_take_the_fast_path_unless_their_input_is_not_contiguous(monkeypatch, channels_last):
+    calls = _count_python_decisions(monkeypatch)
+    torch.manual_seed(0)
+    plain = Convs(channels_last)
+    model = copy.deepcopy(plain)
+    inputs = lambda g: torch.randn(2, 3, 64, generator=g)  # noqa: E731
+    weighted_sum_steps(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), inputs, None, steps=STEPS)
+    weighted_sum_steps(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), inputs, {}, steps=STEPS)
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), f"{name}: max |diff| {(p - q).abs().max().item():.3g}"
+    assert calls[0] == STEPS * (2 if channels_last else 1)
