@@ -73,19 +73,29 @@ Note [Adam plan for the C++ update]
   (``install_native_plan``): building it walked every parameter's state in Python (~350 us a
   backward pass for a 76-parameter decoder on a loaded 2-core machine). Each pass recomputes only
   the per-group hyper-parameters (``set_adam_hypers`` when an LR scheduler changed one) and
-  compares what the per-parameter part was built from: the ``optimizer.state`` object and its
-  length, ``param_groups`` and each group object and size, the group membership (refresh()), which
-  groups C++ may step, and whether a parameter left to Python for want of state now has it. A
-  change there builds a fresh plan; ``optimizer.load_state_dict`` drops the plan at once (a
-  post-hook), so the old state tensors are not kept alive.
-  Limitations: a change of lr or of the state made during a backward pass (from a
-  hook) is not seen by that pass's C++ updates; a state tensor replaced by hand inside
-  ``optimizer.state[p]`` (not through load_state_dict) is not seen either: the C++ update would keep
-  updating the old one.
+  compares, by identity, what the per-parameter part was built from (``_plan_current``): the
+  group membership (``sync_groups``: every group's parameters, so a parameter moved from one
+  existing group to another, two swapped, a ``params`` list replaced or a parameter removed are
+  seen although the group count stays; the grouped Python path, SGD included, steps with the
+  membership read there too), ``param_groups`` and each group object, which groups C++ may step
+  and their amsgrad; the ``optimizer.state`` object, its parameters and their dict objects
+  (``state[p] = {}``, ``del state[p]``); each C++ parameter's dict values in order
+  (``state[p].clear()`` as warm restarts do, a replaced step, exp_avg, exp_avg_sq or
+  max_exp_avg_sq tensor); and whether a parameter left to Python for want of state now has it.
+  That is a few identity checks per parameter and state entry, nothing per element. A change
+  there builds a fresh plan from the state as it is now (a cleared state goes to the Python path,
+  which re-creates it as torch does, and back to C++ the pass after); ``optimizer.load_state_dict``
+  drops the plan at once (a post-hook), so the old state tensors are not kept alive.
+  Limitations: a change of lr, of the param groups or of the state made during a backward pass
+  (from a hook) is not seen by that pass's updates; a state tensor changed in place
+  (``exp_avg.zero_()``) needs nothing, C++ updates that very tensor; state tensors shared between
+  parameters are not detected (the fused update's per-layer order then differs from plain's).
 """
 from __future__ import annotations
 
 import inspect
+from itertools import chain
+from operator import is_
 from typing import Dict, List, Sequence
 
 import torch
@@ -202,6 +212,27 @@ def _adam_state_ready(st) -> bool:
     return bool(st) and torch.is_tensor(st.get("step"))
 
 
+class _PlanSource:
+    """What an installed native plan was built from (See Note [Adam plan for the C++ update]); a backward
+    pass keeps the plan only while all of it is unchanged."""
+
+    __slots__ = ("state", "keys", "dicts", "native_dicts", "values", "param_groups", "groups", "generation",
+                 "native_of", "amsgrad", "waiting")
+
+    def __init__(self, state, param_groups, generation, native_of, amsgrad, native_dicts, waiting):
+        self.state = state  # the optimizer.state object
+        self.keys = tuple(state.keys())  # its parameters, in order
+        self.dicts = tuple(state.values())  # and their state dict objects (state[p] = {} replaces one)
+        self.native_dicts = native_dicts  # the state dicts (dict objects) of the parameters C++ steps
+        self.values = tuple(chain.from_iterable(map(dict.values, native_dicts)))  # and their values, in order
+        self.param_groups = param_groups
+        self.groups = tuple(param_groups)
+        self.generation = generation  # ParamStepper.refresh() count: group membership
+        self.native_of = native_of
+        self.amsgrad = amsgrad  # per hyper: amsgrad (the plan has max_exp_avg_sq or not)
+        self.waiting = waiting  # parameters of a C++ group left to Python for want of state
+
+
 class ParamStepper:
     """Applies ``optimizer``'s update to the given parameters only."""
 
@@ -223,17 +254,20 @@ class ParamStepper:
         self._checked_step = None  # (class step, instance step) that _stock was computed for
         self._stock = False
         self._generation = 0  # refresh() count: group membership and kinds changed
+        self._members = ()  # per group, its parameters at the last refresh()
         # See Note [Adam plan for the C++ update]: the plan installed in a DwRuntime, and what it was made from
         self.plans_built = 0  # COUNT: per-parameter plans built (install_native_plan)
         self._rt = None
-        self._plan_from = None  # (state, len(state), param_groups, groups, sizes, generation, native_of, waiting)
+        self._plan_from = None  # _PlanSource
         self._plan_hypers = None
         self._load_hook = optimizer.register_load_state_dict_post_hook(self._on_state_loaded)
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-reads which group each parameter belongs to (after add_param_group)."""
+        """Re-reads which group each parameter belongs to (after add_param_group, or a group's params
+        edited in place)."""
         self._group_of = {}
+        self._members = tuple(tuple(g["params"]) for g in self.optimizer.param_groups)
         self._default_foreach = []
         self._on_accelerator = []
         self._kinds = []
@@ -246,6 +280,16 @@ class ParamStepper:
             self._default_foreach.append(_opt_mod._default_to_fused_or_foreach(params, False, use_fused=False)[1])
             self._on_accelerator.append(any(p.device.type != "cpu" for p in params))
             self._kinds.append({(p.device, p.dtype) for p in params})
+
+    def sync_groups(self) -> None:
+        """refresh() if a param group was added, or a group's parameters changed since the last refresh:
+        a parameter moved from one group to another (or two swapped: the sizes stay), a ``params`` list
+        replaced. Once per backward pass (install_native_plan): one identity check per parameter."""
+        pg = self.optimizer.param_groups
+        members = self._members
+        if len(pg) != len(members) or not all(
+                len(g["params"]) == len(m) and all(map(is_, g["params"], m)) for g, m in zip(pg, members)):
+            self.refresh()
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._group_of
@@ -272,7 +316,9 @@ class ParamStepper:
     def install_native_plan(self, rt, params: Sequence[torch.Tensor]) -> None:
         """See Note [Adam plan for the C++ update]: hands rt (a DwRuntime) the plan for this backward
         pass. The per-parameter plan is built again only when what it was built from changed;
-        otherwise rt keeps it, with new hyper-parameters if a group's changed."""
+        otherwise rt keeps it, with new hyper-parameters if a group's changed. Also the start of the
+        pass for the grouped Python path: the group membership step_params uses is read again."""
+        self.sync_groups()  # for SGD too: step_params steps each parameter with its group's hypers
         groups = self._native_groups()
         if groups is None:
             if self._rt is not None:
@@ -283,11 +329,7 @@ class ParamStepper:
         opt = self.optimizer
         pg = opt.param_groups
         made = self._plan_from
-        state_of = opt.state.get
-        if made is not None and self._rt is rt and made[0] is opt.state and made[1] == len(opt.state) and \
-                made[2] is pg and len(made[3]) == len(pg) and all(a is b for a, b in zip(made[3], pg)) and \
-                made[4] == tuple(len(g["params"]) for g in pg) and made[5] == self._generation and \
-                made[6] == native_of and not any(_adam_state_ready(state_of(p)) for p in made[7]):
+        if made is not None and self._rt is rt and self._plan_current(made, hypers, native_of):
             if hypers != self._plan_hypers:
                 rt.set_adam_hypers(hypers)  # an LR scheduler stepped
                 self._plan_hypers = hypers
@@ -303,13 +345,37 @@ class ParamStepper:
         # parameters of a C++ group left to Python for want of state: once torch made it, plan again
         waiting = [p for p, g in zip(params, plan[1])
                    if g < 0 and native_of.get(self._group_of.get(id(p)), -1) >= 0 and not p.is_complex()]
-        self._plan_from = (opt.state, len(opt.state), pg, tuple(pg), tuple(len(g["params"]) for g in pg),
-                           self._generation, native_of, waiting)
+        state_of = opt.state.get
+        native_dicts = tuple(state_of(p) for p, g in zip(params, plan[1]) if g >= 0)
+        self._plan_from = _PlanSource(opt.state, pg, self._generation, native_of, tuple(h[5] for h in hypers),
+                                      native_dicts, waiting)
         self._plan_hypers = hypers
+
+    def _plan_current(self, made: _PlanSource, hypers, native_of) -> bool:
+        """Whether the installed plan still holds what _param_plan would gather now: the same group
+        membership and C++ groups, and in ``optimizer.state`` the same parameters with the same dict
+        objects, each of the C++ parameters' dicts with the same values in the same order (clear(), a
+        replaced exp_avg or step change that), no parameter waiting for state got it. A few identity
+        checks per parameter and state entry, none per element."""
+        opt = self.optimizer
+        state, pg = opt.state, opt.param_groups
+        if made.state is not state or made.generation != self._generation or made.native_of != native_of or \
+                made.param_groups is not pg or len(made.groups) != len(pg) or not all(map(is_, made.groups, pg)) or \
+                made.amsgrad != tuple(h[5] for h in hypers):
+            return False
+        if len(state) != len(made.keys) or not all(map(is_, state.keys(), made.keys)) or \
+                not all(map(is_, state.values(), made.dicts)):
+            return False  # a state entry added, deleted or replaced (state[p] = {})
+        if sum(map(len, made.native_dicts)) != len(made.values) or \
+                not all(map(is_, chain.from_iterable(map(dict.values, made.native_dicts)), made.values)):
+            return False  # a C++ parameter's state cleared, or a tensor of it replaced
+        state_of = state.get
+        return not any(_adam_state_ready(state_of(p)) for p in made.waiting)
 
     def native_plan(self, params: Sequence[torch.Tensor]):
         """See Note [Adam plan for the C++ update]: the arguments of DwRuntime.set_adam for these
         parameters (in the runtime's order), or None when no parameter can be stepped in C++."""
+        self.sync_groups()
         groups = self._native_groups()
         return None if groups is None else self._param_plan(params, *groups)
 
@@ -326,9 +392,7 @@ class ParamStepper:
         if not self._stock or getattr(opt, "grad_scale", None) is not None or \
                 getattr(opt, "found_inf", None) is not None:
             return None
-        if len(opt.param_groups) != len(self._kinds):
-            self.refresh()  # add_param_group since the last plan
-        hypers, native_of = [], {}
+        hypers, native_of = [], {}  # the caller ran sync_groups(): _kinds and _default_foreach are current
         for gi, group in enumerate(opt.param_groups):
             lr, (beta1, beta2) = group["lr"], group["betas"]
             if group["differentiable"] or group["capturable"] or any(
@@ -358,10 +422,13 @@ class ParamStepper:
         for p in params:
             g = native_of.get(self._group_of.get(id(p)), -1)
             st = state.get(p) if g >= 0 else None  # .get: opt.state is a defaultdict
+            if not isinstance(st, dict):
+                st = None  # (a mapping of another kind put there by hand: torch's own code reads it)
             step = st.get("step") if st else None
             amsgrad = g >= 0 and hypers[g][5]
-            if step is None or not torch.is_tensor(step) or "exp_avg" not in st or "exp_avg_sq" not in st or \
-                    (amsgrad and "max_exp_avg_sq" not in st) or p.is_complex():
+            if not torch.is_tensor(step) or not torch.is_tensor(st.get("exp_avg")) or \
+                    not torch.is_tensor(st.get("exp_avg_sq")) or \
+                    (amsgrad and not torch.is_tensor(st.get("max_exp_avg_sq"))) or p.is_complex():
                 g, st = -1, None
             group_of.append(g)
             steps.append(step if st else None)
