@@ -102,9 +102,19 @@ Note [Parameters added or unfrozen after install]
   Rationale: a parameter that requires grad but was not registered at install is neither
   deferred nor (fused) updated; it must be refused at the next forward. Walking the model's
   parameters at every iteration cost ~0.1-0.2 ms a step on a 76-parameter decoder.
+  A layer's weight gradient is routed to the parameter index it got at install (its patched
+  forward and its C++ fast path keep it), so a weight tied to another layer's since
+  (``m4.weight = m2.weight``) or replaced by a new Parameter got the wrong gradients (5e-4 off
+  after three steps) or a raw TypeError.
   Approach: the walk runs only when a parameter frozen at install now requires grad, or
   when torch's global parameter/module registration hooks saw a registration anywhere since
-  install (the flag is set, never cleared, so later iterations walk too).
+  the last check (the flag is cleared once an iteration's checks pass). On a registration the
+  first call of the next iteration also checks that every module still in the model owns the
+  Parameters it owned at install (_check_parameters_unchanged), and refuses a tie, a
+  replacement or a removal naming the layer and the fix (install again), before anything changes;
+  a patched layer begins its iteration before it reads its parameters' hooks, so these checks
+  come first. A parameter that requires grad but is unknown is refused as new or as frozen at
+  install, whichever it is.
   Limitations: a parameter put into ``module._parameters`` directly, bypassing
   register_parameter and __setattr__, is not seen.
 
@@ -570,6 +580,7 @@ class OutOfOrderBackward:
         self._params: List[nn.Parameter] = []
         self._index: Dict[int, int] = {}
         self._frozen: List[nn.Parameter] = []  # See Note [Parameters added or unfrozen after install]
+        self._owned: List[tuple] = []  # (module, its (name, Parameter) pairs at install); same Note
         self._patchable: Set[int] = set()  # ids of modules patched (See Note [Tied parameters])
         self._structure_changed = True
         self._deferred_only: Set[int] = set()
@@ -658,6 +669,8 @@ class OutOfOrderBackward:
             for p in m.parameters(recurse=False):
                 if id(p) in self._index:
                     owners.setdefault(id(p), []).append(m)
+        # See Note [Parameters added or unfrozen after install]: which Parameter each module owned
+        self._owned = [(m, tuple(m._parameters.items())) for m in modules if m._parameters]
         # See Note [Tied parameters]: a Linear/Conv owning a parameter another module owns stays plain.
         tied = {pid for pid, ms in owners.items() if len(ms) > 1 and not all(_eligible(m) for m in ms)}
         self._patchable = {id(m) for m in modules if _eligible(m) and not any(
@@ -752,9 +765,11 @@ class OutOfOrderBackward:
                 if not torch.is_grad_enabled():
                     me._check_no_grad_use()
                     return nn.Linear.forward(mod, x)
+                if me._phase_name != "forward":
+                    me._begin_if_idle()  # its checks first: the module's parameters may have changed
                 # frozen since install (requires_grad=False): no gradient, like autograd
                 wi = w_idx if w_idx is not None and mod.weight.requires_grad else None
-                bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
+                bi = b_idx if b_idx is not None and mod.bias is not None and mod.bias.requires_grad else None
                 if wi is None and bi is None:
                     return nn.Linear.forward(mod, x)
                 # See Note [Parameters with gradient hooks]
@@ -797,8 +812,10 @@ class OutOfOrderBackward:
                 if not torch.is_grad_enabled():
                     me._check_no_grad_use()
                     return base.forward(mod, x)
+                if me._phase_name != "forward":
+                    me._begin_if_idle()  # its checks first: the module's parameters may have changed
                 wi = w_idx if w_idx is not None and mod.weight.requires_grad else None
-                bi = b_idx if b_idx is not None and mod.bias.requires_grad else None
+                bi = b_idx if b_idx is not None and mod.bias is not None and mod.bias.requires_grad else None
                 if wi is None and bi is None:
                     return base.forward(mod, x)
                 # See Note [Parameters with gradient hooks]
@@ -833,6 +850,7 @@ class OutOfOrderBackward:
             else:
                 m.__dict__.pop("forward", None)
         self._patched = []
+        self._owned = []
         self._acc = []
         for h in self._handles:
             h.remove()
@@ -869,13 +887,23 @@ class OutOfOrderBackward:
                 self._refuse_extra_backward()
             self._failed_backward = False
             index = self._index
+            if self._structure_changed:
+                self._check_parameters_unchanged()
             if (self._structure_changed or any(p.requires_grad for p in self._frozen)) and \
                     not all(id(p) in index for p in self._root.parameters() if p.requires_grad):
-                n = next(n for n, p in self._root.named_parameters() if p.requires_grad and id(p) not in index)
-                raise MemschedError(
+                n, p = next((n, p) for n, p in self._root.named_parameters()
+                            if p.requires_grad and id(p) not in index)
+                if any(p is q for q in self._frozen):
+                    raise MemschedError(
                         f"parameter {n} requires grad but had requires_grad=False when OutOfOrderBackward was "
                         f"installed, so memsched neither defers nor (fuse_optimizer) updates it. Unfreeze "
                         f"parameters before install(), or remove() and install() again after unfreezing.")
+                raise MemschedError(
+                    f"parameter {n} was added to the model (or replaced one) after OutOfOrderBackward was installed, "
+                    f"so memsched neither defers nor (fuse_optimizer) updates it. Change the model before install() "
+                    f"(before entering memsched.optimize), or remove() and install() again (leave the `with` block "
+                    f"and enter it again) after changing it.")
+            self._structure_changed = False
             if self._stepper is not None:
                 self._rt.post_hooks_last()  # See Note [Parameters with gradient hooks]
             self._iter_stepped = 0  # parameters the fused update stepped in this iteration (Note [A failed backward])
@@ -892,6 +920,31 @@ class OutOfOrderBackward:
             graph = _IterationGraph()
             self._graph = weakref.ref(graph, self._graph_gone)
             self._rt.set_graph(graph, self._graph)  # handed to the iteration's nodes by graph_token(), then dropped
+
+    def _check_parameters_unchanged(self) -> None:
+        """See Note [Parameters added or unfrozen after install]: every module still in the model owns the
+        Parameters it owned at install. A layer's weight gradient is routed to the parameter it had then, so a
+        weight tied to another layer's or replaced by another Parameter since would get the wrong gradients."""
+        names = {id(m): n for n, m in self._root.named_modules(remove_duplicate=False)}
+        for m, owned in self._owned:
+            if id(m) not in names:
+                continue  # no longer in the model: never called by it
+            params = m._parameters
+            for name, p in owned:
+                now = params.get(name)
+                if now is p:
+                    continue
+                where = names[id(m)]
+                what = f"layer '{where}'" if where else "the model"
+                change = ("was removed" if now is None else
+                          "is now a Parameter another layer owns (tied)" if id(now) in self._index else
+                          "was replaced by another Parameter")
+                raise MemschedError(
+                    f"{what}: its parameter '{name}' {change} after OutOfOrderBackward was installed; out-of-order "
+                    f"backward routes each layer's weight gradient to the parameters it saw at install, so "
+                    f"gradients would be wrong. Nothing was changed. Change the model before install() (before "
+                    f"entering memsched.optimize), or remove() and install() again (leave the `with` block and "
+                    f"enter it again) after changing it.")
 
     def graph_token(self):
         """The object every Deferred* node of this iteration keeps in its ctx: it dies with the
