@@ -529,11 +529,15 @@ class Run:
             try:
                 self._adopt_trace(trace)
             except BaseException:
-                # No plan for this budget: the optimizer did not step, and the step's gradients are
-                # dropped (set to None, as run.step() leaves them after every step), so a retry with
-                # the budget the error names trains as plain PyTorch would. The next step is profiled
-                # again -- and refused again -- rather than run plainly without a word.
+                # No plan for this budget: the optimizer did not step (a fused update already ran in
+                # backward, as plain's step would have), and the step's gradients are dropped (set to
+                # None, as run.step() leaves them after every step), so a retry with the budget the
+                # error names trains as plain PyTorch would. The next step is profiled again -- and
+                # refused again -- rather than run plainly without a word. Out-of-order backward's step
+                # ends here too, or its next backward pass would count this one (an accumulation error).
                 self._drop_gradients()
+                if self.ooo_ is not None:
+                    self.ooo_.step()
                 self._start_profiling()
                 raise
             # Note [Where the peak went]: its update's peak is read -- armed only once the plan stands:

@@ -149,3 +149,28 @@ def test_every_byte_refusal_echoes_a_budget_written_with_units(planner, opt):
                 model(x).sum().backward()
                 run.step()
     assert [s.mode for s in run.step_stats] == ["planned"]
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_refused_budget_is_refused_again_at_every_step_with_out_of_order_backward(fuse):
+    """The fused update runs inside backward, so a budget refused at run.step() had already updated: the
+    Run then refused every later backward pass as an accumulation error ('a backward pass began after 1
+    backward pass(es) since the last step()') instead of the budget. Each step now gets the budget error,
+    and the parameters follow plain PyTorch's (the fused update is the step plain would have taken)."""
+    model, plain = _model(), _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with optimize(model, opt, budget=0.001, planner="dp", ooo=True, fuse_optimizer=fuse) as run:
+            for _ in range(3):
+                model(x).sum().backward()
+                with pytest.raises(memsched.MemschedError, match=r"use budget=[0-9.]+ or more"):
+                    run.step()
+                plain(x).sum().backward()
+                if fuse:
+                    plain_opt.step()
+                plain_opt.zero_grad(set_to_none=True)
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p, q)
