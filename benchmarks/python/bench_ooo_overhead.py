@@ -21,7 +21,9 @@ CPU; medians of 60 interleaved rounds; two runs each):
   the Python runtime, same session as the next row:      ooo 1.39-1.40x, fused 1.66-1.68x
   C++ runtime (csrc/torch/dw_runtime.h; hooks in C):     ooo 1.08-1.09x, fused 1.37-1.41x (37-40 us/param)
   C++ Adam update (csrc/torch/adam_update.h):            ooo 1.09x,      fused 1.02-1.04x (2.4-3.3 us/param)
-The last row: load average 4.2-4.7 on the 2 cores, two consecutive runs; in the same session
+  per-call layout checks (correctness fixes, 2026-11):  ooo 1.12-1.13x, fused 1.04x
+  C++ fast path of a layer call (layer_fast_path.h):    ooo 1.04-1.05x, fused 0.99-1.00x (two runs, load ~1-2)
+The C++ Adam row: load average 4.2-4.7 on the 2 cores, two consecutive runs; in the same session
 before the change the fused row was 1.37x (load 0.2). The row before it was torch's functional
 Adam called from Python once per layer (39 calls of _single_tensor_adam, ~50 us each); the
 update of a ready layer now runs in C++ with the optimizer's state gathered once per backward

@@ -26,6 +26,7 @@ struct LayerConf : torch::CustomClassHolder {
   std::vector<int64_t> stride, padding, dilation;
   int64_t groups = 1;
   PyObject* token = nullptr;        // owned: the iteration's graph token (Note [A failed backward])
+  int64_t iteration = 0;            // the runtime's iteration this node was made in
 
   ~LayerConf() override {
     if (token != nullptr && Py_IsInitialized()) {
@@ -47,11 +48,27 @@ c10::intrusive_ptr<LayerConf> make_conf(const std::shared_ptr<DwRuntime>& rt, in
   conf->weight_idx = weight_idx;
   conf->bias_idx = bias_idx;
   conf->has_bias = has_bias;
+  conf->iteration = rt->iteration;
   if (token.ptr() != nullptr && !token.is_none()) {
     conf->token = token.ptr();
     Py_INCREF(conf->token);
   }
   return conf;
+}
+
+// A node of an iteration that already ended runs in a second backward pass over a retained graph
+// (retain_graph=True, or backward(inputs=...) first): refused, also when a parameter autograd handles
+// (a tied embedding) began a new iteration in this pass before any deferred node ran.
+constexpr const char* kSecondBackward =
+    "a second backward pass over a graph whose backward already ran (retain_graph=True, or backward(inputs=...) "
+    "first) is not supported by out-of-order backward: each backward pass needs its own forward, and with "
+    "fuse_optimizer=True the first pass already updated, in place, the parameters this graph saved. Run forward "
+    "again for each backward pass (grad_accumulation_steps=K for K passes per step), or use ooo=False / "
+    "fuse_optimizer=False.";
+
+bool from_an_ended_iteration(const LayerConf& conf, const std::shared_ptr<DwRuntime>& rt) {
+  return rt != nullptr && rt->installed && (conf.weight_idx >= 0 || conf.bias_idx >= 0) &&
+         conf.iteration != rt->iteration;
 }
 
 // The node's saved (input, weight), after refusing double backward. WARNING: a second backward pass over a retained graph after
@@ -77,13 +94,11 @@ variable_list saved_of(AutogradContext* ctx, const LayerConf& conf) {
     return ctx->get_saved_variables();
   } catch (const std::exception&) {
     std::shared_ptr<DwRuntime> rt = conf.rt.lock();
-    if (rt == nullptr || !rt->installed || rt->phase != 0 || !rt->notify) throw;
+    if (!from_an_ended_iteration(conf, rt) && (rt == nullptr || !rt->installed || rt->phase != 0 || !rt->notify)) {
+      throw;
+    }
   }
-  throw std::runtime_error(
-      "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
-      "backward(inputs=...) first) is not supported with fuse_optimizer=True: the first pass already "
-      "updated the parameters this graph saved, in place. Run forward again for each backward pass "
-      "(grad_accumulation_steps=K for K passes per step), or use fuse_optimizer=False.");
+  throw std::runtime_error(kSecondBackward);
 }
 
 // dW and db of one node: deferred to the runtime when this backward pass accumulates into
@@ -116,6 +131,7 @@ void weight_grads(AutogradContext* ctx, const LayerConf& conf, DwItem item, at::
     if (now[0]) *dw = std::move(g[k++]);
     if (now[1]) *db = std::move(g[k++]);
   }
+  if ((defer[0] || defer[1]) && from_an_ended_iteration(conf, rt)) throw std::runtime_error(kSecondBackward);
   if (defer[0] || defer[1]) {
     item.weight_idx = defer[0] ? idx[0] : -1;
     item.bias_idx = defer[1] ? idx[1] : -1;
@@ -126,7 +142,10 @@ void weight_grads(AutogradContext* ctx, const LayerConf& conf, DwItem item, at::
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const c10::intrusive_ptr<LayerConf>& conf) {
-    ctx->save_for_backward({x, weight});
+    // What autograd's mm/addmm saves: x only for the weight's gradient, the weight only for x's, so an
+    // in-place change of a weight whose input needs no gradient (a first layer) raises here exactly
+    // when it raises in plain PyTorch.
+    ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor()});
     ctx->saved_data["c"] = at::IValue::make_capsule(conf);
     at::Tensor out = at::linear(x, weight, bias);
     // at::linear flattens an input of more than two dimensions with a bias and views addmm's output

@@ -17,6 +17,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "core/check.h"
+#include "torch/capsule_function.h"
 
 namespace py = pybind11;
 
@@ -172,6 +173,7 @@ torch::autograd::Node* DwRuntime::accumulator(int32_t param) const {
 void DwRuntime::begin_iteration(bool last_micro_step) {
   std::lock_guard<std::mutex> lock(mu_);
   sched_.begin_iteration();
+  iteration += 1;
   last_micro_step_ = last_micro_step;
   backward_started = false;
   std::fill(autograd_expected_.begin(), autograd_expected_.end(), 0);
@@ -359,14 +361,14 @@ void DwRuntime::execute(int64_t id, DwItem& item, Completion* out) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     size_t k = 0;
-    if (item.weight_idx >= 0) add_pending(item.weight_idx, std::move(grads[k++]));
-    if (item.bias_idx >= 0) add_pending(item.bias_idx, std::move(grads[k++]));
+    if (item.weight_idx >= 0) add_pending(item.weight_idx, std::move(grads[k++]), &out->released);
+    if (item.bias_idx >= 0) add_pending(item.bias_idx, std::move(grads[k++]), &out->released);
     collect(sched_.complete(id), out);
   }
   hand_over(*out, side);
 }
 
-void DwRuntime::add_pending(int32_t param, at::Tensor g) {
+void DwRuntime::add_pending(int32_t param, at::Tensor g, std::vector<at::Tensor>* released) {
   // Contributions are summed in arrival order, as autograd's InputBuffer does.
   at::Tensor& pend = pending_[param];
   if (!pend.defined()) {
@@ -376,10 +378,11 @@ void DwRuntime::add_pending(int32_t param, at::Tensor g) {
     track(0, nbytes(g));
     at::NoGradGuard no_grad;
     pend.add_(g);
+    released->push_back(std::move(g));
   }
 }
 
-void DwRuntime::finalize(int32_t param) {
+void DwRuntime::finalize(int32_t param, std::vector<at::Tensor>* released) {
   at::Tensor pend = std::move(pending_[param]);
   pending_[param] = at::Tensor();
   if (!pend.defined()) return;
@@ -390,11 +393,12 @@ void DwRuntime::finalize(int32_t param) {
     at::NoGradGuard no_grad;
     grad.add_(pend);
     track(-nbytes(pend), 0);
+    released->push_back(std::move(pend));
   }
 }
 
 void DwRuntime::collect(const DwCompletion& done, Completion* out) {
-  for (int32_t i : done.final_params) finalize(i);
+  for (int32_t i : done.final_params) finalize(i, &out->released);
   if (!notify || !last_micro_step_) return;
   out->ready_buckets.insert(out->ready_buckets.end(), done.ready_buckets.begin(), done.ready_buckets.end());
   if (unit_of_.empty()) return;
@@ -610,6 +614,7 @@ void DwRuntime::contribute(int32_t param) {
 }
 
 void DwRuntime::add_autograd_grad(int32_t param, const at::Tensor& e) {
+  std::vector<at::Tensor> released;  // destroyed after the lock (See Completion)
   std::lock_guard<std::mutex> lock(mu_);
   std::optional<c10::StreamGuard> guard;
   if (executor_ == Executor::kStream && on_accelerator(e)) {
@@ -618,7 +623,7 @@ void DwRuntime::add_autograd_grad(int32_t param, const at::Tensor& e) {
     record_on(e, side.stream);
     guard.emplace(side.stream);
   }
-  add_pending(param, e);
+  add_pending(param, e, &released);
 }
 
 void DwRuntime::end_iteration(bool allow_missing) {
@@ -970,18 +975,7 @@ PyMethodDef accumulated_hook_def{"memsched_ooo_accumulated_hook", accumulated_ho
                                  "memsched's post-accumulate-grad hook (See Note [dW runtime in C++])."};
 
 py::object make_hook(PyMethodDef* def, const std::shared_ptr<DwRuntime>& rt, int32_t param) {
-  auto* target = new HookTarget{rt, param};
-  PyObject* capsule = PyCapsule_New(target, kHookCapsule, [](PyObject* c) {
-    delete static_cast<HookTarget*>(PyCapsule_GetPointer(c, kHookCapsule));
-  });
-  if (capsule == nullptr) {
-    delete target;
-    throw py::error_already_set();
-  }
-  PyObject* fn = PyCFunction_New(def, capsule);
-  Py_DECREF(capsule);
-  if (fn == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(fn);
+  return capsule_function(def, kHookCapsule, new HookTarget{rt, param});
 }
 
 }  // namespace
@@ -1013,6 +1007,7 @@ void DwRuntime::worker_loop() {
       Completion done;
       execute(id, item, &done);
     } catch (...) {
+      item = DwItem();  // its tensors released before the lock (See Completion)
       lock.lock();
       worker_error_ = std::current_exception();
       worker_busy_ = false;

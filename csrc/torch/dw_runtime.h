@@ -67,6 +67,7 @@
 //   Limitations: written to be correct by construction; not yet run on a GPU (issue 13).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -239,6 +240,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   bool poll_after_defer = false;  // call owner._poll_reducer() after each deferred item (DDP)
   bool backward_started = false;  // owner._backward_started ran for this iteration
   bool fast_calls = false;        // the owner allows the layers' fast path (no queueing executor)
+  std::atomic<int64_t> iteration{0};  // COUNT: begin_iteration() calls; a Function node keeps the one it was made in
   int phase = 0;                  // the owner's phase: 0 idle, 1 forward, 2 backward
   int64_t grad_bytes = 0;         // SUM: gradient bytes held (.grad + pending sums)
   int64_t peak_grad_bytes = 0;    // SUM: max of grad_bytes (+ a transient addend) this iteration
@@ -260,6 +262,10 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   struct Completion {
     std::vector<std::vector<int32_t>> groups;  // complete step units (fused update)
     std::vector<int32_t> ready_buckets;        // DDP
+    // Tensors dropped under the lock, released with the Completion, after it: a gradient made in
+    // Python (a user's node hook) owns a Python object, whose release takes the GIL, which a hook
+    // on the engine thread may hold while it waits for the lock.
+    std::vector<at::Tensor> released;
   };
   Side& side_for(const c10::Device& device);  // under the lock
   void wait_for_current(Side& side);          // side stream waits for the current stream
@@ -267,8 +273,9 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // *out, to be released after the lock.
   void release_holds(Side& side, bool all, std::vector<at::Tensor>* out);
   void execute(int64_t id, DwItem& item, Completion* out);
-  void add_pending(int32_t param, at::Tensor g);   // under the lock
-  void finalize(int32_t param);                    // under the lock
+  // Under the lock; a tensor they drop goes to *released (See Completion).
+  void add_pending(int32_t param, at::Tensor g, std::vector<at::Tensor>* released);
+  void finalize(int32_t param, std::vector<at::Tensor>* released);
   void collect(const DwCompletion& done, Completion* out);  // under the lock
   void hand_over(const Completion& c, Side* side);  // no lock; GIL taken when the owner is called
   // step_native on `side`'s stream (nullptr: the current one); no lock held.

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "core/check.h"
+#include "torch/capsule_function.h"
 #include "torch/deferred_layers.h"
 
 namespace py = pybind11;
@@ -150,17 +151,36 @@ bool int_list(PyObject* seq, std::vector<int64_t>* out) {
   return !PyErr_Occurred();
 }
 
+// One call of fast(module, x): what both layer kinds check first (See common_checks()).
+struct LayerCall {
+  const LayerTarget* target = nullptr;
+  std::shared_ptr<DwRuntime> rt;
+  const at::Tensor* x = nullptr;
+  const at::Tensor* w = nullptr;  // the module's weight (borrowed)
+  std::optional<at::Tensor> bias;
+};
+
+// False: NotImplemented (or a Python error set, when PyErr_Occurred()).
+bool begin_call(PyObject* capsule, const char* name, PyObject* const* args, Py_ssize_t nargs, LayerCall* call) {
+  call->target = static_cast<LayerTarget*>(PyCapsule_GetPointer(capsule, name));
+  if (call->target == nullptr || nargs != 2 || !THPVariable_Check(args[1])) return false;
+  call->rt = live_runtime(*call->target);
+  if (call->rt == nullptr) return false;
+  call->x = &THPVariable_Unpack(args[1]);
+  return common_checks(*call->target, *call->rt, args[0], *call->x, &call->w, &call->bias);
+}
+
 PyObject* linear_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  auto* target = static_cast<LayerTarget*>(PyCapsule_GetPointer(capsule, kLinearCapsule));
-  if (target == nullptr) return nullptr;
-  if (nargs != 2 || !THPVariable_Check(args[1])) Py_RETURN_NOTIMPLEMENTED;
-  std::shared_ptr<DwRuntime> rt = live_runtime(*target);
-  if (rt == nullptr) Py_RETURN_NOTIMPLEMENTED;
-  const at::Tensor& x = THPVariable_Unpack(args[1]);
-  const at::Tensor* w = nullptr;
-  std::optional<at::Tensor> bias;
-  if (!common_checks(*target, *rt, args[0], x, &w, &bias)) Py_RETURN_NOTIMPLEMENTED;
+  LayerCall call;
+  if (!begin_call(capsule, kLinearCapsule, args, nargs, &call)) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  const LayerTarget* target = call.target;
+  const std::shared_ptr<DwRuntime>& rt = call.rt;
+  const at::Tensor& x = *call.x;
+  const at::Tensor* w = call.w;
   // See Notes [Linear inputs that at::linear reduces in another order], [Linear calls the deferred
   // path gives at::linear's own rows] (backward.py): only the inputs _linear_rows hands over as they are
   const int64_t d = x.dim();
@@ -174,22 +194,22 @@ PyObject* linear_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs
   if (!(w->dim() == 2 && w->stride(1) == 1 && w->stride(0) == w->size(1))) Py_RETURN_NOTIMPLEMENTED;
   if (!take_as_deferred(*target, *rt, rt->kind_dict().ptr())) Py_RETURN_NOTIMPLEMENTED;
   py::object token = rt->graph_token();
-  at::Tensor out = deferred_linear(rt, x, *w, bias, target->weight_idx, target->bias_idx, token);
+  at::Tensor out = deferred_linear(rt, x, *w, call.bias, target->weight_idx, target->bias_idx, token);
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 
 PyObject* conv_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  auto* target = static_cast<LayerTarget*>(PyCapsule_GetPointer(capsule, kConvCapsule));
-  if (target == nullptr) return nullptr;
-  if (nargs != 2 || !THPVariable_Check(args[1])) Py_RETURN_NOTIMPLEMENTED;
-  std::shared_ptr<DwRuntime> rt = live_runtime(*target);
-  if (rt == nullptr) Py_RETURN_NOTIMPLEMENTED;
-  const at::Tensor& x = THPVariable_Unpack(args[1]);
-  const at::Tensor* w = nullptr;
-  std::optional<at::Tensor> bias;
-  if (!common_checks(*target, *rt, args[0], x, &w, &bias)) Py_RETURN_NOTIMPLEMENTED;
+  LayerCall call;
+  if (!begin_call(capsule, kConvCapsule, args, nargs, &call)) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  const LayerTarget* target = call.target;
+  const std::shared_ptr<DwRuntime>& rt = call.rt;
+  const at::Tensor& x = *call.x;
+  const at::Tensor* w = call.w;
   // See Note [Conv weight gradients in the weight's layout] (backward.py)
   if (x.dim() != target->nd + 2 || !x.is_contiguous() || !w->is_contiguous()) Py_RETURN_NOTIMPLEMENTED;
   static PyObject* s_stride = interned("stride");
@@ -211,7 +231,7 @@ PyObject* conv_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) 
   if (PyErr_Occurred()) return nullptr;
   if (!take_as_deferred(*target, *rt, rt->kind_dict().ptr())) Py_RETURN_NOTIMPLEMENTED;
   py::object token = rt->graph_token();
-  at::Tensor out = deferred_conv(rt, x, *w, bias, std::move(stride), std::move(padding), std::move(dilation), groups,
+  at::Tensor out = deferred_conv(rt, x, *w, call.bias, std::move(stride), std::move(padding), std::move(dilation), groups,
                                  target->weight_idx, target->bias_idx, token);
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
@@ -250,37 +270,22 @@ PyMethodDef use_hook_def{"memsched_ooo_autograd_use_hook", reinterpret_cast<PyCF
                          "A forward pre-hook counting an autograd use (See Note [Fast path of a patched layer "
                          "call])."};
 
-template <typename T>
-py::object make_function(PyMethodDef* def, const char* name, T* target) {
-  PyObject* capsule = PyCapsule_New(target, name, [](PyObject* c) {
-    delete static_cast<T*>(PyCapsule_GetPointer(c, PyCapsule_GetName(c)));
-  });
-  if (capsule == nullptr) {
-    delete target;
-    throw py::error_already_set();
-  }
-  PyObject* fn = PyCFunction_New(def, capsule);
-  Py_DECREF(capsule);
-  if (fn == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(fn);
-}
-
 }  // namespace
 
 py::object linear_fast_path(const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx) {
   MEMSCHED_CHECK(rt != nullptr && weight_idx >= 0, "linear_fast_path: a runtime and a registered weight are needed");
-  return make_function(&linear_def, kLinearCapsule, new LayerTarget{rt, weight_idx, bias_idx, 0});
+  return capsule_function(&linear_def, kLinearCapsule, new LayerTarget{rt, weight_idx, bias_idx, 0});
 }
 
 py::object conv_fast_path(const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx, int64_t nd) {
   MEMSCHED_CHECK(rt != nullptr && weight_idx >= 0 && nd >= 1 && nd <= 3,
                  "conv_fast_path: a runtime, a registered weight and 1-3 spatial dimensions are needed");
-  return make_function(&conv_def, kConvCapsule, new LayerTarget{rt, weight_idx, bias_idx, nd});
+  return capsule_function(&conv_def, kConvCapsule, new LayerTarget{rt, weight_idx, bias_idx, nd});
 }
 
 py::object autograd_use_hook(const std::shared_ptr<DwRuntime>& rt, std::vector<int32_t> params) {
   MEMSCHED_CHECK(rt != nullptr, "autograd_use_hook: a runtime is needed");
-  return make_function(&use_hook_def, kUseHookCapsule, new UseHookTarget{rt, std::move(params)});
+  return capsule_function(&use_hook_def, kUseHookCapsule, new UseHookTarget{rt, std::move(params)});
 }
 
 }  // namespace memsched

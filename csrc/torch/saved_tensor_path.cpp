@@ -339,7 +339,11 @@ bool version_holds(const at::Tensor& t, uint64_t expected) {
       "a saved tensor of shape " + shape_string(t) + " is at version " + std::to_string(version) +
       "; expected version " + std::to_string(expected) +
       " instead. (memsched checks this itself because saved-tensor hooks turn PyTorch's own check off; "
-      "plain PyTorch raises the same error.)";
+      "plain PyTorch raises the same error" +
+      std::string(t.is_leaf() && t.requires_grad() ? ", unless a fused optimizer update (fuse_optimizer=True) stepped this parameter in an "
+                              "earlier backward pass over the same graph: a second backward pass over a retained "
+                              "graph is not supported there.)"
+                            : ".)");
   PyErr_SetString(PyExc_RuntimeError, message.c_str());
   return false;
 }

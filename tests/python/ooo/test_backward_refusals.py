@@ -44,3 +44,70 @@ def test_fused_second_backward_over_retained_graph_names_its_cause():
                 as caught:
             out.pow(2).mean().backward()
     assert "plain PyTorch raises the same" not in str(caught.value)  # plain PyTorch does not raise here
+
+
+class _TiedHead(nn.Module):
+    """An embedding whose weight the output projection reuses through autograd (F.linear), so autograd's
+    gradient of a parameter arrives first in backward, before any deferred layer's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+
+    def forward(self, tokens):
+        return F.linear(self.body(self.emb(tokens)), self.emb.weight)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_second_backward_over_retained_graph_is_refused_when_autograd_reaches_a_parameter_first(fuse):
+    """A tied embedding's gradient hook began a new iteration in the second pass, so the deferred layers
+    met a fresh count and raised a raw 'enqueue: ... more contributions than forward uses counted'."""
+    m = _TiedHead()
+    tokens = torch.randint(0, 11, (4, 6))
+    with memsched.OutOfOrderBackward(m, optimizer=torch.optim.AdamW(m.parameters()), fuse_optimizer=fuse):
+        loss = m(tokens).logsumexp(-1).mean()
+        loss.backward(retain_graph=True)
+        # fused: the first pass stepped the tied weight the projection saved, so PyTorch's own version check
+        # stops the second pass before any memsched code runs
+        with pytest.raises(RuntimeError, match=r"second backward pass over a graph whose backward already ran" +
+                           (r"|modified by an inplace operation" if fuse else "")) as caught:
+            (loss * 0.5).backward()
+    assert "enqueue" not in str(caught.value) and "plain PyTorch raises the same" not in str(caught.value)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_first_layers_weight_changed_in_place_before_backward_trains_as_plain(fuse):
+    """Plain PyTorch saves a Linear's weight only for its input's gradient, so a first layer's weight (its
+    input needs none) may change in place between forward and backward (a weight constraint); the deferred
+    Linear saved it anyway and raised 'modified by an inplace operation ... plain PyTorch raises the same'."""
+    plain, m = _model(), _model()
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    popt, mopt = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def step(model, after):
+        loss = F.cross_entropy(model(x), y)
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+        loss.backward()
+        after()
+
+    for _ in range(2):
+        step(plain, lambda: (popt.step(), popt.zero_grad()))
+    with memsched.OutOfOrderBackward(m, optimizer=mopt, fuse_optimizer=fuse) as ooo:
+        for _ in range(2):
+            step(m, lambda: (ooo.step() and mopt.step(), mopt.zero_grad()))
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_later_layers_weight_changed_in_place_before_backward_raises_as_plain():
+    m = _model()
+    x = torch.randn(8, 16)
+    with memsched.OutOfOrderBackward(m):
+        out = m(x)
+        with torch.no_grad():
+            m[2].weight.mul_(0.5)  # its input (the GELU's output) needs a gradient: plain saved the weight
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
