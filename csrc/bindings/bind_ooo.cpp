@@ -111,6 +111,9 @@ void bind_ooo(py::module_& m) {
       .def("accumulated_hook", &DwRuntime::accumulated_hook, py::arg("param"))
       .def_readwrite("phase", &DwRuntime::phase)
       .def_readwrite("fast_calls", &DwRuntime::fast_calls)
+      .def("first_regraded", &DwRuntime::first_regraded,
+           "The first parameter converted (dtype or device) since it was registered, whose AccumulateGrad node is "
+           "new, or -1.")
       .def("set_iteration_dicts", &DwRuntime::set_iteration_dicts, py::arg("kind"), py::arg("cast_uses"),
            "The owner's per-iteration kind and cast_uses dicts, which the layers' fast path reads and writes in "
            "place (Note [Fast path of a patched layer call]).")

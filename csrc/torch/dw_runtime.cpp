@@ -166,6 +166,15 @@ int32_t DwRuntime::add_param(const at::Tensor& param, int32_t bucket) {
   return index;
 }
 
+int32_t DwRuntime::first_regraded() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (torch::autograd::impl::try_get_grad_accumulator(params_[i]).get() != accumulators_[i].get()) {
+      return static_cast<int32_t>(i);
+    }
+  }
+  return -1;
+}
+
 torch::autograd::Node* DwRuntime::accumulator(int32_t param) const {
   return param >= 0 && param < static_cast<int32_t>(accumulators_.size()) ? accumulators_[param].get() : nullptr;
 }

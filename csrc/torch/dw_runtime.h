@@ -130,6 +130,9 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   int32_t add_param(const at::Tensor& param, int32_t bucket);
   // The parameter's AccumulateGrad node (held from add_param until the runtime dies).
   torch::autograd::Node* accumulator(int32_t param) const;
+  // The first parameter whose AccumulateGrad node is no longer that one (its dtype or device was
+  // changed through .data since add_param: model.to(...), .double()), or -1.
+  int32_t first_regraded() const;
 
   // -- scheduler, under the lock ------------------------------------------------------------
   void begin_iteration(bool last_micro_step);

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/Exceptions.h>
@@ -93,6 +94,12 @@ bool common_checks(const LayerTarget& target, const DwRuntime& rt, PyObject* mod
   if (PyErr_Occurred()) throw python_error();
   *w = same_trainable(wo, rt, target.weight_idx);
   if (*w == nullptr || rt.user_hooked(target.weight_idx)) return false;
+  // See Note [Layer calls out-of-order backward leaves to autograd] (backward.py): no __torch_function__
+  // override (a Tensor or a Parameter, exactly) nor mode, nothing complex
+  if (!THPVariable_CheckExact(wo) || (bo != nullptr && bo != Py_None && !THPVariable_CheckExact(bo)) ||
+      at::impl::torch_function_mode_enabled() || x.is_complex() || (*w)->is_complex()) {
+    return false;
+  }
   if (target.bias_idx >= 0) {
     const at::Tensor* b = same_trainable(bo, rt, target.bias_idx);
     if (b == nullptr || rt.user_hooked(target.bias_idx)) return false;
@@ -139,8 +146,8 @@ std::shared_ptr<DwRuntime> live_runtime(const LayerTarget& target) {
   return rt;
 }
 
-bool int_list(PyObject* seq, std::vector<int64_t>* out) {
-  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
+bool int_tuple(PyObject* seq, std::vector<int64_t>* out) {
+  if (!PyTuple_Check(seq)) return false;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   PyObject** items = PySequence_Fast_ITEMS(seq);
   out->resize(static_cast<size_t>(n));
@@ -163,7 +170,7 @@ struct LayerCall {
 // False: NotImplemented (or a Python error set, when PyErr_Occurred()).
 bool begin_call(PyObject* capsule, const char* name, PyObject* const* args, Py_ssize_t nargs, LayerCall* call) {
   call->target = static_cast<LayerTarget*>(PyCapsule_GetPointer(capsule, name));
-  if (call->target == nullptr || nargs != 2 || !THPVariable_Check(args[1])) return false;
+  if (call->target == nullptr || nargs != 2 || !THPVariable_CheckExact(args[1])) return false;
   call->rt = live_runtime(*call->target);
   if (call->rt == nullptr) return false;
   call->x = &THPVariable_Unpack(args[1]);
@@ -216,13 +223,19 @@ PyObject* conv_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) 
   static PyObject* s_padding = interned("padding");
   static PyObject* s_dilation = interned("dilation");
   static PyObject* s_groups = interned("groups");
+  static PyObject* s_padding_mode = interned("padding_mode");
+  py::object mode = py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_padding_mode));
+  if (!mode) throw python_error();
+  if (!PyUnicode_Check(mode.ptr()) || PyUnicode_CompareWithASCIIString(mode.ptr(), "zeros") != 0) {
+    Py_RETURN_NOTIMPLEMENTED;  // the deferred Function pads with zeros
+  }
   std::vector<int64_t> stride, padding, dilation;
   py::object so = py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_stride));
   py::object po = so ? py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_padding)) : py::object();
   py::object dl = po ? py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_dilation)) : py::object();
   py::object go = dl ? py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_groups)) : py::object();
   if (!go) throw python_error();
-  if (!int_list(so.ptr(), &stride) || !int_list(po.ptr(), &padding) || !int_list(dl.ptr(), &dilation) ||
+  if (!int_tuple(so.ptr(), &stride) || !int_tuple(po.ptr(), &padding) || !int_tuple(dl.ptr(), &dilation) ||
       !PyLong_CheckExact(go.ptr())) {
     PyErr_Clear();
     Py_RETURN_NOTIMPLEMENTED;

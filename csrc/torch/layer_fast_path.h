@@ -13,7 +13,9 @@
 //   call only in the common case, every condition the Python path checks, here in C++: grad mode
 //   on, the owner's phase "forward" (the first call of an iteration goes to Python, which begins
 //   it), the module's `weight`/`bias` still the registered parameters with their install-time
-//   requires_grad, no caller's gradient hook on them, no autocast on x's device, no queueing
+//   requires_grad, no caller's gradient hook on them, x, weight and bias plain Tensors or
+//   Parameters (no __torch_function__ override, no torch function mode) and none complex (Note
+//   [Layer calls out-of-order backward leaves to autograd]), no autocast on x's device, no queueing
 //   executor (the owner's fast_calls), no autocast use of a deferred parameter this iteration
 //   (cast_uses empty), both parameters' kind unset or deferred, a row-major weight matrix, and x
 //   either a 2-D matrix that is not column-major or a contiguous input of more than two
@@ -26,9 +28,10 @@
 //   _note_autograd_use, as the Python hook did.
 //   conv_fast_path() does the same for a patched Conv1d/2d/3d (a contiguous input of nd + 2
 //   dimensions and a contiguous weight, Note [Conv weight gradients in the weight's layout]; the
-//   module's stride, padding, dilation and groups are read at each call, as the Python path does).
-//   Limitations: the callables hold the runtime weakly: once
-//   it is gone they return NotImplemented / do nothing.
+//   module's padding_mode 'zeros', its stride, padding and dilation tuples and its groups are read
+//   at each call, as the Python path does).
+//   Limitations: the callables hold the runtime weakly: once it is gone they return
+//   NotImplemented / do nothing.
 #pragma once
 
 #include <cstdint>

@@ -242,6 +242,22 @@ Note [Conv weight gradients in the weight's layout]
   Limitations: channels_last models get no deferred weight gradients. Storing the deferred
   gradient as AccumulateGrad does (clone_obey_contract in DwRuntime::finalize) would lift this.
 
+Note [Layer calls out-of-order backward leaves to autograd]
+  Rationale: the deferred Functions reproduce a stock Linear/conv call only for what they were
+  written for; fuzzing found the rest: a complex weight (the deferred dW misses the conjugate:
+  3.85 off), a conv whose padding_mode was set to 'reflect' after install (zero padding: 8.3 off)
+  or whose padding, stride or dilation was set to an int or a string (a raw pybind TypeError), a
+  tensor subclass input whose __torch_function__ the Function bypassed (its output came back a
+  plain Tensor), and torch.func.functional_call, whose substitute tensors stand in the module's
+  parameters for one call (a raw TypeError from _user_hooked; a hooked substitute lost its gradient).
+  Approach: at every call the patched forward (and the C++ fast path, which leaves such calls to
+  it) checks these; a call with a complex input or weight, a __torch_function__ override or mode
+  among its arguments, or a conv whose padding_mode is not 'zeros' or whose padding, stride or
+  dilation is not a tuple runs the stock forward, counted as an autograd use of its parameters
+  (Note [One kind of use per parameter and iteration]). A weight or bias that is not the registered
+  parameter (a functional_call substitute) is not memsched's: the call runs as if frozen.
+  Limitations: forward-mode AD through a deferred layer raises (the C++ Function has no jvp).
+
 Note [One kind of use per parameter and iteration]
   Rationale: autograd sums a parameter's contributions in the order they arrive, and float addition
   is not associative. A patched layer called both ways in one iteration -- some calls deferred, some
@@ -352,6 +368,7 @@ def _eligible(module: nn.Module) -> bool:
 
 
 _unsafe_view = torch.ops.aten._unsafe_view
+_has_torch_function = torch._C._has_torch_function  # a __torch_function__ override (or mode) among its arguments
 _unsafe_view_default = torch.ops.aten._unsafe_view.default
 
 
@@ -753,11 +770,13 @@ class OutOfOrderBackward:
         b_idx = self._index.get(id(m.bias)) if m.bias is not None else None
         rt = self._rt
         stock = self._stock_call
+        params = self._params
         if isinstance(m, nn.Linear):
             # See Note [Fast path of a patched layer call]: the common call, decided and applied in C++
             fast = rt.linear_fast_path(w_idx, -1 if b_idx is None else b_idx) if w_idx is not None else None
 
-            def forward(mod, x):
+            def forward(mod, input):
+                x = input
                 if fast is not None:
                     out = fast(mod, x)
                     if out is not NotImplemented:
@@ -767,28 +786,30 @@ class OutOfOrderBackward:
                     return nn.Linear.forward(mod, x)
                 if me._phase_name != "forward":
                     me._begin_if_idle()  # its checks first: the module's parameters may have changed
-                # frozen since install (requires_grad=False): no gradient, like autograd
-                wi = w_idx if w_idx is not None and mod.weight.requires_grad else None
-                bi = b_idx if b_idx is not None and mod.bias is not None and mod.bias.requires_grad else None
+                # See Note [Layer calls out-of-order backward leaves to autograd]: frozen since install, or
+                # not the registered parameter (torch.func.functional_call): no deferral, like autograd
+                w, b = mod.weight, mod.bias
+                wi = w_idx if w_idx is not None and w is params[w_idx] and w.requires_grad else None
+                bi = b_idx if b_idx is not None and b is params[b_idx] and b.requires_grad else None
                 if wi is None and bi is None:
                     return nn.Linear.forward(mod, x)
                 # See Note [Parameters with gradient hooks]
-                if (wi is not None and _user_hooked(mod.weight)) or (bi is not None and _user_hooked(mod.bias)):
+                if (wi is not None and _user_hooked(w)) or (bi is not None and _user_hooked(b)):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None], hooked=True)
                     return nn.Linear.forward(mod, x)
                 # See Notes [Linear inputs that at::linear reduces in another order], [Linear calls the
                 # deferred path gives at::linear's own rows], [One kind of use per parameter and iteration]
-                w = mod.weight
                 if x.dim() == 2:  # the common case, inline: x itself unless column-major
                     rows = None if x.stride(0) == 1 and x.stride(1) == x.size(0) else x
                 else:
-                    rows = _linear_rows(x, mod.bias is not None, w.requires_grad)
+                    rows = _linear_rows(x, b is not None, w.requires_grad)
                 cast = torch.is_autocast_enabled(x.device.type)
-                autograd = cast or rows is None or (wi is not None and not (w.stride(1) == 1 and w.stride(0) == w.size(1)))
+                autograd = cast or rows is None or (wi is not None and not (w.stride(1) == 1 and w.stride(0) == w.size(1))) \
+                    or x.is_complex() or w.is_complex() or _has_torch_function((x, w, b))
                 wd, bd = me._deferred_indices(wi, bi, autograd)
                 if wd < 0 and bd < 0:
-                    return stock(lambda w, b: F.linear(x, w, b), mod.weight, mod.bias, wi, bi, cast)
-                out = deferred_linear(rt, rows, mod.weight, mod.bias, wd, bd, me.graph_token())
+                    return stock(lambda w, b: F.linear(x, w, b), w, b, wi, bi, cast)
+                out = deferred_linear(rt, rows, w, b, wd, bd, me.graph_token())
                 if me._queues:
                     me._keep_arrival_order(out, wd, bd)
                 if rows is x:
@@ -798,13 +819,14 @@ class OutOfOrderBackward:
                 shape = x.shape[:-1] + out.shape[-1:]
                 # at::linear's own output: a view of addmm's for a flattened input with a bias, an
                 # _unsafe_view of mm's where matmul folded it
-                return out.view(shape) if mod.bias is not None else _unsafe_view(out, shape)
+                return out.view(shape) if b is not None else _unsafe_view(out, shape)
         else:
             base = next(b for b in _CONV_TYPES if isinstance(m, b))
             nd = _CONV_TYPES[base]
             fast = rt.conv_fast_path(w_idx, -1 if b_idx is None else b_idx, nd) if w_idx is not None else None
 
-            def forward(mod, x):
+            def forward(mod, input):
+                x = input
                 if fast is not None:  # See Note [Fast path of a patched layer call]
                     out = fast(mod, x)
                     if out is not NotImplemented:
@@ -814,23 +836,27 @@ class OutOfOrderBackward:
                     return base.forward(mod, x)
                 if me._phase_name != "forward":
                     me._begin_if_idle()  # its checks first: the module's parameters may have changed
-                wi = w_idx if w_idx is not None and mod.weight.requires_grad else None
-                bi = b_idx if b_idx is not None and mod.bias is not None and mod.bias.requires_grad else None
+                w, b = mod.weight, mod.bias  # See Note [Layer calls out-of-order backward leaves to autograd]
+                wi = w_idx if w_idx is not None and w is params[w_idx] and w.requires_grad else None
+                bi = b_idx if b_idx is not None and b is params[b_idx] and b.requires_grad else None
                 if wi is None and bi is None:
                     return base.forward(mod, x)
                 # See Note [Parameters with gradient hooks]
-                if (wi is not None and _user_hooked(mod.weight)) or (bi is not None and _user_hooked(mod.bias)):
+                if (wi is not None and _user_hooked(w)) or (bi is not None and _user_hooked(b)):
                     me._note_autograd_use([i for i in (wi, bi) if i is not None], hooked=True)
                     return base.forward(mod, x)
                 # See Notes [Conv weight gradients in the weight's layout], [One kind of use per parameter
-                # and iteration]
+                # and iteration]; the deferred Function pads with zeros, given as tuples
                 cast = torch.is_autocast_enabled(x.device.type)
                 autograd = cast or x.dim() != nd + 2 \
-                    or (wi is not None and not (x.is_contiguous() and mod.weight.is_contiguous()))
+                    or (wi is not None and not (x.is_contiguous() and w.is_contiguous())) \
+                    or mod.padding_mode != "zeros" or not (type(mod.padding) is tuple and type(mod.stride) is tuple
+                                                           and type(mod.dilation) is tuple) \
+                    or x.is_complex() or w.is_complex() or _has_torch_function((x, w, b))
                 wd, bd = me._deferred_indices(wi, bi, autograd)
                 if wd < 0 and bd < 0:
-                    return stock(lambda w, b: mod._conv_forward(x, w, b), mod.weight, mod.bias, wi, bi, cast)
-                out = deferred_conv(rt, x, mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
+                    return stock(lambda w, b: mod._conv_forward(x, w, b), w, b, wi, bi, cast)
+                out = deferred_conv(rt, x, w, b, mod.stride, mod.padding, mod.dilation,
                                     mod.groups, wd, bd, me.graph_token())
                 if me._queues:
                     me._keep_arrival_order(out, wd, bd)
@@ -889,6 +915,9 @@ class OutOfOrderBackward:
             index = self._index
             if self._structure_changed:
                 self._check_parameters_unchanged()
+            regraded = self._rt.first_regraded()
+            if regraded >= 0:
+                self._refuse_regraded(regraded)
             if (self._structure_changed or any(p.requires_grad for p in self._frozen)) and \
                     not all(id(p) in index for p in self._root.parameters() if p.requires_grad):
                 n, p = next((n, p) for n, p in self._root.named_parameters()
@@ -920,6 +949,15 @@ class OutOfOrderBackward:
             graph = _IterationGraph()
             self._graph = weakref.ref(graph, self._graph_gone)
             self._rt.set_graph(graph, self._graph)  # handed to the iteration's nodes by graph_token(), then dropped
+
+    def _refuse_regraded(self, i: int) -> None:
+        p = self._params[i]
+        raise MemschedError(
+            f"parameter {self._name(i)} is now {p.dtype} on {p.device}, converted after OutOfOrderBackward was "
+            f"installed (model.to(...), .double(), .half(), .cuda()): PyTorch gave it a new gradient-accumulation "
+            f"node, and out-of-order backward routes its weight gradients through the one it saw at install, so "
+            f"every gradient would be lost. Nothing was changed. Convert the model before install() (before entering "
+            f"memsched.optimize), or remove() and install() again (leave the `with` block and enter it again).")
 
     def _check_parameters_unchanged(self) -> None:
         """See Note [Parameters added or unfrozen after install]: every module still in the model owns the
@@ -1208,6 +1246,15 @@ class OutOfOrderBackward:
     def _first_deferred(self) -> None:
         """Called by the runtime (C++, the engine's thread) at the first deferred item of a backward pass."""
         if self._phase == "idle":
+            if 0 <= torch._C._current_graph_task_id() < self.__dict__.get("_ended_task", -1):
+                # graph task ids grow: this pass began before the one that ended the iteration, which ran
+                # inside it -- a reentrant checkpoint's nested backward
+                raise MemschedError(
+                    "torch.utils.checkpoint(..., use_reentrant=True) ran its own backward pass inside this one "
+                    "before the other deferred layers of this forward, and that nested pass ended out-of-order "
+                    "backward's iteration early: the deferred weight gradients left would be lost. Use "
+                    "use_reentrant=False (PyTorch's recommended checkpoint), or leave the model out of ooo "
+                    "(ooo=False, fuse_optimizer=False).")
             raise MemschedError(
                 "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
                 "backward(inputs=...) first) is not supported by OutOfOrderBackward: each backward pass needs "
@@ -1375,6 +1422,7 @@ class OutOfOrderBackward:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
+        self._ended_task = torch._C._current_graph_task_id()  # See _first_deferred
         self._first_node.clear()  # (the nodes of a queueing executor's first deferred calls)
         rt = self._rt
         try:
