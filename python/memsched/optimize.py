@@ -257,6 +257,11 @@ class Run:
                  grad_accumulation_steps=1, timeline=False, history=100, host_memory_limit=None, profile="auto"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        lazy = next((n for n, p in model.named_parameters() if torch.nn.parameter.is_lazy(p)), None)
+        if lazy is not None:  # the profile, the executor and ooo read every parameter's storage
+            raise ValueError(f"model: parameter {lazy} is not initialized yet (a LazyModule such as nn.LazyLinear); "
+                             f"run the model once on a batch before memsched.optimize (under torch.no_grad() is "
+                             f"enough), as PyTorch asks before building an optimizer")
         if isinstance(optimizer, type):  # the class itself has a step() too: refused here, not at the first forward
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer (or None), got the class "
                             f"{optimizer.__module__}.{optimizer.__qualname__}; pass an instance built from the "

@@ -82,3 +82,25 @@ def test_optimizer_class_instead_of_instance_is_refused_at_optimize(model, cls):
     with pytest.raises(TypeError, match=rf"optimizer: .*got the class torch\.optim\..*{cls.__name__}; pass an "
                                         rf"instance .*{cls.__name__}\(model\.parameters\(\)"):
         optimize(model, optimizer=cls, budget=0.5)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"ooo": True}, {"fuse_optimizer": True}])
+def test_an_uninitialized_lazy_module_is_named_before_anything_runs(kwargs):
+    """A raw ValueError from torch ('Attempted to use an uninitialized parameter in untyped_storage') came
+    from inside memsched's first step."""
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"model: parameter 0\.weight is not initialized yet.*run the model once"):
+        memsched.optimize(model, opt, budget=0.5, **kwargs)
+    with torch.no_grad():
+        model(torch.randn(2, 5))  # initialized: accepted, and trains
+    with memsched.optimize(model, opt, budget=0.5, **kwargs) as run:
+        for _ in range(2):
+            model(torch.randn(4, 5)).sum().backward()
+            run.step()
+
+
+def test_out_of_order_backward_names_an_uninitialized_lazy_module():
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8))
+    with pytest.raises(memsched.MemschedError, match=r"model: parameter 0\.weight is not initialized yet"):
+        memsched.OutOfOrderBackward(model)

@@ -520,6 +520,11 @@ class OutOfOrderBackward:
         if not isinstance(model, nn.Module):
             raise MemschedError(f"model: expected a torch.nn.Module (or a DistributedDataParallel wrapping one), "
                                 f"got {type(model).__name__}")
+        lazy = next((n for n, p in model.named_parameters() if torch.nn.parameter.is_lazy(p)), None)
+        if lazy is not None:
+            raise MemschedError(f"model: parameter {lazy} is not initialized yet (a LazyModule such as "
+                                f"nn.LazyLinear); run the model once on a batch before OutOfOrderBackward (under "
+                                f"torch.no_grad() is enough)")
         if not isinstance(fuse_optimizer, bool):
             raise MemschedError(f"fuse_optimizer: expected True or False, got {fuse_optimizer!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
