@@ -3,6 +3,7 @@
 // module, several binding files]).
 #include <torch/python.h>
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/Exceptions.h>
 
 #include "bindings/bindings.h"
@@ -201,6 +202,16 @@ void bind_ooo(py::module_& m) {
       .def_property_readonly("native_updates", &DwRuntime::native_updates)
       .def_property_readonly("native_calls", &DwRuntime::native_calls);
 
+  m.def(
+      "autocast_cast",
+      [](const at::Tensor& t, const std::string& device_type) {
+        // What autocast's own wrapper of linear/conv does with each argument: the cached cast of a leaf
+        // weight (one per autocast region), a fresh cast of anything else eligible, the tensor itself otherwise.
+        const c10::DeviceType dt = c10::Device(device_type).type();
+        return at::autocast::cached_cast(at::autocast::get_autocast_dtype(dt), t, dt);
+      },
+      py::arg("t"), py::arg("device_type"),
+      "at::autocast::cached_cast to the device type's autocast dtype (Note [Deferred calls under autocast]).");
   m.def(
       "deferred_linear",
       [](const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,

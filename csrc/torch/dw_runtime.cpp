@@ -396,6 +396,15 @@ void DwRuntime::finalize(int32_t param, std::vector<at::Tensor>* released) {
   pending_[param] = at::Tensor();
   if (!pend.defined()) return;
   at::Tensor& grad = params_[param].mutable_grad();
+  if (pend.scalar_type() != params_[param].scalar_type()) {
+    // Deferred under autocast (Note [Deferred calls under autocast] in backward.py): the sum was made in
+    // the cast's dtype, as autograd's cast node sums it, and is cast to the parameter's as that node does.
+    at::NoGradGuard no_grad;
+    at::Tensor cast = pend.to(params_[param].scalar_type());
+    track(nbytes(cast) - nbytes(pend), 0);
+    released->push_back(std::move(pend));
+    pend = std::move(cast);
+  }
   if (!grad.defined()) {
     grad = std::move(pend);
   } else {

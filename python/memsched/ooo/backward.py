@@ -258,6 +258,29 @@ Note [Layer calls out-of-order backward leaves to autograd]
   parameter (a functional_call substitute) is not memsched's: the call runs as if frozen.
   Limitations: forward-mode AD through a deferred layer raises (the C++ Function has no jvp).
 
+Note [Deferred calls under autocast]
+  Rationale: under torch.autocast every Linear/conv call went to autograd (autocast casts the weight
+  once per autocast region and autograd sums that region's weight gradients in the autocast dtype in
+  the cast's node, which a deferral per call in float32 would not reproduce), so a model trained in
+  bf16 autocast -- most of them -- deferred nothing and gained nothing from ooo.
+  Approach: a call under autocast is deferred in the autocast dtype when its parameter's every use in
+  the last iteration was such a call in one autocast region (learned at the start of each iteration
+  from the one before: _learn_cast_uses; the first iteration goes through autograd): the patched
+  forward casts x, the weight and the bias as autocast's own wrapper does (at::autocast::cached_cast,
+  _C.autocast_cast: the weight's cast is the region's cached one, whose identity tells regions apart)
+  and applies the deferred Function to the cast tensors. Its weight gradients are summed in the runtime
+  in the autocast dtype in arrival order, as the cast node's input buffer sums them, and cast to the
+  parameter's dtype when the parameter is final (DwRuntime::finalize), as the cast node does, before
+  .grad (or the fused update) takes them: bitwise autograd's. Only what autocast's cast reproduces is
+  taken: the autocast cache on, float32 weight and bias, an input in float32 or in the autocast dtype,
+  and a call the deferred Function takes as it is (the rows at::linear multiplies; a contiguous conv).
+  Limitations: a parameter so deferred that is then used otherwise in the same iteration (outside its
+  region, in a second region, or by a call left to autograd) is refused in forward, naming it, and is
+  never deferred under autocast again in that installation: the runtime's autocast-dtype sum cannot take
+  that contribution in autograd's order. A program whose pattern of use changes from one iteration to
+  the next can meet this once. The fast path (Note [Fast path of a patched layer call]) leaves autocast
+  calls to this Python path.
+
 Note [One kind of use per parameter and iteration]
   Rationale: autograd sums a parameter's contributions in the order they arrive, and float addition
   is not associative. A patched layer called both ways in one iteration -- some calls deferred, some
@@ -335,6 +358,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.utils import parametrize
 
 from memsched._C import DwRuntime, MemschedError, deferred_conv, deferred_linear
+from memsched._C import autocast_cast as _autocast_cast
 from memsched.copy_inert import PatchedForward, inert_on_copy
 from memsched.ooo import clip_guard, grad_scaler_guard
 from memsched.ooo.fused import SUPPORTED_OPTIMIZERS, ParamStepper
@@ -406,7 +430,22 @@ def _linear_rows(x: torch.Tensor, has_bias: bool, folds: bool):
     return rows if d != 2 else x
 
 
+def _cast_args(x, w, b, device_type):
+    """(x, w, b) as autocast's own wrapper of linear/conv casts them (the weight's cast cached for the autocast
+    region), or None when that is not what the deferred path reproduces: autocast's cache off, an argument of
+    another dtype than float32 (or x already in the autocast dtype). See Note [Deferred calls under autocast]."""
+    dtype = torch.get_autocast_dtype(device_type)
+    if not torch.is_autocast_cache_enabled() or dtype not in _LOW_FLOATS or w.dtype != torch.float32 \
+            or (b is not None and b.dtype != torch.float32) or x.dtype not in (torch.float32, dtype):
+        return None
+    return (_autocast_cast(x, device_type), _autocast_cast(w, device_type),
+            None if b is None else _autocast_cast(b, device_type))
+
+
 _DEFERRED, _AUTOGRAD = 1, 2  # a parameter's kind of use in one iteration (Note [One kind of use per parameter and iteration])
+_DEFERRED_CAST = 3  # deferred in autocast's dtype (Note [Deferred calls under autocast])
+_MIXED = object()  # a parameter used otherwise than by deferrable calls of one autocast region (same Note)
+_LOW_FLOATS = (torch.float16, torch.bfloat16)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -609,6 +648,11 @@ class OutOfOrderBackward:
         self._kind: Dict[int, int] = {}  # this iteration's kind of use per parameter (_DEFERRED / _AUTOGRAD)
         self._maybe_queued: Set[int] = set()  # parameters an item of which may wait in the queue
         self._cast_uses: Dict[int, int] = {}  # deferred-kind parameters' uses under autocast this iteration
+        # See Note [Deferred calls under autocast]: this iteration's autocast region per parameter (a weak
+        # reference to its cached cast, or _MIXED), what the last iterations taught, and what never qualifies
+        self._cast_region: Dict[int, object] = {}
+        self._cast_eligible: Set[int] = set()
+        self._cast_never: Set[int] = set()
         self._first_node: Dict[int, tuple] = {}  # queueing executors: a parameter's first deferred node
         self._queues = False  # items may wait in the queue and complete out of arrival order
         self._acc: List = []  # each parameter's AccumulateGrad node
@@ -809,9 +853,24 @@ class OutOfOrderBackward:
                 else:
                     rows = _linear_rows(x, b is not None, w.requires_grad)
                 cast = torch.is_autocast_enabled(x.device.type)
+                if cast:  # See Note [Deferred calls under autocast]
+                    c = _cast_args(x, w, b, x.device.type)
+                    if c is None:
+                        me._cast_indices(wi, bi, None, False)
+                    else:
+                        x_c, w_c, b_c = c
+                        ok = _linear_rows(x_c, b_c is not None, True) is x_c \
+                            and (wi is None or (w_c.stride(1) == 1 and w_c.stride(0) == w_c.size(1))) \
+                            and not _has_torch_function((x, w, b))
+                        idx = me._cast_indices(wi, bi, w_c if wi is not None else b_c, ok)
+                        if idx is not None:
+                            out = deferred_linear(rt, x_c, w_c, b_c, idx[0], idx[1], me.graph_token())
+                            if me._queues:
+                                me._keep_arrival_order(out, idx[0], idx[1])
+                            return _unsafe_view_default(out, out.shape) if out._is_view() else out
                 autograd = cast or rows is None or (wi is not None and not (w.stride(1) == 1 and w.stride(0) == w.size(1))) \
                     or x.is_complex() or w.is_complex() or _has_torch_function((x, w, b))
-                wd, bd = me._deferred_indices(wi, bi, autograd)
+                wd, bd = me._deferred_indices(wi, bi, autograd, cast)
                 if wd < 0 and bd < 0:
                     return stock(lambda w, b: F.linear(x, w, b), w, b, wi, bi, cast)
                 out = deferred_linear(rt, rows, w, b, wd, bd, me.graph_token())
@@ -853,12 +912,29 @@ class OutOfOrderBackward:
                 # See Notes [Conv weight gradients in the weight's layout], [One kind of use per parameter
                 # and iteration]; the deferred Function pads with zeros, given as tuples
                 cast = torch.is_autocast_enabled(x.device.type)
+                if cast:  # See Note [Deferred calls under autocast]
+                    c = _cast_args(x, w, b, x.device.type)
+                    if c is None:
+                        me._cast_indices(wi, bi, None, False)
+                    else:
+                        x_c, w_c, b_c = c
+                        ok = x_c.dim() == nd + 2 and x_c.is_contiguous() and w_c.is_contiguous() \
+                            and mod.padding_mode == "zeros" and type(mod.padding) is tuple \
+                            and type(mod.stride) is tuple and type(mod.dilation) is tuple \
+                            and not _has_torch_function((x, w, b))
+                        idx = me._cast_indices(wi, bi, w_c if wi is not None else b_c, ok)
+                        if idx is not None:
+                            out = deferred_conv(rt, x_c, w_c, b_c, mod.stride, mod.padding, mod.dilation,
+                                                mod.groups, idx[0], idx[1], me.graph_token())
+                            if me._queues:
+                                me._keep_arrival_order(out, idx[0], idx[1])
+                            return out
                 autograd = cast or x.dim() != nd + 2 \
                     or (wi is not None and not (x.is_contiguous() and w.is_contiguous())) \
                     or mod.padding_mode != "zeros" or not (type(mod.padding) is tuple and type(mod.stride) is tuple
                                                            and type(mod.dilation) is tuple) \
                     or x.is_complex() or w.is_complex() or _has_torch_function((x, w, b))
-                wd, bd = me._deferred_indices(wi, bi, autograd)
+                wd, bd = me._deferred_indices(wi, bi, autograd, cast)
                 if wd < 0 and bd < 0:
                     return stock(lambda w, b: mod._conv_forward(x, w, b), w, b, wi, bi, cast)
                 out = deferred_conv(rt, x, w, b, mod.stride, mod.padding, mod.dilation,
@@ -941,6 +1017,7 @@ class OutOfOrderBackward:
             if self._stepper is not None:
                 self._rt.post_hooks_last()  # See Note [Parameters with gradient hooks]
             self._iter_stepped = 0  # parameters the fused update stepped in this iteration (Note [A failed backward])
+            self._learn_cast_uses()
             self._kind.clear()
             self._cast_uses.clear()
             self._maybe_queued.clear()
@@ -963,6 +1040,68 @@ class OutOfOrderBackward:
             f"node, and out-of-order backward routes its weight gradients through the one it saw at install, so "
             f"every gradient would be lost. Nothing was changed. Convert the model before install() (before entering "
             f"memsched.optimize), or remove() and install() again (leave the `with` block and enter it again).")
+
+    # See Note [Deferred calls under autocast]
+    def _learn_cast_uses(self) -> None:
+        """The iteration that ended: a parameter all of whose uses were deferrable calls of one autocast region
+        (through autograd that time, or deferred already) is deferred in its autocast dtype from now on."""
+        kind = self._kind
+        for i, region in self._cast_region.items():
+            if region is _MIXED or kind.get(i) == _DEFERRED:  # (_DEFERRED: a call outside autocast, in C++)
+                self._cast_eligible.discard(i)
+            elif kind.get(i) in (_AUTOGRAD, _DEFERRED_CAST) and i not in self._cast_never:
+                self._cast_eligible.add(i)
+        self._cast_region.clear()
+
+    def _not_cast(self, ids) -> None:
+        """A use of these parameters other than a deferrable call of an autocast region: none of them is
+        deferred in its autocast dtype from the next iteration on, and one that already is in this iteration
+        is refused (its autocast-dtype sum cannot take this contribution in autograd's order)."""
+        region, kind = self._cast_region, self._kind
+        for i in ids:
+            if i is None:
+                continue
+            region[i] = _MIXED
+            if kind.get(i) == _DEFERRED_CAST:
+                self._refuse_cast_mix(i)
+
+    def _cast_indices(self, wi, bi, region, ok: bool):
+        """A call under autocast: (wd, bd) when it is deferred in the autocast dtype, else None (the call goes to
+        autograd as before). region: the cached cast of the call's weight (its bias's if the weight is not
+        trained), which tells one autocast region from another; ok: the call is deferrable."""
+        kind, seen = self._kind, self._cast_region
+        ids = [i for i in (wi, bi) if i is not None]
+        same = True
+        for i in ids:
+            r = seen.get(i)
+            if r is None and ok:
+                seen[i] = weakref.ref(region)
+            elif r is None or r is _MIXED or r() is not region or not ok:
+                seen[i] = _MIXED
+                same = False
+        if ok and same and all(i in self._cast_eligible and kind.get(i) in (None, _DEFERRED_CAST) for i in ids):
+            for i in ids:
+                kind[i] = _DEFERRED_CAST
+            wd, bd = -1 if wi is None else wi, -1 if bi is None else bi
+            self._note_deferred_use(wd, bd)
+            return wd, bd
+        for i in ids:
+            if kind.get(i) == _DEFERRED_CAST:
+                self._refuse_cast_mix(i)
+        return None
+
+    def _refuse_cast_mix(self, i: int) -> None:
+        self._cast_never.add(i)
+        self._cast_eligible.discard(i)
+        if self._phase == "forward":
+            self._abandon()  # this forward raises: what it counted and deferred never reaches a backward pass
+        raise MemschedError(
+            f"parameter {self._name(i)} was deferred in autocast's dtype in this forward pass -- every use of it in "
+            f"the last iteration was a call inside one torch.autocast region -- and is now used otherwise (outside "
+            f"that region, in another region, or by a call out-of-order backward leaves to autograd): autograd sums "
+            f"one region's contributions in the autocast dtype before casting them, which memsched cannot reproduce "
+            f"for this mix. Nothing was changed, and this parameter is never deferred under autocast again in this "
+            f"installation: run the step again. To avoid this, call the layer the same way in every iteration.")
 
     def _check_parameters_unchanged(self) -> None:
         """See Note [Parameters added or unfrozen after install]: every module still in the model owns the
@@ -1049,6 +1188,8 @@ class OutOfOrderBackward:
         if self._phase_name != "forward":
             self._begin_if_idle()
         if hooked:  # autograd sums every use of a hooked parameter (Note [Parameters with gradient hooks])
+            if self._cast_region or self._cast_eligible:
+                self._not_cast(ids)
             for i in ids:
                 self._kind.setdefault(i, _AUTOGRAD)
         late = self._rt.note_autograd_use(ids)
@@ -1056,7 +1197,7 @@ class OutOfOrderBackward:
             self._refuse_late_use(late)
 
     # See Note [One kind of use per parameter and iteration]
-    def _deferred_indices(self, wi, bi, autograd: bool):
+    def _deferred_indices(self, wi, bi, autograd: bool, cast: bool = False):
         """The runtime indices this eligible call defers its weight and bias gradient to (-1: autograd
         gets that gradient); its counted uses. autograd: the call's math must be autograd's own (it runs
         the stock forward when neither index is >= 0)."""
@@ -1073,6 +1214,8 @@ class OutOfOrderBackward:
                 return wd, bd
         out = [-1, -1]
         direct = []
+        if not cast and (self._cast_region or self._cast_eligible):
+            self._not_cast((wi, bi))  # (an autocast call was seen by _cast_indices)
         for k, i in enumerate((wi, bi)):
             if i is None:
                 continue
@@ -1099,6 +1242,8 @@ class OutOfOrderBackward:
         except under autocast (cast), whose weight cast autograd shares between the calls of one autocast
         region: the call goes to autograd, and a third contribution of such a parameter is refused."""
         kind = self._kind
+        if not cast and (self._cast_region or self._cast_eligible):
+            self._not_cast((wi, bi))  # (an autocast call was seen by _cast_indices)
         tw = wi is not None and kind.get(wi) == _DEFERRED
         tb = bi is not None and kind.get(bi) == _DEFERRED
         if (cast or self._executor == "thread") and (tw or tb):
