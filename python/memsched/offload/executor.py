@@ -580,8 +580,9 @@ class OffloadExecutor:
             else:
                 self.recipes_[k] = recipe  # counted as recomputed (or kept) once its op has run
                 recipe.label = self.path.label(k)
-        elif recipe is not None and (storage_key(t) != recipe.key or t._version != recipe.version):
-            recipe = None  # another storage or version at this ordinal: keep this save
+        elif recipe is not None and (storage_key(t) != recipe.key or t._version != recipe.version
+                                     or self.oplog_ is None or not self.oplog_.serves_a_later_save(recipe)):
+            recipe = None  # another storage or version at this ordinal, or written since: keep this save
         if recipe is None:
             return (k, t.detach(), t._version)  # See Notes [Packing without reference cycles], [Version checks]
         recipe.packs += 1

@@ -20,7 +20,17 @@ Note [Unpack-time recompute]
     (schema alias_info.is_write) are looked at.
     Packing. When the saved-tensor hook sees the first save of an activation the plan recomputes,
     the recipe is the slice of recorded ops that writes its storage, followed backwards through
-    their recorded inputs. The save then holds the recipe and not the tensor.
+    their recorded inputs. The save then holds the recipe and not the tensor. A later save of the
+    same storage shares the recipe only while no op wrote the storage since its slice was taken
+    (ForwardOpLog.serves_a_later_save): torch.unsafe_chunk pieces (ATen's GRU cell) have version
+    counters of their own, so a piece written after the slice was taken came at an equal version and
+    replayed without that write (1e-3 off); such a save keeps its tensor.
+    Geometry. A recorded input made by a recorded op is seen again on the replayed storage with its
+    dtype, size, stride, offset and its lazy conjugate and negative bits (c.conj(), conj().imag):
+    without the bits, c * c.conj() replayed as c * c (2.55 off).
+    The executor's own ops (packing, and an unpack inside the forward: torch.autograd.grad there)
+    run with the log paused: neither counted nor recorded (a recorded set_ of memsched's raised a
+    KeyError at replay).
     Replay. At the first unpack the recipe runs under no_grad with autocast off, each recorded op
     on fresh tensors rebuilt from the replayed storages, the RNG state restored around random
     ops; the result is a view with the saved tensor's dtype, size, stride and offset. An
@@ -185,25 +195,35 @@ class _Record:
 
 
 def _geometry(t):
-    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    """How to see t again on its storage: dtype, size, stride, offset, and its conjugate and negative bits
+    (a lazy conj()/neg view reads its storage through them: Note [Unpack-time recompute])."""
+    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.is_conj(), t.is_neg())
+
+
+def _with_bits(t, geometry):
+    if geometry[5]:
+        t = torch._neg_view(t)
+    return t.conj() if geometry[4] else t
 
 
 def _on_bytes(flat, geometry):
-    dtype, size, stride, offset = geometry
-    return torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, size, stride)
+    dtype, size, stride, offset = geometry[:4]
+    return _with_bits(torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, size,
+                                                                            stride), geometry)
 
 
 def _on(storage_of, key, geometry):
-    dtype, size, stride, offset = geometry
+    dtype, size, stride, offset = geometry[:4]
     base = storage_of[key]
-    return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
+    return _with_bits(torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size,
+                                                                            stride), geometry)
 
 
 class Recipe:
     """One recomputed activation: from its first save until the op that saved it has run, the
     tensor itself (`held`); then either the recorded ops that recreate it (`records`), or, when it
     cannot be recreated exactly, still `held` (kept, with `why`)."""
-    __slots__ = ("records", "key", "geometry", "value", "packs", "unpacks", "label", "nbytes", "ordinal",
+    __slots__ = ("records", "key", "geometry", "value", "packs", "unpacks", "label", "nbytes", "ordinal", "writers",
                  "version", "shared", "indices", "held", "marker", "final", "why", "stream",
                  "__weakref__")
 
@@ -223,6 +243,7 @@ class Recipe:
         self.label = ""
         self.nbytes = t.untyped_storage().nbytes()
         self.ordinal = ordinal
+        self.writers = None     # recorded writes of its storage when its slice was taken (_build)
         self.version = t._version
         self.shared = shared          # the plan recreates it inside another activation's replay
 
@@ -571,6 +592,15 @@ class ForwardOpLog:
                 self.stats.recomputed_bytes += recipe.nbytes
         self.unfinished = keep
 
+    def serves_a_later_save(self, recipe):
+        """Whether a later save of recipe's storage may share its slice: no op wrote that storage since the
+        slice was taken. A save through another unsafe view (unsafe_chunk: each piece has a version counter
+        of its own, ATen's GRU cell) can come after a write the slice does not hold, at an equal version."""
+        if recipe.writers is None:
+            return True  # not taken yet: it will be, with every write until then (the saving op still runs)
+        entry = self.live.get(recipe.key)
+        return entry is not None and len(entry[1]) == recipe.writers and recipe.key not in self.tainted
+
     def _build(self, recipe):
         """Give `recipe` the slice of recorded ops that writes its storage; a reason if it cannot."""
         if recipe.held._version != recipe.version:
@@ -592,6 +622,7 @@ class ForwardOpLog:
             return "tainted"
         chosen.reverse()
         recipe.set_records(chosen)
+        recipe.writers = len(self.live[recipe.key][1])
         ref = weakref.ref(recipe)
         for x, _ in recipe.externals():
             k = _key(x)
@@ -649,6 +680,17 @@ class RecomputedView:
         self.version = t._version
 
     def unpack(self):
+        # inside a forward (torch.autograd.grad there), the ops issued here are not the model's
+        log = self.owner.oplog_
+        if log is None:
+            return self._unpack()
+        log.paused += 1
+        try:
+            return self._unpack()
+        finally:
+            log.paused -= 1
+
+    def _unpack(self):
         r = self.recipe
         self.owner.path.observe(r.ordinal)
         if self.counter._version != self.version:
@@ -658,7 +700,7 @@ class RecomputedView:
                 f"expected version {self.version} instead (memsched recomputes it)")
         if r.held is not None:
             # kept (Note [Unpack-time recompute]), or a step abandoned before its recipe was built
-            return on_counter(self.counter, r.held, self.geometry[1:])
+            return on_counter(self.counter, r.held, self.geometry[1:4])
         if r.value is None:
             log = self.log()
             if log is not None and r.ordinal in log.pending:
@@ -674,4 +716,4 @@ class RecomputedView:
         if r.unpacks % r.packs == 0:
             r.value = None  # every save has been used once; another backward replays again
         # a fresh tensor object (the caller may keep it) on the saved tensor's version counter
-        return on_counter(self.counter, out, self.geometry[1:])
+        return on_counter(self.counter, out, self.geometry[1:4])  # (the counter alias keeps t's conj/neg bits)
