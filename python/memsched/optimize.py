@@ -361,6 +361,7 @@ class Run:
         self.compiled_steps_ = 0     # COUNT of run.step() of a compiled model (Note [Compiled modules run plainly])
         self.steps_profiled = 0      # COUNT
         self.reprofiles = 0          # COUNT of re-profiles after a mismatch
+        self.cast_warmup_profiles_ = 0  # COUNT of profiles dropped as ooo began deferring under autocast
         self.mismatches = 0          # COUNT of steps that did not match the trace
         self.mismatch_run_ = 0       # consecutive mismatching steps (Note [A lone mismatching step])
         self.reprofiles_denied_ = 0  # COUNT of re-profiles due but past max_reprofiles
@@ -526,6 +527,13 @@ class Run:
             self.forward_starts_ = getattr(session, "forward_starts", None)  # Note [Forwards that save nothing]
             self.unmodeled_bytes_ = getattr(session, "unmodeled_bytes", 0)  # Note [Memory the trace does not model]
             self.steps_profiled += 1
+            if self.ooo_ is not None and self.ooo_.cast_deferral_pending():
+                # See Note [Deferred calls under autocast] (ooo/backward.py): from the next step on, layers this
+                # step ran through autograd under autocast are deferred, and save other tensors; a plan of this
+                # trace would not match them (two plain steps and a re-profile). Profile the next step instead.
+                self.cast_warmup_profiles_ += 1
+                self._start_profiling()
+                return None
             self.profile_eval_grad_ = self.eval_grad_forward_  # named if later steps do not match it
             # this trace holds the state that existed at its start; what the update will add is
             # predicted for the optimizers we know (Note [Optimizer state the profiled step did not see])

@@ -278,8 +278,11 @@ Note [Deferred calls under autocast]
   region, in a second region, or by a call left to autograd) is refused in forward, naming it, and is
   never deferred under autocast again in that installation: the runtime's autocast-dtype sum cannot take
   that contribution in autograd's order. A program whose pattern of use changes from one iteration to
-  the next can meet this once. The fast path (Note [Fast path of a patched layer call]) leaves autocast
-  calls to this Python path.
+  the next can meet this once. Under memsched.optimize the profiled step is the first such iteration:
+  its trace holds autograd's saves, which the later deferred steps would not match (two plain steps
+  and a re-profile), so a profile after which deferral begins (cast_deferral_pending) is dropped and
+  the next step profiled (Run.cast_warmup_profiles_). The fast path (Note [Fast path of a patched
+  layer call]) leaves autocast calls to this Python path.
 
 Note [One kind of use per parameter and iteration]
   Rationale: autograd sums a parameter's contributions in the order they arrive, and float addition
@@ -1052,6 +1055,14 @@ class OutOfOrderBackward:
             elif kind.get(i) in (_AUTOGRAD, _DEFERRED_CAST) and i not in self._cast_never:
                 self._cast_eligible.add(i)
         self._cast_region.clear()
+
+    def cast_deferral_pending(self) -> bool:
+        """After an iteration's backward: whether the next iteration defers under autocast a parameter this
+        one ran through autograd (so it saves other tensors). memsched.optimize then profiles the next step
+        rather than plan from this one."""
+        kind, eligible, never = self._kind, self._cast_eligible, self._cast_never
+        return any(r is not _MIXED and kind.get(i) == _AUTOGRAD and i not in eligible and i not in never
+                   for i, r in self._cast_region.items())
 
     def _not_cast(self, ids) -> None:
         """A use of these parameters other than a deferrable call of an autocast region: none of them is
