@@ -1236,6 +1236,8 @@ class Run:
             why = ", ".join(f"{n} {reason}" for reason, n in kept.most_common())
             notes.append(f"{counted(sum(kept.values()), 'planned recompute')} kept their tensor instead ({why}; Note "
                          f"[Unpack-time recompute]): the step may exceed the budget by their bytes")
+        if self.ooo_ is not None:
+            notes.append(self._ooo_note())
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         r = build_report(info, self.planned_figures(), self.step_stats, notes,
@@ -1245,6 +1247,20 @@ class Run:
                          peak_gap=self._peak_gap())
         print(r.table, file=file)
         return r
+
+    def _ooo_note(self):
+        """run.report()'s line on out-of-order backward and the fused update (OutOfOrderBackward.report())."""
+        o = self.ooo_.report()
+        line = (f"out-of-order backward ({o['executor']} executor): {counted(o['eligible_layers'], 'eligible layer')}, "
+                f"{counted(o['deferred_items'], 'weight-gradient item')} deferred over "
+                f"{counted(o['iterations'], 'backward pass', 'backward passes')}")
+        if self.fuse_optimizer:
+            line += (f"; {counted(o['fused_updates'], 'fused parameter update')}, gradients at most "
+                     f"{format_bytes(o['peak_grad_bytes'])} (parameters {format_bytes(o['param_bytes'])})")
+        if self.cast_warmup_profiles_:
+            line += ("; the first profile was dropped: deferral under autocast began after it (Note [Deferred calls "
+                     "under autocast])")
+        return line
 
     def _profile_note(self):
         """run.report()'s line on how the profiled step held its saved activations."""

@@ -44,3 +44,16 @@ def test_ooo_under_autocast_profiles_again_once_and_then_runs_the_plan(fuse):
     assert run.ooo_.report()["deferred_items"] > 0
     for p, q in zip(plain.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_run_report_says_what_out_of_order_backward_did(capsys):
+    model = _model()
+    with memsched.optimize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), budget=0.7, ooo=True,
+                           fuse_optimizer=True) as run:
+        _steps(model, None, run, steps=3)
+    run.report()
+    out = capsys.readouterr().out
+    # an item per layer call (weight and bias together), from the second backward pass on: 2 + 2
+    assert "out-of-order backward (inline executor): 2 eligible layers, 4 weight-gradient items deferred over " \
+           "3 backward passes; " in out
+    assert "fused parameter updates" in out and "the first profile was dropped" in out

@@ -807,6 +807,13 @@ class OutOfOrderBackward:
                 ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
                 # a C function counting the use (Note [Fast path of a patched layer call])
                 self._handles.append(m.register_forward_pre_hook(inert_on_copy(rt.autograd_use_hook(ids))))
+        if not self._patched and self._params:
+            warnings.warn(
+                "memsched: out-of-order backward found no eligible layer in this model (stock nn.Linear and "
+                "nn.Conv1d/2d/3d with zero padding, not subclasses with their own forward: Hugging Face GPT-2's "
+                "Conv1D is not one), so it defers no weight gradient" +
+                ("; the fused optimizer update still runs per layer" if self.fuse_optimizer else ""),
+                RuntimeWarning, stacklevel=3)
         self._acc = [get_gradient_edge(p).node for p in self._params]  # the runtime holds them too
         for i, p in enumerate(self._params):  # C functions (See Note [dW runtime in C++])
             self._handles.append(p.register_hook(self._rt.grad_hook(i)))

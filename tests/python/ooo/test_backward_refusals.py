@@ -111,3 +111,18 @@ def test_a_later_layers_weight_changed_in_place_before_backward_raises_as_plain(
             m[2].weight.mul_(0.5)  # its input (the GELU's output) needs a gradient: plain saved the weight
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
+
+
+def test_a_model_with_no_eligible_layer_is_said_so():
+    """Hugging Face GPT-2's Conv1D (or any matmul on a bare Parameter) is no nn.Linear: ooo deferred nothing,
+    silently."""
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 3))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with pytest.warns(RuntimeWarning, match="found no eligible layer.*defers no weight gradient"):
+        memsched.OutOfOrderBackward(Bare()).install().remove()
