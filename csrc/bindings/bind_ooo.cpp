@@ -3,7 +3,6 @@
 // module, several binding files]).
 #include <torch/python.h>
 
-#include <ATen/autocast_mode.h>
 #include <torch/csrc/Exceptions.h>
 
 #include "bindings/bindings.h"
@@ -205,10 +204,7 @@ void bind_ooo(py::module_& m) {
   m.def(
       "autocast_cast",
       [](const at::Tensor& t, const std::string& device_type) {
-        // What autocast's own wrapper of linear/conv does with each argument: the cached cast of a leaf
-        // weight (one per autocast region), a fresh cast of anything else eligible, the tensor itself otherwise.
-        const c10::DeviceType dt = c10::Device(device_type).type();
-        return at::autocast::cached_cast(at::autocast::get_autocast_dtype(dt), t, dt);
+        return autocast_cast(t, c10::Device(device_type).type());
       },
       py::arg("t"), py::arg("device_type"),
       "at::autocast::cached_cast to the device type's autocast dtype (Note [Deferred calls under autocast]).");

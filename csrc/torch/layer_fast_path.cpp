@@ -177,13 +177,21 @@ bool begin_call(PyObject* capsule, const char* name, PyObject* const* args, Py_s
   return common_checks(*call->target, *call->rt, args[0], *call->x, &call->w, &call->bias);
 }
 
-PyObject* linear_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
+// fast(module, x) of either layer kind: `take(call, module)` applies the deferred Function, or returns
+// nullptr (no error set) to leave the call to Python.
+template <typename Take>
+PyObject* layer_entry(PyObject* capsule, const char* name, PyObject* const* args, Py_ssize_t nargs, Take take) {
   HANDLE_TH_ERRORS
   LayerCall call;
-  if (!begin_call(capsule, kLinearCapsule, args, nargs, &call)) {
-    if (PyErr_Occurred()) return nullptr;
-    Py_RETURN_NOTIMPLEMENTED;
+  if (begin_call(capsule, name, args, nargs, &call)) {
+    if (PyObject* out = take(call, args[0])) return out;
   }
+  if (PyErr_Occurred()) return nullptr;
+  Py_RETURN_NOTIMPLEMENTED;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* take_linear(const LayerCall& call, PyObject* /*module*/) {
   const LayerTarget* target = call.target;
   const std::shared_ptr<DwRuntime>& rt = call.rt;
   const at::Tensor& x = *call.x;
@@ -192,62 +200,62 @@ PyObject* linear_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs
   // path gives at::linear's own rows] (backward.py): only the inputs _linear_rows hands over as they are
   const int64_t d = x.dim();
   if (d == 2) {
-    if (x.stride(0) == 1 && x.stride(1) == x.size(0)) Py_RETURN_NOTIMPLEMENTED;  // column-major
+    if (x.stride(0) == 1 && x.stride(1) == x.size(0)) return nullptr;  // column-major
   } else if (d > 2) {
-    if (!(x.is_contiguous() && x.numel() > x.size(-1) && x.size(-1) > 1)) Py_RETURN_NOTIMPLEMENTED;
+    if (!(x.is_contiguous() && x.numel() > x.size(-1) && x.size(-1) > 1)) return nullptr;
   } else {
-    Py_RETURN_NOTIMPLEMENTED;
+    return nullptr;
   }
-  if (!(w->dim() == 2 && w->stride(1) == 1 && w->stride(0) == w->size(1))) Py_RETURN_NOTIMPLEMENTED;
-  if (!take_as_deferred(*target, *rt, rt->kind_dict().ptr())) Py_RETURN_NOTIMPLEMENTED;
+  if (!(w->dim() == 2 && w->stride(1) == 1 && w->stride(0) == w->size(1))) return nullptr;
+  if (!take_as_deferred(*target, *rt, rt->kind_dict().ptr())) return nullptr;
   py::object token = rt->graph_token();
   at::Tensor out = deferred_linear(rt, x, *w, call.bias, target->weight_idx, target->bias_idx, token);
   return THPVariable_Wrap(std::move(out));
-  END_HANDLE_TH_ERRORS
 }
 
-PyObject* conv_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  LayerCall call;
-  if (!begin_call(capsule, kConvCapsule, args, nargs, &call)) {
-    if (PyErr_Occurred()) return nullptr;
-    Py_RETURN_NOTIMPLEMENTED;
-  }
+PyObject* take_conv(const LayerCall& call, PyObject* module) {
   const LayerTarget* target = call.target;
   const std::shared_ptr<DwRuntime>& rt = call.rt;
   const at::Tensor& x = *call.x;
   const at::Tensor* w = call.w;
   // See Note [Conv weight gradients in the weight's layout] (backward.py)
-  if (x.dim() != target->nd + 2 || !x.is_contiguous() || !w->is_contiguous()) Py_RETURN_NOTIMPLEMENTED;
+  if (x.dim() != target->nd + 2 || !x.is_contiguous() || !w->is_contiguous()) return nullptr;
   static PyObject* s_stride = interned("stride");
   static PyObject* s_padding = interned("padding");
   static PyObject* s_dilation = interned("dilation");
   static PyObject* s_groups = interned("groups");
   static PyObject* s_padding_mode = interned("padding_mode");
-  py::object mode = py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_padding_mode));
+  py::object mode = py::reinterpret_steal<py::object>(PyObject_GetAttr(module, s_padding_mode));
   if (!mode) throw python_error();
   if (!PyUnicode_Check(mode.ptr()) || PyUnicode_CompareWithASCIIString(mode.ptr(), "zeros") != 0) {
-    Py_RETURN_NOTIMPLEMENTED;  // the deferred Function pads with zeros
+    return nullptr;  // the deferred Function pads with zeros
   }
   std::vector<int64_t> stride, padding, dilation;
-  py::object so = py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_stride));
-  py::object po = so ? py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_padding)) : py::object();
-  py::object dl = po ? py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_dilation)) : py::object();
-  py::object go = dl ? py::reinterpret_steal<py::object>(PyObject_GetAttr(args[0], s_groups)) : py::object();
+  py::object so = py::reinterpret_steal<py::object>(PyObject_GetAttr(module, s_stride));
+  py::object po = so ? py::reinterpret_steal<py::object>(PyObject_GetAttr(module, s_padding)) : py::object();
+  py::object dl = po ? py::reinterpret_steal<py::object>(PyObject_GetAttr(module, s_dilation)) : py::object();
+  py::object go = dl ? py::reinterpret_steal<py::object>(PyObject_GetAttr(module, s_groups)) : py::object();
   if (!go) throw python_error();
   if (!int_tuple(so.ptr(), &stride) || !int_tuple(po.ptr(), &padding) || !int_tuple(dl.ptr(), &dilation) ||
       !PyLong_CheckExact(go.ptr())) {
     PyErr_Clear();
-    Py_RETURN_NOTIMPLEMENTED;
+    return nullptr;
   }
   const int64_t groups = PyLong_AsLongLong(go.ptr());
   if (PyErr_Occurred()) return nullptr;
-  if (!take_as_deferred(*target, *rt, rt->kind_dict().ptr())) Py_RETURN_NOTIMPLEMENTED;
+  if (!take_as_deferred(*target, *rt, rt->kind_dict().ptr())) return nullptr;
   py::object token = rt->graph_token();
   at::Tensor out = deferred_conv(rt, x, *w, call.bias, std::move(stride), std::move(padding), std::move(dilation), groups,
                                  target->weight_idx, target->bias_idx, token);
   return THPVariable_Wrap(std::move(out));
-  END_HANDLE_TH_ERRORS
+}
+
+PyObject* linear_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
+  return layer_entry(capsule, kLinearCapsule, args, nargs, take_linear);
+}
+
+PyObject* conv_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
+  return layer_entry(capsule, kConvCapsule, args, nargs, take_conv);
 }
 
 PyObject* use_hook_call(PyObject* capsule, PyObject* const* /*args*/, Py_ssize_t /*nargs*/) {
@@ -284,6 +292,10 @@ PyMethodDef use_hook_def{"memsched_ooo_autograd_use_hook", reinterpret_cast<PyCF
                          "call])."};
 
 }  // namespace
+
+at::Tensor autocast_cast(const at::Tensor& t, c10::DeviceType device_type) {
+  return at::autocast::cached_cast(at::autocast::get_autocast_dtype(device_type), t, device_type);
+}
 
 py::object linear_fast_path(const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx) {
   MEMSCHED_CHECK(rt != nullptr && weight_idx >= 0, "linear_fast_path: a runtime and a registered weight are needed");

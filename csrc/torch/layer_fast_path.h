@@ -51,6 +51,11 @@ pybind11::object linear_fast_path(const std::shared_ptr<DwRuntime>& rt, int32_t 
 pybind11::object conv_fast_path(const std::shared_ptr<DwRuntime>& rt, int32_t weight_idx, int32_t bias_idx,
                                 int64_t nd);
 
+// What autocast's own wrapper of linear/conv does with each argument: the cached cast of a leaf weight
+// (one per autocast region), a fresh cast of anything else eligible, the tensor itself otherwise; to the
+// device type's autocast dtype (Note [Deferred calls under autocast] in backward.py).
+at::Tensor autocast_cast(const at::Tensor& t, c10::DeviceType device_type);
+
 // hook(module, args): a forward pre-hook counting one autograd use of `params` (returns None).
 pybind11::object autograd_use_hook(const std::shared_ptr<DwRuntime>& rt, std::vector<int32_t> params);
 

@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "core/check.h"
+#include "torch/capsule_function.h"
 
 namespace py = pybind11;
 
@@ -40,18 +41,7 @@ PyMethodDef unpack_def{"memsched_unpack", unpack_entry, METH_O,
                        "memsched's saved-tensor unpack hook (See Note [The saved-tensor fast path])."};
 
 py::object make_function(PyMethodDef* def, const std::shared_ptr<SavedTensorPath>& path) {
-  auto* holder = new std::shared_ptr<SavedTensorPath>(path);
-  PyObject* capsule = PyCapsule_New(holder, kCapsuleName, [](PyObject* c) {
-    delete static_cast<std::shared_ptr<SavedTensorPath>*>(PyCapsule_GetPointer(c, kCapsuleName));
-  });
-  if (capsule == nullptr) {
-    delete holder;
-    throw py::error_already_set();
-  }
-  PyObject* fn = PyCFunction_New(def, capsule);
-  Py_DECREF(capsule);
-  if (fn == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(fn);
+  return capsule_function(def, kCapsuleName, new std::shared_ptr<SavedTensorPath>(path));
 }
 
 // Note [Kept saves are not Python containers]

@@ -864,20 +864,11 @@ class OutOfOrderBackward:
                     rows = _linear_rows(x, b is not None, w.requires_grad)
                 cast = torch.is_autocast_enabled(x.device.type)
                 if cast:  # See Note [Deferred calls under autocast]
-                    c = _cast_args(x, w, b, x.device.type)
-                    if c is None:
-                        me._cast_indices(wi, bi, None, False)
-                    else:
-                        x_c, w_c, b_c = c
-                        ok = _linear_rows(x_c, b_c is not None, True) is x_c \
-                            and (wi is None or (w_c.stride(1) == 1 and w_c.stride(0) == w_c.size(1))) \
-                            and not _has_torch_function((x, w, b))
-                        idx = me._cast_indices(wi, bi, w_c if wi is not None else b_c, ok)
-                        if idx is not None:
-                            out = deferred_linear(rt, x_c, w_c, b_c, idx[0], idx[1], me.graph_token())
-                            if me._queues:
-                                me._keep_arrival_order(out, idx[0], idx[1])
-                            return _unsafe_view_default(out, out.shape) if out._is_view() else out
+                    out = me._cast_call(x, w, b, wi, bi, lambda x_c, w_c, b_c: (
+                        _linear_rows(x_c, b_c is not None, True) is x_c
+                        and (wi is None or (w_c.stride(1) == 1 and w_c.stride(0) == w_c.size(1)))), deferred_linear)
+                    if out is not None:
+                        return _unsafe_view_default(out, out.shape) if out._is_view() else out
                 autograd = cast or rows is None or (wi is not None and not (w.stride(1) == 1 and w.stride(0) == w.size(1))) \
                     or x.is_complex() or w.is_complex() or _has_torch_function((x, w, b))
                 wd, bd = me._deferred_indices(wi, bi, autograd, cast)
@@ -923,22 +914,14 @@ class OutOfOrderBackward:
                 # and iteration]; the deferred Function pads with zeros, given as tuples
                 cast = torch.is_autocast_enabled(x.device.type)
                 if cast:  # See Note [Deferred calls under autocast]
-                    c = _cast_args(x, w, b, x.device.type)
-                    if c is None:
-                        me._cast_indices(wi, bi, None, False)
-                    else:
-                        x_c, w_c, b_c = c
-                        ok = x_c.dim() == nd + 2 and x_c.is_contiguous() and w_c.is_contiguous() \
-                            and mod.padding_mode == "zeros" and type(mod.padding) is tuple \
-                            and type(mod.stride) is tuple and type(mod.dilation) is tuple \
-                            and not _has_torch_function((x, w, b))
-                        idx = me._cast_indices(wi, bi, w_c if wi is not None else b_c, ok)
-                        if idx is not None:
-                            out = deferred_conv(rt, x_c, w_c, b_c, mod.stride, mod.padding, mod.dilation,
-                                                mod.groups, idx[0], idx[1], me.graph_token())
-                            if me._queues:
-                                me._keep_arrival_order(out, idx[0], idx[1])
-                            return out
+                    out = me._cast_call(x, w, b, wi, bi, lambda x_c, w_c, b_c: (
+                        x_c.dim() == nd + 2 and x_c.is_contiguous() and w_c.is_contiguous()
+                        and mod.padding_mode == "zeros" and type(mod.padding) is tuple
+                        and type(mod.stride) is tuple and type(mod.dilation) is tuple),
+                        lambda rt_, x_c, w_c, b_c, wd, bd, token: deferred_conv(
+                            rt_, x_c, w_c, b_c, mod.stride, mod.padding, mod.dilation, mod.groups, wd, bd, token))
+                    if out is not None:
+                        return out
                 autograd = cast or x.dim() != nd + 2 \
                     or (wi is not None and not (x.is_contiguous() and w.is_contiguous())) \
                     or mod.padding_mode != "zeros" or not (type(mod.padding) is tuple and type(mod.stride) is tuple
@@ -1082,6 +1065,24 @@ class OutOfOrderBackward:
             region[i] = _MIXED
             if kind.get(i) == _DEFERRED_CAST:
                 self._refuse_cast_mix(i)
+
+    def _cast_call(self, x, w, b, wi, bi, deferrable, apply):
+        """A layer call under autocast: its output when it is deferred in the autocast dtype, else None (the
+        call goes on as before). deferrable(x_c, w_c, b_c): the deferred Function takes the cast arguments as
+        they are; apply(rt, x_c, w_c, b_c, wd, bd, graph_token): that Function."""
+        c = _cast_args(x, w, b, x.device.type)
+        if c is None:
+            self._cast_indices(wi, bi, None, False)
+            return None
+        x_c, w_c, b_c = c
+        ok = deferrable(x_c, w_c, b_c) and not _has_torch_function((x, w, b))
+        idx = self._cast_indices(wi, bi, w_c if wi is not None else b_c, ok)
+        if idx is None:
+            return None
+        out = apply(self._rt, x_c, w_c, b_c, idx[0], idx[1], self.graph_token())
+        if self._queues:
+            self._keep_arrival_order(out, idx[0], idx[1])
+        return out
 
     def _cast_indices(self, wi, bi, region, ok: bool):
         """A call under autocast: (wd, bd) when it is deferred in the autocast dtype, else None (the call goes to

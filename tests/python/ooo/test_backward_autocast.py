@@ -2,6 +2,7 @@
 was such a call in one autocast region, and train bitwise as plain PyTorch (Note [Deferred calls under
 autocast] in python/memsched/ooo/backward.py). Before, every autocast call went through autograd: a model
 trained in bf16 autocast deferred nothing."""
+import contextlib
 import copy
 
 import pytest
@@ -18,26 +19,37 @@ def _tokens(k):
     return torch.randint(0, CFG.vocab, (8, CFG.seq + 1), generator=torch.Generator().manual_seed(k))
 
 
-def _decoder_steps(model, opt, ooo_kw, steps=4, accumulation=1):
-    ooo = OutOfOrderBackward(model, optimizer=opt, grad_accumulation_steps=accumulation,
-                             **ooo_kw).install() if ooo_kw is not None else None
+@contextlib.contextmanager
+def _maybe_ooo(model, opt, ooo_kw, **extra):
+    """OutOfOrderBackward(model, ...) installed around the block (ooo_kw None: plain PyTorch); yields (end_pass,
+    the OutOfOrderBackward or None), end_pass ending one backward pass as the caller's loop would (stepping and
+    zeroing the optimizer when it is due)."""
+    ooo = OutOfOrderBackward(model, optimizer=opt, **extra, **ooo_kw).install() if ooo_kw is not None else None
+    passes = [0]
+
+    def end_pass(accumulation=1):
+        passes[0] += 1
+        due = ooo.step() if ooo is not None else passes[0] % accumulation == 0
+        if due:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
     try:
+        yield end_pass, ooo
+    finally:
+        if ooo is not None:
+            ooo.remove()
+
+
+def _decoder_steps(model, opt, ooo_kw, steps=4, accumulation=1):
+    with _maybe_ooo(model, opt, ooo_kw, grad_accumulation_steps=accumulation) as (end_pass, ooo):
         for k in range(steps * accumulation):
             tok = _tokens(k)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = models.loss_fn("transformer", model(tok[:, :-1]), tok[:, 1:])
             loss.backward()
-            if ooo is not None:
-                if ooo.step():
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-            elif (k + 1) % accumulation == 0:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            end_pass(accumulation)
         return ooo.report() if ooo is not None else None
-    finally:
-        if ooo is not None:
-            ooo.remove()
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -71,8 +83,7 @@ class ConvNet(nn.Module):
 
 
 def _conv_steps(model, opt, ooo_kw, regions="one", steps=4, cache=True):
-    ooo = OutOfOrderBackward(model, optimizer=opt, **ooo_kw).install() if ooo_kw is not None else None
-    try:
+    with _maybe_ooo(model, opt, ooo_kw) as (end_pass, ooo):
         for k in range(steps):
             g = torch.Generator().manual_seed(k)
             x, c = torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 5, generator=g)
@@ -85,13 +96,8 @@ def _conv_steps(model, opt, ooo_kw, regions="one", steps=4, cache=True):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     y = model.head(h) + model.head(h * 0.5)
             (y.float() * c).sum().backward()
-            if ooo is None or ooo.step():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            end_pass()
         return ooo.report() if ooo is not None else None
-    finally:
-        if ooo is not None:
-            ooo.remove()
 
 
 @pytest.mark.parametrize("case", ["one_region", "a_layer_twice", "two_regions", "cache_off"])
