@@ -747,12 +747,29 @@ class Run:
         """Fewer activations than the trace (a shorter control-flow path): mismatch, found at step end."""
         if self.schedule is None or stats.mode != "planned":
             return False
+        if not stats.hooked:
+            return self._outgrew_device(stats)
         if stats.activations != len(self.schedule.labels):
             self._on_mismatch(f"the step saved {counted(stats.activations, 'activation')}, the trace "
                               f"{len(self.schedule.labels)}")
             stats.mode = "diverged"
             return True
         return False
+
+    def _outgrew_device(self, stats):
+        """A step run without hooks (Note [A plan with nothing to do]) whose peak no longer fits the share of
+        the device budget=None keeps everything within (Note [Budgets]): a mismatch, so that a lasting change
+        is re-profiled and planned. Counted no saves: nothing else can be compared."""
+        if not self._measures_device_peak():
+            return False
+        limit = _DEVICE_MEMORY_FRACTION * torch.cuda.get_device_properties(self.device).total_memory
+        if stats.peak_bytes <= limit:
+            return False
+        self._on_mismatch(f"the step's peak ({format_bytes(stats.peak_bytes)}, max_memory_allocated) is above "
+                          f"{_DEVICE_MEMORY_FRACTION:.0%} of the device's memory, within which budget=None keeps "
+                          "every activation")
+        stats.mode = "diverged"
+        return True
 
     # -- profiling and planning ----------------------------------------------------------------------
     def _start_profiling(self):
@@ -948,6 +965,8 @@ class Run:
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)
+        # See Note [A plan with nothing to do] (offload/executor.py): keep all, no budget to hold
+        self.executor.hookless = self.budget_spec is None and self.plan is None and not self.timeline
         self._arm_memory_guard(trace)
         self.executor.active = True
 

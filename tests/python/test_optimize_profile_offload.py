@@ -29,9 +29,10 @@ def _least_budget(name):
     return _C.least_budget_bytes(trace) + state
 
 
-def _train(name, steps, options=None, size="small", batch=BATCH, device="cpu", lr=1e-2):
+def _train(name, steps, options=None, size="small", batch=BATCH, device="cpu", lr=1e-2, hooked=False):
     """Parameters after `steps` AdamW steps -- plain PyTorch when options is None, else under
-    memsched.optimize(**options) -- and the Run."""
+    memsched.optimize(**options) -- and the Run. hooked: a keep-all plan's steps run through the
+    executor's hooks, which measure them (Note [A plan with nothing to do])."""
     model = models.build_model(name, size, device=device, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     x, y = models.example_batch(name, batch, size, device=device)
@@ -46,6 +47,8 @@ def _train(name, steps, options=None, size="small", batch=BATCH, device="cpu", l
             for _ in range(steps):
                 models.loss_fn(name, model(x), y).backward()
                 run.step()
+                if hooked:
+                    run.executor.hookless = False
     return [p.detach().clone() for p in model.parameters()], run
 
 
@@ -92,7 +95,7 @@ def test_the_profiled_step_holds_less_than_a_plain_step_as_the_executor_measures
     """profile="offload" without a budget: the first step is profiled offloaded, the next run plainly
     and are measured by the executor (CPU: saved-activation storages alive). See
     test_profiler_offloaded_saves.py for why mlp and lstm cannot go far below plain's."""
-    _, run = _train(name, 3, dict(budget=None, profile="offload"))
+    _, run = _train(name, 3, dict(budget=None, profile="offload"), hooked=True)
     plain = list(run.step_stats)  # no plan: every executed step keeps what plain PyTorch keeps
     assert len(plain) == 2 and run.plan is None
     measured_plain = plain[-1].peak_bytes

@@ -24,6 +24,25 @@ Note [Executor hooks and their lifetime]
   pair at once and drops the step; what a step that raised later leaves is
   owned by its graph (See Note [A step that raises] in optimize.py).
 
+Note [A plan with nothing to do]
+  Rationale: budget=None on a step that fits the device keeps every activation: its plan moves
+  nothing, yet the executor's hooks ran at every save and unpack (numbering, the identity check,
+  the version check, CPU's memory count). On a host-bound model that cost 1.14x plain, 6.7 us per
+  saved tensor (a small decoder on one CPU thread, benchmarks/python/bench_offload_overhead.py),
+  and PyTorch's saved-tensor hook mechanism alone, with identity hooks, costs 3 us of it: no
+  hook-based path gets a keep-all step to plain's speed.
+  Approach: a plan that offloads and recomputes nothing and holds no budget (budget=None, keep all
+  because the profiled step fits) is run without saved-tensor hooks (`hookless`, set by the Run per
+  plan): autograd saves as in plain PyTorch, with its own version check. The root module's forward
+  hooks still open and close the step; its times are measured, and on an accelerator its peak (the
+  allocator's host-side counter). A step that saves other tensors than the trace needs no
+  fallback, as there is nothing to undo; the one change that alters budget=None's plan -- a step
+  that no longer fits the device -- is seen in the measured peak (Note [Budgets] in optimize.py).
+  Limitations: such steps count no activations (StepStats.hooked False): on CPU run.report() shows
+  no measured saved-activation peak. A byte budget, a fraction or a percentage keeps the hooks even
+  when its plan keeps everything: a step that grows must be seen to be re-planned within it.
+  timeline=True keeps them too (its per-tensor samples come from the hooks).
+
 Note [Foreign saved-tensor hooks]
   Rationale: our pair is pushed at a step's first forward and popped at
   run.step(), which is not nested inside a caller's context: with
@@ -161,6 +180,8 @@ class StepStats:
     peak_bytes: int = 0            # max sampled memory (see memory_source)
     memory_source: str = ""        # what the samples measure
     mismatch: str = ""             # first identity mismatch, "" if none
+    hooked: bool = True            # False: a keep-all plan ran without saved-tensor hooks (Note [A plan with
+                                   # nothing to do]): activations, activation_bytes and (CPU) peak_bytes not counted
     plan_index: int = 0            # the Run's steps_profiled when it ran: which plan (a re-profile makes a new one)
     budget_bytes: int = None       # the budget that plan was held to (optimizer state included); None: none
     host_limited: int = 0          # COUNT offloads kept on the device: host_memory_limit reached
@@ -276,6 +297,8 @@ class OffloadExecutor:
         self.unpack_fn_ = self.path.unpack_function()
         self.schedule = None                     # OffloadSchedule for the next step; None: plain
         self.active = True                       # False: forward runs untouched (e.g. while profiling)
+        self.hookless = False                    # the schedule's steps push no saved-tensor hooks (Note [A plan
+                                                 # with nothing to do]); set by the Run for each plan
         self.handles_ = []                       # hook handles on the root module
         self.pushed_ = False                     # our saved-tensor hooks are on the hook stack
         self.oplog_ = None                       # the running forward's ForwardOpLog (recompute plans only)
@@ -402,6 +425,14 @@ class OffloadExecutor:
             self.stats.memory_source = "saved-activation storages alive (executor count)"
         self._sample()
 
+    def _begin_hookless_step(self):
+        """See Note [A plan with nothing to do]: the step saves as plain PyTorch does; only its peak
+        (an accelerator's allocator) and times are measured."""
+        self.stats.hooked = False
+        if not self.is_cuda:
+            self.stats.memory_source = ("not measured: a keep-all plan runs without saved-tensor hooks (Note [A "
+                                        "plan with nothing to do])")
+
     def end_step(self):
         """Finish the step: pop the hooks, issue what is queued and return its StepStats, without
         waiting for the GPU (See Note [No host synchronisation in a step]). The copies still in
@@ -436,7 +467,7 @@ class OffloadExecutor:
         stats.replay_s, stats.recompute_kept = rs.replay_s, rs.kept_instead
         stats.recompute_kept_reasons = dict(rs.kept_reasons or {})
         self.path.finish_step()  # CPU: See Note [Measured from birth] (saved_tensor_path.cpp)
-        stats.peak_bytes = self.path.peak_bytes
+        stats.peak_bytes = self.path.peak_bytes if stats.hooked else 0
         if self.timeline:
             stats.samples = list(self.path.samples)
         # the allocator's counters are the host's: final once the step's work is enqueued
@@ -496,6 +527,9 @@ class OffloadExecutor:
             self._abandon_step()
         if not self.in_step_:
             self._begin_step()
+            if self.hookless and self.schedule is not None:
+                self._begin_hookless_step()
+                return
             foreign = foreign_hooks_reason()
             if foreign is not None:
                 # See Note [Foreign saved-tensor hooks]: run this step plainly, never push ours.

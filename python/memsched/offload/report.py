@@ -159,7 +159,9 @@ def build_report(run_info, planned, step_stats, notes=(), counts=None, largest=(
         r.measured = {
             "step_time_s": med("duration_s"),
             "peak_bytes": max(s.peak_bytes for s in executed),
-            "activation_peak_bytes": max(s.peak_bytes for s in executed) if not r.device.startswith("cuda") else None,
+            # CPU counts saved storages in the hooks: none in a keep-all plan's steps (Note [A plan with nothing to do])
+            "activation_peak_bytes": (max((s.peak_bytes for s in executed if s.hooked), default=None)
+                                      if not r.device.startswith("cuda") else None),
             "bytes_moved": med("d2h_bytes") + med("h2d_bytes"),
             "stall_s": med("stall_s"),
             "offloaded": int(med("offloaded")),
