@@ -117,6 +117,9 @@ void bind_ooo(py::module_& m) {
       .def("set_iteration_dicts", &DwRuntime::set_iteration_dicts, py::arg("kind"), py::arg("cast_uses"),
            "The owner's per-iteration kind and cast_uses dicts, which the layers' fast path reads and writes in "
            "place (Note [Fast path of a patched layer call]).")
+      .def("set_cast_state", &DwRuntime::set_cast_state, py::arg("region"), py::arg("eligible"), py::arg("mixed"),
+           "The owner's autocast region dict, eligible set and mixed marker, which the fast path of a call under "
+           "autocast reads and writes in place (Note [Deferred calls under autocast]).")
       .def("set_graph", &DwRuntime::set_graph, py::arg("graph"), py::arg("graph_ref"))
       .def("graph_token", &DwRuntime::graph_token,
            "The object every Deferred* node of this iteration keeps (Note [A failed backward]).")

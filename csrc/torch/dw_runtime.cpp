@@ -113,12 +113,18 @@ DwRuntime::~DwRuntime() {
     hook_dicts_.clear();
     kind_ = py::object();
     cast_uses_ = py::object();
+    cast_region_ = py::object();
+    cast_eligible_ = py::object();
+    cast_mixed_ = py::object();
     graph_ = py::object();
     graph_ref_ = py::object();
   } else {
     owner_ref_.release();  // interpreter gone: leak the references rather than touch Python
     kind_.release();
     cast_uses_.release();
+    cast_region_.release();
+    cast_eligible_.release();
+    cast_mixed_.release();
     graph_.release();
     graph_ref_.release();
     for (HookDicts& d : hook_dicts_) {
@@ -901,6 +907,14 @@ void DwRuntime::set_iteration_dicts(py::object kind, py::object cast_uses) {
                  "DwRuntime.set_iteration_dicts: kind and cast_uses must be dicts");
   kind_ = std::move(kind);
   cast_uses_ = std::move(cast_uses);
+}
+
+void DwRuntime::set_cast_state(py::object region, py::object eligible, py::object mixed) {
+  MEMSCHED_CHECK(PyDict_Check(region.ptr()) && PySet_Check(eligible.ptr()) && !mixed.is_none(),
+                 "DwRuntime.set_cast_state: region must be a dict, eligible a set and mixed an object");
+  cast_region_ = std::move(region);
+  cast_eligible_ = std::move(eligible);
+  cast_mixed_ = std::move(mixed);
 }
 
 void DwRuntime::set_graph(py::object graph, py::object graph_ref) {

@@ -220,6 +220,11 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // index -> _DEFERRED 1 / _AUTOGRAD 2) and cast_uses (its autocast uses; the fast path runs only
   // while it is empty). The owner clears them, never rebinds them.
   void set_iteration_dicts(pybind11::object kind, pybind11::object cast_uses);
+  // The owner's autocast state (See Note [Deferred calls under autocast] in backward.py), read and
+  // written in place by the fast path of a call under autocast: region (parameter index -> a weak
+  // reference to the autocast region's cached weight cast, or `mixed`), eligible (the set of indices
+  // deferred in autocast's dtype this iteration when their calls allow it). Cleared, never rebound.
+  void set_cast_state(pybind11::object region, pybind11::object eligible, pybind11::object mixed);
   // A new iteration's graph token (kept until the first node takes it) and the owner's weak
   // reference to it; (None, None) drops both (See Note [A failed backward] in backward.py).
   void set_graph(pybind11::object graph, pybind11::object graph_ref);
@@ -232,6 +237,9 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   const at::Tensor& param(int32_t i) const { return params_[static_cast<size_t>(i)]; }
   pybind11::object kind_dict() const { return kind_; }
   pybind11::object cast_uses_dict() const { return cast_uses_; }
+  pybind11::object cast_region_dict() const { return cast_region_; }
+  pybind11::object cast_eligible_set() const { return cast_eligible_; }
+  pybind11::object cast_mixed() const { return cast_mixed_; }
   pybind11::object owner() const { return owner_ref_(); }
 
   // -- gradient memory accounting (peak_grad_bytes in report()) ----------------------------
@@ -332,6 +340,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   };
   std::vector<HookDicts> hook_dicts_;           // per parameter
   pybind11::object kind_, cast_uses_;           // the owner's dicts (set_iteration_dicts); GIL
+  pybind11::object cast_region_, cast_eligible_, cast_mixed_;  // set_cast_state(); GIL
   pybind11::object graph_, graph_ref_;          // set_graph(); GIL
   std::unordered_map<int64_t, DwItem> items_;   // queued, by scheduler id
   std::deque<std::pair<c10::Device, Side>> sides_;  // a deque: a Side& stays valid as devices are added

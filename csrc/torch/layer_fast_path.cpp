@@ -79,10 +79,10 @@ void refuse_late_use(const DwRuntime& rt, int32_t late) {
 }
 
 // The module's parameters if they are the registered ones with their install-time requires_grad and
-// no caller's hook, x is a tensor and no autocast is on for its device; else false (NotImplemented).
-// Sets *w (borrowed from the module) and *bias.
+// no caller's hook, and x is a tensor; else false (NotImplemented). Sets *w (borrowed from the module),
+// *bias and *cast (autocast is on for x's device: Note [Deferred calls under autocast] in backward.py).
 bool common_checks(const LayerTarget& target, const DwRuntime& rt, PyObject* module, const at::Tensor& x,
-                   const at::Tensor** w, std::optional<at::Tensor>* bias) {
+                   const at::Tensor** w, std::optional<at::Tensor>* bias, bool* cast) {
   static PyObject* s_parameters = interned("_parameters");
   static PyObject* s_weight = interned("weight");
   static PyObject* s_bias = interned("bias");
@@ -109,7 +109,8 @@ bool common_checks(const LayerTarget& target, const DwRuntime& rt, PyObject* mod
     *bias = THPVariable_Unpack(bo);
     if ((*bias)->requires_grad()) return false;  // unfrozen since install: the Python path refuses it
   }
-  return !at::autocast::is_autocast_enabled(x.device().type());
+  *cast = at::autocast::is_autocast_enabled(x.device().type());
+  return true;
 }
 
 // Both parameters' kind this iteration is unset or deferred (See Note [One kind of use per parameter
@@ -125,6 +126,74 @@ bool take_as_deferred(const LayerTarget& target, DwRuntime& rt, PyObject* kinds)
   if ((kw != 0 && kw != kDeferred) || (kb != 0 && kb != kDeferred)) return false;
   if (!set_default_deferred(kinds, target.weight_idx)) throw python_error();
   if (target.bias_idx >= 0 && !set_default_deferred(kinds, target.bias_idx)) throw python_error();
+  const int32_t late = rt.note_deferred_use(target.weight_idx, target.bias_idx);
+  if (late >= 0) {
+    refuse_late_use(rt, late);  // raises (py::error_already_set), unless the owner is gone
+    return false;
+  }
+  return true;
+}
+
+constexpr long kDeferredCast = 3;  // backward.py's _DEFERRED_CAST
+
+// The autocast state admits deferring this call in autocast's dtype: every trained parameter of it is
+// eligible (its every use last iteration was a deferrable call of one autocast region) and its kind this
+// iteration unset or deferred-in-autocast (the first half of _cast_indices' success case).
+bool cast_eligible(const LayerTarget& target, const DwRuntime& rt) {
+  PyObject* kinds = rt.kind_dict().ptr();
+  PyObject* eligible = rt.cast_eligible_set().ptr();
+  if (eligible == nullptr || rt.cast_region_dict().ptr() == nullptr || PySet_GET_SIZE(eligible) == 0) return false;
+  for (int32_t i : {target.weight_idx, target.bias_idx}) {
+    if (i < 0) continue;
+    PyObject* key = PyLong_FromLong(i);
+    if (key == nullptr) throw python_error();
+    const int in = PySet_Contains(eligible, key);
+    Py_DECREF(key);
+    if (in < 0) throw python_error();
+    const long k = kind_of(kinds, i);
+    if (k < 0) throw python_error();
+    if (in == 0 || (k != 0 && k != kDeferredCast)) return false;
+  }
+  return true;
+}
+
+// The second half of _cast_indices' success case, for a call the deferred Function takes as it is:
+// every trained parameter's autocast region this iteration is unset or `region` (the weight's cached cast,
+// which tells regions apart); then the regions are noted, the kinds set to deferred-in-autocast and the
+// use counted. false: nothing was changed, and Python decides (it marks the parameters mixed).
+bool take_as_cast_deferred(const LayerTarget& target, DwRuntime& rt, PyObject* region) {
+  PyObject* regions = rt.cast_region_dict().ptr();
+  PyObject* mixed = rt.cast_mixed().ptr();
+  const int32_t ids[2] = {target.weight_idx, target.bias_idx};
+  py::object keys[2];
+  bool unset[2] = {false, false};
+  for (int k = 0; k < 2; ++k) {
+    if (ids[k] < 0) continue;
+    keys[k] = py::reinterpret_steal<py::object>(PyLong_FromLong(ids[k]));
+    if (!keys[k]) throw python_error();
+    PyObject* r = PyDict_GetItemWithError(regions, keys[k].ptr());  // borrowed
+    if (r == nullptr) {
+      if (PyErr_Occurred()) throw python_error();
+      unset[k] = true;
+      continue;
+    }
+    if (r == mixed || !PyWeakref_CheckRef(r) || PyWeakref_GetObject(r) != region) return false;
+  }
+  py::object ref;
+  for (int k = 0; k < 2; ++k) {
+    if (!unset[k]) continue;
+    if (!ref) {
+      ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(region, nullptr));
+      if (!ref) throw python_error();
+    }
+    if (PyDict_SetItem(regions, keys[k].ptr(), ref.ptr()) != 0) throw python_error();
+  }
+  py::object value = py::reinterpret_steal<py::object>(PyLong_FromLong(kDeferredCast));
+  if (!value) throw python_error();
+  PyObject* kinds = rt.kind_dict().ptr();
+  for (int k = 0; k < 2; ++k) {
+    if (ids[k] >= 0 && PyDict_SetItem(kinds, keys[k].ptr(), value.ptr()) != 0) throw python_error();
+  }
   const int32_t late = rt.note_deferred_use(target.weight_idx, target.bias_idx);
   if (late >= 0) {
     refuse_late_use(rt, late);  // raises (py::error_already_set), unless the owner is gone
@@ -162,10 +231,35 @@ bool int_tuple(PyObject* seq, std::vector<int64_t>* out) {
 struct LayerCall {
   const LayerTarget* target = nullptr;
   std::shared_ptr<DwRuntime> rt;
-  const at::Tensor* x = nullptr;
-  const at::Tensor* w = nullptr;  // the module's weight (borrowed)
-  std::optional<at::Tensor> bias;
+  const at::Tensor* x = nullptr;  // the input, or x_cast under autocast
+  const at::Tensor* w = nullptr;  // the module's weight (borrowed), or w_cast under autocast
+  std::optional<at::Tensor> bias;  // cast under autocast
+  bool cast = false;               // under autocast: x, w and bias are autocast's casts of the call's
+  at::Tensor x_cast, w_cast;
+  py::object region;               // under autocast: w_cast's Python object, which tells regions apart
 };
+
+// Under autocast: the call's arguments as autocast's own wrapper of linear/conv casts them (_cast_args in
+// backward.py), when the deferred path reproduces that and the autocast state admits the call
+// (cast_eligible); false leaves it to Python.
+bool cast_arguments(LayerCall* call) {
+  const c10::DeviceType device_type = call->x->device().type();
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
+  if (!at::autocast::is_autocast_cache_enabled() || (dtype != at::kHalf && dtype != at::kBFloat16) ||
+      call->w->scalar_type() != at::kFloat || (call->bias && call->bias->scalar_type() != at::kFloat) ||
+      (call->x->scalar_type() != at::kFloat && call->x->scalar_type() != dtype) ||
+      !cast_eligible(*call->target, *call->rt)) {
+    return false;
+  }
+  call->x_cast = autocast_cast(*call->x, device_type);
+  call->w_cast = autocast_cast(*call->w, device_type);
+  if (call->bias) call->bias = autocast_cast(*call->bias, device_type);
+  call->x = &call->x_cast;
+  call->w = &call->w_cast;
+  call->region = py::reinterpret_steal<py::object>(THPVariable_Wrap(call->w_cast));
+  if (!call->region) throw python_error();
+  return true;
+}
 
 // False: NotImplemented (or a Python error set, when PyErr_Occurred()).
 bool begin_call(PyObject* capsule, const char* name, PyObject* const* args, Py_ssize_t nargs, LayerCall* call) {
@@ -174,7 +268,15 @@ bool begin_call(PyObject* capsule, const char* name, PyObject* const* args, Py_s
   call->rt = live_runtime(*call->target);
   if (call->rt == nullptr) return false;
   call->x = &THPVariable_Unpack(args[1]);
-  return common_checks(*call->target, *call->rt, args[0], *call->x, &call->w, &call->bias);
+  if (!common_checks(*call->target, *call->rt, args[0], *call->x, &call->w, &call->bias, &call->cast)) return false;
+  return !call->cast || cast_arguments(call);
+}
+
+// The kinds and use count of a call the deferred Function takes as it is (See take_as_deferred(),
+// take_as_cast_deferred()).
+bool take_call(const LayerCall& call) {
+  if (call.cast) return take_as_cast_deferred(*call.target, *call.rt, call.region.ptr());
+  return take_as_deferred(*call.target, *call.rt, call.rt->kind_dict().ptr());
 }
 
 // fast(module, x) of either layer kind: `take(call, module)` applies the deferred Function, or returns
@@ -207,7 +309,7 @@ PyObject* take_linear(const LayerCall& call, PyObject* /*module*/) {
     return nullptr;
   }
   if (!(w->dim() == 2 && w->stride(1) == 1 && w->stride(0) == w->size(1))) return nullptr;
-  if (!take_as_deferred(*target, *rt, rt->kind_dict().ptr())) return nullptr;
+  if (!take_call(call)) return nullptr;
   py::object token = rt->graph_token();
   at::Tensor out = deferred_linear(rt, x, *w, call.bias, target->weight_idx, target->bias_idx, token);
   return THPVariable_Wrap(std::move(out));
@@ -243,7 +345,7 @@ PyObject* take_conv(const LayerCall& call, PyObject* module) {
   }
   const int64_t groups = PyLong_AsLongLong(go.ptr());
   if (PyErr_Occurred()) return nullptr;
-  if (!take_as_deferred(*target, *rt, rt->kind_dict().ptr())) return nullptr;
+  if (!take_call(call)) return nullptr;
   py::object token = rt->graph_token();
   at::Tensor out = deferred_conv(rt, x, *w, call.bias, std::move(stride), std::move(padding), std::move(dilation), groups,
                                  target->weight_idx, target->bias_idx, token);

@@ -15,14 +15,22 @@
 //   it), the module's `weight`/`bias` still the registered parameters with their install-time
 //   requires_grad, no caller's gradient hook on them, x, weight and bias plain Tensors or
 //   Parameters (no __torch_function__ override, no torch function mode) and none complex (Note
-//   [Layer calls out-of-order backward leaves to autograd]), no autocast on x's device, no queueing
-//   executor (the owner's fast_calls), no autocast use of a deferred parameter this iteration
+//   [Layer calls out-of-order backward leaves to autograd]), no queueing executor (the owner's fast_calls), no autocast use of a deferred parameter this iteration
 //   (cast_uses empty), both parameters' kind unset or deferred, a row-major weight matrix, and x
 //   either a 2-D matrix that is not column-major or a contiguous input of more than two
 //   dimensions whose rows and features are both above 1 (the shapes _linear_rows hands over as
 //   they are). It then sets the kinds in the owner's own dict, counts the use, takes the graph
 //   token and applies the deferred Linear Function, exactly what the Python path does for that
-//   call. Anything else returns NotImplemented and the Python path decides, unchanged.
+//   call. Under autocast on x's device it takes the call only where the Python path would defer it
+//   in autocast's dtype (Note [Deferred calls under autocast] in backward.py): autocast's cache on, a
+//   float16/bfloat16 autocast dtype, a float32 weight and bias, x in float32 or that dtype, every
+//   trained parameter in the owner's eligible set with its kind unset or deferred-in-autocast; the
+//   arguments cast as autocast's wrapper does (autocast_cast), the layout checks made on the casts,
+//   and each parameter's region this iteration unset or this call's (the weight's cached cast, held
+//   weakly in the owner's region dict). It then notes the regions, sets the kinds, counts the use and
+//   applies the deferred Function to the casts. Anything else returns NotImplemented (having
+//   changed nothing but autocast's cache, which the Python path's own cast then finds) and the
+//   Python path decides, unchanged.
 //   autograd_use_hook() is the forward pre-hook of a module owning parameters autograd handles:
 //   in the forward phase with grad mode on it counts the use here; otherwise it calls the owner's
 //   _note_autograd_use, as the Python hook did.

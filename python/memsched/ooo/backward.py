@@ -281,8 +281,9 @@ Note [Deferred calls under autocast]
   the next can meet this once. Under memsched.optimize the profiled step is the first such iteration:
   its trace holds autograd's saves, which the later deferred steps would not match (two plain steps
   and a re-profile), so a profile after which deferral begins (cast_deferral_pending) is dropped and
-  the next step profiled (Run.cast_warmup_profiles_). The fast path (Note [Fast path of a patched
-  layer call]) leaves autocast calls to this Python path.
+  the next step profiled (Run.cast_warmup_profiles_). The C++ fast path (Note [Fast path of a patched
+  layer call]) takes the calls this path would defer, with the same state (the runtime holds
+  _cast_region, _cast_eligible and _MIXED: set_cast_state); every other call under autocast comes here.
 
 Note [One kind of use per parameter and iteration]
   Rationale: autograd sums a parameter's contributions in the order they arrive, and float addition
@@ -794,6 +795,7 @@ class OutOfOrderBackward:
         # See Note [Fast path of a patched layer call] (csrc/torch/layer_fast_path.h): it reads and
         # writes these two dicts in place, and leaves calls a queueing executor orders to Python
         rt.set_iteration_dicts(self._kind, self._cast_uses)
+        rt.set_cast_state(self._cast_region, self._cast_eligible, _MIXED)  # Note [Deferred calls under autocast]
         rt.fast_calls = not self._queues
         self._rt = rt
         self._native_seen = 0

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from memsched import MemschedError
 from memsched.ooo import OutOfOrderBackward
 from memsched.ooo import backward as ooo_backward
 from ooo_helpers import weighted_sum_steps
@@ -173,3 +174,39 @@ def test_conv_calls_take_the_fast_path_unless_their_input_is_not_contiguous(monk
     for (name, p), q in zip(plain.named_parameters(), model.parameters()):
         assert torch.equal(p, q), f"{name}: max |diff| {(p - q).abs().max().item():.3g}"
     assert calls[0] == STEPS * (2 if channels_last else 1)
+
+
+def test_calls_deferred_in_autocast_dtype_take_the_fast_path(monkeypatch):
+    """Under autocast only the first iteration's call decides in Python (through autograd, learning that the
+    layer is used in one region); from the second on the C++ fast path casts and defers it (Note [Deferred
+    calls under autocast]), bitwise plain's."""
+    calls = [0]
+    original = ooo_backward.OutOfOrderBackward._cast_call
+
+    def counting(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ooo_backward.OutOfOrderBackward, "_cast_call", counting)
+    _train_both("autocast")
+    assert calls[0] == 1
+
+
+def test_a_second_autocast_region_declined_by_the_fast_path_is_refused_by_name():
+    """The fast path takes a call only in its parameter's region of this iteration; a call in a second region
+    goes to Python, which refuses the parameter already deferred in autocast's dtype, by name."""
+    torch.manual_seed(0)
+    lin = nn.Linear(D, D)
+    x = torch.randn(8, D)
+    with OutOfOrderBackward(lin) as ooo:
+        for _ in range(2):  # learns one region, then defers in bf16 (in C++)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = lin(x)
+            y.float().square().sum().backward()
+            assert ooo.step()
+        assert ooo.report()["deferred_items"] > 0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lin(x)
+        with pytest.raises(MemschedError, match=r"parameter weight was deferred in autocast's dtype"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                lin(x)
