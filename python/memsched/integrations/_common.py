@@ -48,7 +48,8 @@ def step_figures(run):
     """Numbers to log after a step: the latest executed step whose timing is known, as measured, and
     the plan's figures. A measured key pairs with its planned_ key: on an accelerator the step's peak
     is the allocator's (memsched/peak_bytes, beside memsched/planned_peak_bytes); on CPU the executor
-    counts saved activations (memsched/activation_peak_bytes, beside planned_activation_peak_bytes).
+    counts saved activations (memsched/activation_peak_bytes, beside planned_activation_peak_bytes), except
+    in a keep-all plan's steps, which run without its hooks and log no such figure.
     Never waits for the GPU: a step whose CUDA events have not completed yet is logged next time."""
     out = {}
     planned = run.planned_figures()
@@ -58,8 +59,11 @@ def step_figures(run):
             out[f"memsched/planned_{key}"] = float(planned[key])
     s = next((x for x in reversed(run.step_stats) if x.ready), None)
     if s is not None:
-        peak_key = "memsched/peak_bytes" if run._measures_device_peak() else "memsched/activation_peak_bytes"
-        out.update({peak_key: float(s.peak_bytes), "memsched/step_time_s": float(s.duration_s),
+        if run._measures_device_peak():
+            out["memsched/peak_bytes"] = float(s.peak_bytes)
+        elif s.hooked:  # a keep-all step without hooks counts nothing (Note [A plan with nothing to do])
+            out["memsched/activation_peak_bytes"] = float(s.peak_bytes)
+        out.update({"memsched/step_time_s": float(s.duration_s),
                     "memsched/stall_s": float(s.stall_s), "memsched/offloaded": float(s.offloaded),
                     "memsched/bytes_moved": float(s.d2h_bytes + s.h2d_bytes),
                     "memsched/planned_step": 1.0 if s.mode == "planned" else 0.0})

@@ -151,3 +151,14 @@ def test_a_step_that_outgrows_the_device_is_re_profiled(monkeypatch):
                 run.step()
     assert [s.mode for s in run.step_stats] == ["diverged", "diverged"]
     assert run.mismatches == 2 and run.reprofiles == 1
+
+
+def test_the_logged_step_figures_leave_out_the_uncounted_saved_activation_peak():
+    """A framework callback logs step_figures(run): a keep-all step without hooks counted no saves, so no
+    measured saved-activation peak is logged (a 0 would read as 'no memory'); a hooked step's is."""
+    from memsched.integrations._common import step_figures
+    _, run = _train(dict(budget=None))
+    figures = step_figures(run)
+    assert "memsched/activation_peak_bytes" not in figures and figures["memsched/planned_step"] == 1.0
+    _, hooked = _train(dict(budget=1.0))
+    assert step_figures(hooked)["memsched/activation_peak_bytes"] > 0
