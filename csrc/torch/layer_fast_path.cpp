@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/functorch/DynamicLayer.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -100,6 +101,8 @@ bool common_checks(const LayerTarget& target, const DwRuntime& rt, PyObject* mod
       at::impl::torch_function_mode_enabled() || x.is_complex() || (*w)->is_complex()) {
     return false;
   }
+  // ... no torch.func transform, no forward-mode tangent (_forward_mode in backward.py)
+  if (at::functorch::maybeCurrentDynamicLayer().has_value() || x._fw_grad(/*level=*/0).defined()) return false;
   if (target.bias_idx >= 0) {
     const at::Tensor* b = same_trainable(bo, rt, target.bias_idx);
     if (b == nullptr || rt.user_hooked(target.bias_idx)) return false;

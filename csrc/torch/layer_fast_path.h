@@ -14,12 +14,13 @@
 //   on, the owner's phase "forward" (the first call of an iteration goes to Python, which begins
 //   it), the module's `weight`/`bias` still the registered parameters with their install-time
 //   requires_grad, no caller's gradient hook on them, x, weight and bias plain Tensors or
-//   Parameters (no __torch_function__ override, no torch function mode) and none complex (Note
-//   [Layer calls out-of-order backward leaves to autograd]), no queueing executor (the owner's fast_calls), no autocast use of a deferred parameter this iteration
-//   (cast_uses empty), both parameters' kind unset or deferred, a row-major weight matrix, and x
-//   either a 2-D matrix that is not column-major or a contiguous input of more than two
-//   dimensions whose rows and features are both above 1 (the shapes _linear_rows hands over as
-//   they are). It then sets the kinds in the owner's own dict, counts the use, takes the graph
+//   Parameters (no __torch_function__ override, no torch function mode), none complex, no torch.func
+//   transform and no forward-mode tangent on x (Note [Layer calls out-of-order backward leaves to
+//   autograd]), no queueing executor (the owner's fast_calls), no autocast use of a deferred
+//   parameter this iteration (cast_uses empty), both parameters' kind unset or deferred, a
+//   row-major weight matrix, and x either a 2-D matrix that is not column-major or a contiguous
+//   input of more than two dimensions whose rows and features are both above 1 (the shapes
+//   _linear_rows hands over as they are). It then sets the kinds in the owner's own dict, counts the use, takes the graph
 //   token and applies the deferred Linear Function, exactly what the Python path does for that
 //   call. Under autocast on x's device it takes the call only where the Python path would defer it
 //   in autocast's dtype (Note [Deferred calls under autocast] in backward.py): autocast's cache on, a

@@ -255,8 +255,10 @@ Note [Layer calls out-of-order backward leaves to autograd]
   among its arguments, or a conv whose padding_mode is not 'zeros' or whose padding, stride or
   dilation is not a tuple runs the stock forward, counted as an autograd use of its parameters
   (Note [One kind of use per parameter and iteration]). A weight or bias that is not the registered
-  parameter (a functional_call substitute) is not memsched's: the call runs as if frozen.
-  Limitations: forward-mode AD through a deferred layer raises (the C++ Function has no jvp).
+  parameter (a functional_call substitute) is not memsched's: the call runs as if frozen. A call
+  inside a torch.func transform (jvp, vmap, grad: PyTorch refuses C++ autograd Functions there) or on
+  an input with a forward-mode tangent (torch.autograd.forward_ad: they have no jvp) is autograd's too
+  (_forward_mode); both raised PyTorch's own RuntimeError where plain PyTorch computes.
 
 Note [Deferred calls under autocast]
   Rationale: under torch.autocast every Linear/conv call went to autograd (autocast casts the weight
@@ -356,6 +358,7 @@ import weakref
 from typing import Dict, List, Optional, Sequence, Set
 
 import torch
+import torch.autograd.forward_ad as _fw_ad
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
@@ -397,6 +400,14 @@ def _eligible(module: nn.Module) -> bool:
 
 _unsafe_view = torch.ops.aten._unsafe_view
 _has_torch_function = torch._C._has_torch_function  # a __torch_function__ override (or mode) among its arguments
+_peek_transform = torch._C._functorch.peek_interpreter_stack
+
+
+def _forward_mode(x: torch.Tensor) -> bool:
+    """The call runs inside a torch.func transform (jvp, vmap, grad, ...) or x carries a forward-mode tangent
+    (torch.autograd.forward_ad): the deferred Functions have neither a jvp nor a functorch rule, so the call is
+    autograd's (Note [Layer calls out-of-order backward leaves to autograd])."""
+    return _peek_transform() is not None or (_fw_ad._current_level >= 0 and _fw_ad.unpack_dual(x).tangent is not None)
 _unsafe_view_default = torch.ops.aten._unsafe_view.default
 
 
@@ -872,7 +883,7 @@ class OutOfOrderBackward:
                     if out is not None:
                         return _unsafe_view_default(out, out.shape) if out._is_view() else out
                 autograd = cast or rows is None or (wi is not None and not (w.stride(1) == 1 and w.stride(0) == w.size(1))) \
-                    or x.is_complex() or w.is_complex() or _has_torch_function((x, w, b))
+                    or x.is_complex() or w.is_complex() or _has_torch_function((x, w, b)) or _forward_mode(x)
                 wd, bd = me._deferred_indices(wi, bi, autograd, cast)
                 if wd < 0 and bd < 0:
                     return stock(lambda w, b: F.linear(x, w, b), w, b, wi, bi, cast)
@@ -928,7 +939,7 @@ class OutOfOrderBackward:
                     or (wi is not None and not (x.is_contiguous() and w.is_contiguous())) \
                     or mod.padding_mode != "zeros" or not (type(mod.padding) is tuple and type(mod.stride) is tuple
                                                            and type(mod.dilation) is tuple) \
-                    or x.is_complex() or w.is_complex() or _has_torch_function((x, w, b))
+                    or x.is_complex() or w.is_complex() or _has_torch_function((x, w, b)) or _forward_mode(x)
                 wd, bd = me._deferred_indices(wi, bi, autograd, cast)
                 if wd < 0 and bd < 0:
                     return stock(lambda w, b: mod._conv_forward(x, w, b), w, b, wi, bi, cast)
@@ -1077,7 +1088,7 @@ class OutOfOrderBackward:
             self._cast_indices(wi, bi, None, False)
             return None
         x_c, w_c, b_c = c
-        ok = deferrable(x_c, w_c, b_c) and not _has_torch_function((x, w, b))
+        ok = deferrable(x_c, w_c, b_c) and not _has_torch_function((x, w, b)) and not _forward_mode(x)
         idx = self._cast_indices(wi, bi, w_c if wi is not None else b_c, ok)
         if idx is None:
             return None

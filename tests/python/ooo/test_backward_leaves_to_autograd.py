@@ -163,3 +163,51 @@ def test_a_layer_called_with_its_input_as_a_keyword_runs():
         model[0](input=x).sum().backward()
     plain[0](input=x).sum().backward()
     assert torch.equal(plain[0].weight.grad, model[0].weight.grad)
+
+
+def _jvp_plain(model, x, t):
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        return fwAD.unpack_dual(model(fwAD.make_dual(x, t))).tangent
+
+
+@pytest.mark.parametrize("how", ["forward_ad", "torch_func_jvp", "torch_func_vmap"])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_forward_mode_ad_and_torch_func_between_steps_compute_and_train_as_plain(how, fuse):
+    """A jvp (forward-mode tangent or torch.func) or a vmap through the model between training steps: each
+    deferred Function, a C++ autograd Function, raised PyTorch's RuntimeError there ("jvp is not implemented
+    for the c++ API of custom Function", "cannot use C++ torch::autograd::Function with functorch
+    transforms"); those calls are autograd's now, with plain's values, and training goes on as plain's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8),
+                          nn.Unflatten(1, (2, 4)), nn.Conv1d(2, 2, 3, padding=1), nn.Flatten(), nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    popt = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    xs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    t = torch.randn(5, 4, generator=torch.Generator().manual_seed(9))
+
+    def probe(m):
+        if how == "forward_ad":
+            return _jvp_plain(m, xs[0], t)
+        if how == "torch_func_jvp":
+            return torch.func.jvp(m, (xs[0],), (t,))[1]
+        return torch.func.vmap(lambda row: m(row.unsqueeze(0)).squeeze(0))(xs[0])
+
+    probes = []
+    for m, o, ooo_kw in ((plain, popt, None), (model, opt, dict(fuse_optimizer=fuse))):
+        ooo = OutOfOrderBackward(m, optimizer=o, **ooo_kw).install() if ooo_kw is not None else None
+        try:
+            for k, x in enumerate(xs):
+                m(x).square().sum().backward()
+                if ooo is None or ooo.step():
+                    o.step()
+                    o.zero_grad(set_to_none=True)
+                if k == 0:
+                    probes.append(probe(m))
+        finally:
+            if ooo is not None:
+                ooo.remove()
+    assert torch.equal(probes[0], probes[1])
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), f"{name}: max |diff| {(p - q).abs().max().item():.3g}"
