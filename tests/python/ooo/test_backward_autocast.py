@@ -147,3 +147,34 @@ def test_a_use_outside_the_region_after_deferral_is_refused_then_trains_as_plain
             opts[1].zero_grad(set_to_none=True)
     for (name, p), q in zip(plain.named_parameters(), model.parameters()):
         assert torch.equal(p, q), f"{name}: max |diff| {(p - q).abs().max().item():.3g}"
+
+
+def test_each_iterations_gradients_under_bf16_autocast_equal_plains(device):
+    """Every deferred iteration's gradients against plain's. On CUDA the default executor ('stream') runs
+    the dW of the calls deferred in bf16 (by the C++ fast path from the second iteration on) on the side
+    stream: equal up to cuBLAS's choice of algorithm for a separate dW call (bf16 rounding, as
+    test_stream_executor_matches_plain_on_cuda); on CPU bitwise."""
+    torch.manual_seed(0)
+    plain = models.Transformer(CFG).to(device)
+    model = copy.deepcopy(plain)
+    with OutOfOrderBackward(model) as ooo:
+        assert ooo.report()["executor"] == ("stream" if device == "cuda" else "inline")
+        for k in range(3):
+            tok = _tokens(k).to(device)
+            for m in (plain, model):
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    loss = models.loss_fn("transformer", m(tok[:, :-1]), tok[:, 1:])
+                loss.backward()
+            assert ooo.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+                if device == "cuda":
+                    torch.testing.assert_close(q.grad, p.grad, rtol=2e-2, atol=1e-4, msg=f"iteration {k}: {name}")
+                else:
+                    assert torch.equal(q.grad, p.grad), f"iteration {k}: {name}"
+            plain.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            if k == 0:
+                assert ooo.report()["deferred_items"] == 0  # the first iteration learns the autocast region
+        assert ooo.report()["deferred_items"] > 0  # deferred in bf16 from the second iteration on
