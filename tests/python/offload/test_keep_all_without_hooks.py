@@ -25,11 +25,11 @@ class _SeesHooks(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _train(options, steps=4, model=None):
+def _train(options, steps=4, model=None, device="cpu"):
     torch.manual_seed(0)
-    model = model if model is not None else _SeesHooks()
+    model = (model if model is not None else _SeesHooks()).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.randn(16, 8)
+    x = torch.randn(16, 8).to(device)
     with optimize(model, opt, **options) as run:
         for _ in range(steps):
             model(x).square().mean().backward()
@@ -37,12 +37,12 @@ def _train(options, steps=4, model=None):
     return model, run
 
 
-def test_budget_none_steps_push_no_hooks_and_train_bitwise_like_plain():
-    model, run = _train(dict(budget=None))
+def test_budget_none_steps_push_no_hooks_and_train_bitwise_like_plain(device):
+    model, run = _train(dict(budget=None), device=device)
     torch.manual_seed(0)
-    ref = _SeesHooks()
+    ref = _SeesHooks().to(device)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    x = torch.randn(16, 8)
+    x = torch.randn(16, 8).to(device)
     for _ in range(4):
         ref(x).square().mean().backward()
         opt.step()
@@ -51,6 +51,8 @@ def test_budget_none_steps_push_no_hooks_and_train_bitwise_like_plain():
     assert model.seen[1:] == [False, False, False]  # the first step is profiled
     assert [s.mode for s in run.step_stats] == ["planned"] * 3 and not any(s.hooked for s in run.step_stats)
     assert run.mismatches == 0 and run.steps_planned == 3
+    if device == "cuda":  # the allocator's peak is still measured
+        assert all(s.peak_bytes > 0 for s in run.step_stats)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
 
