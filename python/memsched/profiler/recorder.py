@@ -8,6 +8,7 @@ memsched._C.TraceBuilder and is driven by three sources:
   - the saved-tensor pack hook: marks saved storages as activations, labelled
     by Note [Activation identity];
   - weakref callbacks on storages: frees. See Note [Free detection].
+  What the mode changes in backward: Note [Backward formulas under the recording mode].
 
 Note [Free detection]
   Rationale: the memory curve needs the op after which each storage dies.
@@ -21,6 +22,17 @@ Note [Free detection]
   can hand the address to anyone else, so the key is free for reuse at once.
   Limitations: a storage freed while no op has begun yet is dropped (it was
   never live during an op).
+
+Note [Backward formulas under the recording mode]
+  With any TorchDispatchMode active, ATen's isTensorSubclassLike() is true for every tensor, and a
+  few backward formulas then take their subclass-safe branch: prod and cumprod compute without
+  dividing by the input (prod_safe_zeros_backward), which rounds differently in the last bits. The
+  profiled step's backward runs under RecordingMode, so such a model's profiled step gets gradients
+  one or two ulps from plain PyTorch's (1.8e-14 in float64 after three SGD steps, tanh + prod +
+  cumprod); its executed steps run no mode and are bitwise plain's. Ops outside those formulas are
+  unaffected (every model of tests/python/test_module_zoo.py is bitwise after its profiled step).
+  What would remove it -- observing backward ops without a dispatch mode (RecordFunction callbacks)
+  -- is not built.
 
 Note [Held outside the graph]
   Rationale: an offloaded or recomputed activation leaves the device only when
