@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/utils/grad_layout_contract.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "core/check.h"
@@ -412,6 +413,14 @@ void DwRuntime::finalize(int32_t param, std::vector<at::Tensor>* released) {
     pend = std::move(cast);
   }
   if (!grad.defined()) {
+    if (!torch::autograd::utils::obeys_layout_contract(pend, params_[param])) {
+      // See Note [Deferred gradients in their parameter's layout] (dw_runtime.h)
+      at::NoGradGuard no_grad;
+      at::Tensor laid = torch::autograd::utils::clone_obey_contract(pend, params_[param]);
+      track(0, nbytes(laid));
+      released->push_back(std::move(pend));
+      pend = std::move(laid);
+    }
     grad = std::move(pend);
   } else {
     at::NoGradGuard no_grad;

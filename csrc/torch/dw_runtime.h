@@ -65,6 +65,21 @@
 //   c10::StreamGuard, VirtualGuardImpl::recordDataPtrOnStream): on CUDA these are c10::cuda
 //   streams and events and the CUDA caching allocator's recordStream.
 //   Limitations: written to be correct by construction; not yet run on a GPU (issue 13).
+//
+// Note [Deferred gradients in their parameter's layout]
+//   Rationale: AccumulateGrad stores a parameter's first gradient in the parameter's layout (the
+//   gradient layout contract: torch::autograd::utils::obeys_layout_contract, else
+//   clone_obey_contract), and torch's fused Adam/AdamW/SGD kernels (fused=True) read .grad element
+//   by element in the parameter's order. A deferred weight gradient was stored as its kernel
+//   returned it: a Conv1d input of length 1 whose strides are not the canonical ones (a [B, 1, C]
+//   tensor transposed to [B, C, 1]: is_contiguous(), strides (C, 1, C)) gets a weight gradient in
+//   another layout from oneDNN, equal values in another order, and the fused AdamW update was 0.67
+//   off (found by fuzzing).
+//   Approach: finalize() applies AccumulateGrad's own contract to the runtime's sum when it becomes
+//   .grad: a sum that does not obey it is cloned into the parameter's layout (a later sum is added
+//   into that .grad in place, which keeps it).
+//   Limitations: Note [Conv weight gradients in the weight's layout] in backward.py still leaves
+//   channels_last convs to autograd.
 #pragma once
 
 #include <atomic>
