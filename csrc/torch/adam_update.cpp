@@ -6,6 +6,7 @@
 #include <cmath>
 #include <utility>
 
+#include <ATen/ScalarOps.h>
 #include <ATen/core/grad_mode.h>
 
 namespace memsched {
@@ -14,6 +15,14 @@ namespace {
 
 // Python's `1 - beta ** step` and `bc ** 0.5`: CPython's float ** is C's pow.
 double one_minus_pow(double beta, double step) { return 1.0 - std::pow(beta, step); }
+
+// A Python float passed where the op takes a Tensor (`t.mul_(beta2)`, `t / x`, `t.add_(eps)`): Python's
+// argument parser makes it a wrapped-number tensor, and the op reads the scalar in the tensor's math
+// type; the Scalar overload (mul_.Scalar) rounds it to the tensor's dtype first -- in bfloat16 0.95
+// becomes 0.9492, another exp_avg_sq than torch's (found by fuzzing, Note [C++ Adam checked against
+// torch's] in fused.py). Ops whose Python signature takes a Scalar (lerp_'s weight, addcmul_'s value)
+// take a Scalar here too.
+at::Tensor py_float(double v) { return at::native::wrapped_scalar_tensor(v); }
 
 // _single_tensor_adam, capturable=False, differentiable=False.
 void single_tensor_adam(const AdamHyper& h, const std::vector<at::Tensor>& params,
@@ -25,13 +34,13 @@ void single_tensor_adam(const AdamHyper& h, const std::vector<at::Tensor>& param
     s.step.add_(1);  // step_t += 1
     if (h.weight_decay != 0) {
       if (h.decoupled) {
-        param.mul_(1 - h.lr * h.weight_decay);
+        param.mul_(py_float(1 - h.lr * h.weight_decay));
       } else {
         grad = grad.add(param, h.weight_decay);
       }
     }
     s.exp_avg.lerp_(grad, 1 - h.beta1);
-    s.exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, 1 - h.beta2);
+    s.exp_avg_sq.mul_(py_float(h.beta2)).addcmul_(grad, grad, 1 - h.beta2);
     const double step = s.step.item<double>();  // _get_value(step_t)
     const double bias_correction1 = one_minus_pow(h.beta1, step);
     const double bias_correction2 = one_minus_pow(h.beta2, step);
@@ -41,9 +50,9 @@ void single_tensor_adam(const AdamHyper& h, const std::vector<at::Tensor>& param
     if (h.amsgrad) {
       at::Tensor max_exp_avg_sq = s.max_exp_avg_sq;  // torch.maximum(max, exp_avg_sq, out=max)
       at::maximum_out(max_exp_avg_sq, max_exp_avg_sq, s.exp_avg_sq);
-      denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(h.eps);
+      denom = (max_exp_avg_sq.sqrt() / py_float(bias_correction2_sqrt)).add_(py_float(h.eps));
     } else {
-      denom = (s.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(h.eps);
+      denom = (s.exp_avg_sq.sqrt() / py_float(bias_correction2_sqrt)).add_(py_float(h.eps));
     }
     param.addcdiv_(s.exp_avg, denom, -step_size);
   }

@@ -117,7 +117,7 @@ def _noop():
 #   does in the torch it was written against; another torch version may compute otherwise (a new
 #   op order, another scalar rounding), and a fused update must stay bitwise plain's.
 #   Approach: before a configuration (optimizer class, kernel, amsgrad, maximize, decoupled weight
-#   decay, weight decay on or off, foreach/fused flags, device type, dtype) is first stepped in C++
+#   decay, the betas, eps and weight decay, foreach/fused flags, device type, dtype) is first stepped in C++
 #   in this process, torch's own optimizer of that class steps two small random parameters three
 #   times, and the C++ update repeats steps 2 and 3 from a copy of the state after step 1 (torch
 #   creates it). Only a bitwise match of parameters and state lets the configuration use C++;
@@ -126,7 +126,10 @@ _NATIVE_CHECKED: Dict[tuple, bool] = {}
 
 
 def _native_agrees(opt_type, hyper, group, device, dtype) -> bool:
-    key = (opt_type, hyper[5:], hyper[4] != 0.0, group["foreach"], group["fused"], device.type, dtype)
+    # the values of betas, eps and weight decay too (constant in practice): one dtype's rounding of a scalar
+    # can agree at one value and not at another (bf16 betas (0.9, 0.999) and (0.9, 0.95), an overload that
+    # rounded the scalar first); lr is left out, as LR schedulers change it every step
+    key = (opt_type, hyper[1:5], hyper[5:], group["foreach"], group["fused"], device.type, dtype)
     ok = _NATIVE_CHECKED.get(key)
     if ok is None:
         try:
