@@ -211,18 +211,20 @@ Note [Linear calls the deferred path gives at::linear's own rows]
   not a contiguous matrix's (a transposed Parameter) gets autograd's gradient as (rows^T grad)^T in
   the weight's own layout, where the deferred one is grad^T rows, contiguous (the fused AdamW kernel
   then read the gradient in the wrong order: 3e-2 off).
-  Approach: a contiguous input of more than two dimensions with a trainable weight (the common
-  case) goes to the Function as it is: at::linear flattens it to contiguous rows, and the Function's
-  grad.matmul(W) in backward folds the output gradient to rows as autograd's view does (matmul
-  folds when the weight requires grad); its output, when a view (the bias path), is handed back as
-  an _unsafe_view, which an in-place op may change (a Python op and autograd node, ~8 us a call on
-  CPU, until the C++ Function returns no view: deferred_layers.cpp). Any other input the patched
-  forward hands over as the [rows, in] matrix at::linear itself multiplies (x.reshape(rows, in),
-  as at::linear's flatten and matmul's fold do; a 1-D input with a bias viewed [1, in]) and gives
-  back at::linear's output form (a view for the flattened bias path, an _unsafe_view for the folded
-  one), so the Function's output gradient is autograd's flattened one. A call whose matrix is
-  column-major, or whose trainable weight is not a contiguous matrix, runs the stock forward and
-  counts as an autograd use.
+  Approach: a contiguous input of more than two dimensions with a trainable weight and no bias
+  goes to the Function as it is: at::linear folds it to contiguous rows (matmul), and the
+  Function's grad.matmul(W) in backward folds the output gradient to rows as autograd's does; its
+  output is no view. Any other input the patched forward (and the C++ fast path) hands over as the
+  [rows, in] matrix at::linear itself multiplies (x.reshape(rows, in), as at::linear's flatten and
+  matmul's fold do; a 1-D input with a bias viewed [1, in]) and gives back at::linear's output form
+  (_linear_output: a view for the flattened bias path, an _unsafe_view for the folded one), so the
+  Function's output gradient is autograd's flattened one. The view matters: (e) an in-place op on
+  the output of a flattened Linear with a bias rebases that view (with grad) or regenerates its
+  grad_fn (under no_grad), and addmm's backward then gets the base's contiguous gradient; handing
+  x over as it is, with the Function's output returned as no view, kept a transposed output
+  gradient's layout and summed the bias gradient in another order (1e-6 off, found by fuzzing).
+  A call whose matrix is column-major, or whose trainable weight is not a contiguous matrix, runs
+  the stock forward and counts as an autograd use.
 
 Note [Conv weight gradients in the weight's layout]
   Rationale: autograd's AccumulateGrad stores a gradient in its parameter's layout (the gradient
@@ -408,7 +410,6 @@ def _forward_mode(x: torch.Tensor) -> bool:
     (torch.autograd.forward_ad): the deferred Functions have neither a jvp nor a functorch rule, so the call is
     autograd's (Note [Layer calls out-of-order backward leaves to autograd])."""
     return _peek_transform() is not None or (_fw_ad._current_level >= 0 and _fw_ad.unpack_dual(x).tangent is not None)
-_unsafe_view_default = torch.ops.aten._unsafe_view.default
 
 
 def _linear_rows(x: torch.Tensor, has_bias: bool, folds: bool):
@@ -432,8 +433,8 @@ def _linear_rows(x: torch.Tensor, has_bias: bool, folds: bool):
         return x  # at::linear raises its own error
     else:
         contiguous = x.is_contiguous()
-        if contiguous and folds and x.numel() > x.size(-1) > 1:
-            return x  # rows > 1 and in > 1: row-major [rows, in] strides
+        if contiguous and folds and x.numel() > x.size(-1) > 1 and not has_bias:
+            return x  # rows > 1 and in > 1: row-major [rows, in] strides (at::linear's matmul folds them)
         if has_bias and not contiguous:
             return None
         n = 1
@@ -443,6 +444,23 @@ def _linear_rows(x: torch.Tensor, has_bias: bool, folds: bool):
     if rows.stride(0) == 1 and rows.stride(1) == rows.size(0):
         return None
     return rows if d != 2 else x
+
+
+def _linear_output(x, rows, out, has_bias: bool):
+    """The deferred Linear's output in at::linear's own form (Note [Linear calls the deferred path gives
+    at::linear's own rows]): as the Function returned it for x itself, else a view of it for the flattened
+    rows with a bias (so an in-place op on it rebases or regenerates the view as plain's does), an
+    _unsafe_view where matmul folded them."""
+    if rows is x:
+        return out
+    shape = x.shape[:-1] + out.shape[-1:]
+    return out.view(shape) if has_bias else _unsafe_view(out, shape)
+
+
+def _deferred_linear_rows(rt, x, w, b, wd, bd, token):
+    """deferred_linear on the rows at::linear multiplies (_linear_rows; the caller checked there are some);
+    _linear_output gives it at::linear's form."""
+    return deferred_linear(rt, _linear_rows(x, b is not None, True), w, b, wd, bd, token)
 
 
 def _cast_args(x, w, b, device_type):
@@ -878,10 +896,12 @@ class OutOfOrderBackward:
                 cast = torch.is_autocast_enabled(x.device.type)
                 if cast:  # See Note [Deferred calls under autocast]
                     out = me._cast_call(x, w, b, wi, bi, lambda x_c, w_c, b_c: (
-                        _linear_rows(x_c, b_c is not None, True) is x_c
-                        and (wi is None or (w_c.stride(1) == 1 and w_c.stride(0) == w_c.size(1)))), deferred_linear)
+                        _linear_rows(x_c, b_c is not None, True) is not None
+                        and (wi is None or (w_c.stride(1) == 1 and w_c.stride(0) == w_c.size(1)))),
+                        _deferred_linear_rows, lambda x_c, b_c, out: _linear_output(
+                            x_c, _linear_rows(x_c, b_c is not None, True), out, b_c is not None))
                     if out is not None:
-                        return _unsafe_view_default(out, out.shape) if out._is_view() else out
+                        return out
                 autograd = cast or rows is None or (wi is not None and not (w.stride(1) == 1 and w.stride(0) == w.size(1))) \
                     or x.is_complex() or w.is_complex() or _has_torch_function((x, w, b)) or _forward_mode(x)
                 wd, bd = me._deferred_indices(wi, bi, autograd, cast)
@@ -890,14 +910,7 @@ class OutOfOrderBackward:
                 out = deferred_linear(rt, rows, w, b, wd, bd, me.graph_token())
                 if me._queues:
                     me._keep_arrival_order(out, wd, bd)
-                if rows is x:
-                    # at::linear flattened x and viewed addmm's output back (3-D with a bias): a view made in
-                    # a custom Function, which an in-place op may not change; plain's may be
-                    return _unsafe_view_default(out, out.shape) if out._is_view() else out
-                shape = x.shape[:-1] + out.shape[-1:]
-                # at::linear's own output: a view of addmm's for a flattened input with a bias, an
-                # _unsafe_view of mm's where matmul folded it
-                return out.view(shape) if b is not None else _unsafe_view(out, shape)
+                return _linear_output(x, rows, out, b is not None)
         else:
             base = next(b for b in _CONV_TYPES if isinstance(m, b))
             nd = _CONV_TYPES[base]
@@ -1079,10 +1092,11 @@ class OutOfOrderBackward:
             if kind.get(i) == _DEFERRED_CAST:
                 self._refuse_cast_mix(i)
 
-    def _cast_call(self, x, w, b, wi, bi, deferrable, apply):
+    def _cast_call(self, x, w, b, wi, bi, deferrable, apply, finish=None):
         """A layer call under autocast: its output when it is deferred in the autocast dtype, else None (the
-        call goes on as before). deferrable(x_c, w_c, b_c): the deferred Function takes the cast arguments as
-        they are; apply(rt, x_c, w_c, b_c, wd, bd, graph_token): that Function."""
+        call goes on as before). deferrable(x_c, w_c, b_c): the deferred Function takes the cast arguments;
+        apply(rt, x_c, w_c, b_c, wd, bd, graph_token): that Function; finish(x_c, b_c, out): the layer's
+        output made of the Function's (None: as it is)."""
         c = _cast_args(x, w, b, x.device.type)
         if c is None:
             self._cast_indices(wi, bi, None, False)
@@ -1095,7 +1109,7 @@ class OutOfOrderBackward:
         out = apply(self._rt, x_c, w_c, b_c, idx[0], idx[1], self.graph_token())
         if self._queues:
             self._keep_arrival_order(out, idx[0], idx[1])
-        return out
+        return out if finish is None else finish(x_c, b_c, out)
 
     def _cast_indices(self, wi, bi, region, ok: bool):
         """A call under autocast: (wd, bd) when it is deferred in the autocast dtype, else None (the call goes to
