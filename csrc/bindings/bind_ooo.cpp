@@ -211,6 +211,9 @@ void bind_ooo(py::module_& m) {
       },
       py::arg("t"), py::arg("device_type"),
       "at::autocast::cached_cast to the device type's autocast dtype (Note [Deferred calls under autocast]).");
+  m.def("guard_retained_graph", &guard_retained_graph,
+        "In a backward pass that keeps its graph: pre-hooks on its first nodes that refuse a second pass over it "
+        "(Note [A retained graph after a fused update]); whether it hooked any.");
   m.def(
       "deferred_linear",
       [](const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,

@@ -6,6 +6,9 @@
 #include <ATen/core/ivalue.h>
 #include <stdexcept>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <unordered_set>
 
 namespace py = pybind11;
 
@@ -217,6 +220,37 @@ at::Tensor deferred_linear(const std::shared_ptr<DwRuntime>& rt, const at::Tenso
                            py::handle graph_token) {
   const bool has_bias = bias.has_value() && bias->defined();
   return LinearFunction::apply(x, weight, bias, make_conf(rt, weight_idx, bias_idx, has_bias, graph_token));
+}
+
+namespace {
+
+struct RefuseSecondBackward : torch::autograd::FunctionPreHook {
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& /*grads*/) override {
+    throw std::runtime_error(kSecondBackward);
+  }
+};
+
+}  // namespace
+
+bool guard_retained_graph() {
+  if (torch::autograd::get_current_graph_task_id() < 0 || !torch::autograd::get_current_graph_task_keep_graph()) {
+    return false;
+  }
+  const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (nodes == nullptr || nodes->empty()) return false;
+  std::unordered_set<torch::autograd::Node*> has_parent;
+  for (torch::autograd::Node* n : *nodes) {
+    for (const torch::autograd::Edge& e : n->next_edges()) {
+      if (e.function) has_parent.insert(e.function.get());
+    }
+  }
+  bool hooked = false;
+  for (torch::autograd::Node* n : *nodes) {
+    if (has_parent.count(n) != 0) continue;
+    n->add_pre_hook(std::make_unique<RefuseSecondBackward>());
+    hooked = true;
+  }
+  return hooked;
 }
 
 at::Tensor deferred_conv(const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,

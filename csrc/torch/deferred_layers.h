@@ -53,4 +53,23 @@ at::Tensor deferred_conv(const std::shared_ptr<DwRuntime>& rt, const at::Tensor&
                          std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
                          int32_t weight_idx, int32_t bias_idx, pybind11::handle graph_token);
 
+// Note [A retained graph after a fused update]
+//   Rationale: with fuse_optimizer=True the last backward pass of a step updates the parameters in
+//   place. A backward pass that keeps its graph (retain_graph=True) leaves nodes that saved those
+//   parameters; a second pass over that graph -- which plain PyTorch runs, accumulating -- is refused
+//   by out-of-order backward (kSecondBackward), but only where it reaches a deferred node. A graph
+//   whose layers ran through autograd (a tied embedding and head) got PyTorch's own error instead,
+//   "one of the variables needed for gradient computation has been modified by an inplace
+//   operation", about an in-place change the user never made (found by fuzzing).
+//   Approach: at the end of such a pass (the owner's end-of-backward callback, in the graph task),
+//   guard_retained_graph() adds a pre-hook raising the out-of-order refusal to the graph's first
+//   nodes (those of the graph task with no parent in it: the roots' own, or the root itself's
+//   children where the engine did not count the root), so a second pass names the cause before any
+//   node unpacks a saved parameter.
+//   Limitations: a pass that starts below those nodes (torch.autograd.grad of an inner tensor) still
+//   meets PyTorch's error where it reads a stepped parameter.
+// In the current graph task: when it keeps its graph, hooks its first nodes as described; returns
+// whether it did.
+bool guard_retained_graph();
+
 }  // namespace memsched

@@ -368,6 +368,7 @@ from torch.nn.utils import parametrize
 
 from memsched._C import DwRuntime, MemschedError, deferred_conv, deferred_linear
 from memsched._C import autocast_cast as _autocast_cast
+from memsched._C import guard_retained_graph as _guard_retained_graph
 from memsched.copy_inert import PatchedForward, inert_on_copy
 from memsched.ooo import clip_guard, grad_scaler_guard
 from memsched.ooo.fused import SUPPORTED_OPTIMIZERS, ParamStepper
@@ -1621,6 +1622,8 @@ class OutOfOrderBackward:
         self._ended_task = torch._C._current_graph_task_id()  # See _first_deferred
         self._first_node.clear()  # (the nodes of a queueing executor's first deferred calls)
         rt = self._rt
+        if self._stepper is not None and self._last_micro_step():
+            _guard_retained_graph()  # See Note [A retained graph after a fused update] (csrc/torch/deferred_layers.h)
         try:
             if self._executor == "thread":
                 rt.drain()
