@@ -57,7 +57,11 @@ Note [Unpack-time recompute]
   An external input written in place later in the forward (seen by the mode) makes every pending
   recipe that reads it replay at once, before the write, and keep its result. After the forward
   nothing is watched: an external input modified between the forward and the replay raises at
-  unpack, as PyTorch does for a modified saved tensor.
+  unpack, as PyTorch does for a modified saved tensor -- where autograd saved that input. Where it
+  did not (a loop that writes the next batch into its input buffer before backward, and a plan that
+  recomputes `sin(x * 2 + 1)` from it: mul and add save nothing), plain PyTorch trains and the
+  step raises here, naming the fix (found by fuzzing; a copy of such inputs at the end of the
+  forward is not built).
   Limitations: the mode is Python per aten op of the forward (only in steps whose plan
   recomputes something); the replay is the slow path's Python; an op that is nondeterministic
   on the device (atomics) may replay to different bits, as in torch.utils.checkpoint; an external
@@ -260,7 +264,9 @@ class Recipe:
                 raise RuntimeError(
                     f"memsched: an input of recomputed activation {self.label or self.ordinal} was modified "
                     f"in place after the forward read it (version {version} -> {t._version}), so it cannot be "
-                    "recomputed exactly. Modify a copy instead, or plan with planner='dp' (no recompute)")
+                    "recomputed exactly (plain PyTorch, which keeps the activation, need not read it again). "
+                    "Write the next batch into a new tensor rather than into the one this step's forward read, "
+                    "or plan with planner='dp' (no recompute)")
         storage_of = {}
         grad = torch.is_grad_enabled()
         # At the level the forward's dispatch mode saw: below autograd and ADInplaceOrView, so
