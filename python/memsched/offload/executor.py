@@ -338,7 +338,8 @@ class OffloadExecutor:
         try:
             self._read_parameters()
             # See Note [Copies of a model under memsched] (copy_inert.py)
-            self.handles_.append(self.model.register_forward_pre_hook(inert_on_copy(self._forward_pre)))
+            self.handles_.append(self.model.register_forward_pre_hook(inert_on_copy(self._forward_pre),
+                                                                      with_kwargs=True))
             self.handles_.append(self.model.register_forward_hook(inert_on_copy(self._forward_post),
                                                                   always_call=True))
         except BaseException:
@@ -514,7 +515,7 @@ class OffloadExecutor:
         return self.diverged_
 
     # -- forward hooks on the root module -----------------------------------------------------------
-    def _forward_pre(self, module, args):
+    def _forward_pre(self, module, args, kwargs=None):
         self._reap_buried()
         if self.in_forward_:
             # The previous forward was interrupted by a BaseException (KeyboardInterrupt), which skips
@@ -538,7 +539,7 @@ class OffloadExecutor:
             torch._C._autograd._push_saved_tensors_default_hooks(self.pack_fn_, self.unpack_fn_)
             self.pushed_ = True
         if self.pushed_ and self.schedule is not None and self.schedule.recompute:
-            self._start_recording()
+            self._start_recording((args, kwargs))
 
     def _forward_post(self, module, args, output):
         self.in_forward_ = False
@@ -583,8 +584,9 @@ class OffloadExecutor:
             self.buried_ = False
 
     # -- unpack-time recompute (See Note [Unpack-time recompute] in recompute.py) -----------------------
-    def _start_recording(self):
-        """Record this forward's chain ops; its first op is the trace's n-th forward start."""
+    def _start_recording(self, args=()):
+        """Record this forward's chain ops; its first op is the trace's n-th forward start. args: the
+        forward's arguments (ForwardOpLog.push)."""
         if not torch.is_grad_enabled():
             return  # Note [Forwards that save nothing] (recompute.py): not one of the plan's forwards
         n = len(self.oplogs_)
@@ -593,7 +595,7 @@ class OffloadExecutor:
             return  # not matchable (or under a caller's dispatch mode): its recomputes keep their tensors
         log = ForwardOpLog(self.schedule.recompute_ops, self.schedule.shared, self.recompute_stats)
         self.oplogs_.append(log)
-        log.push(starts[n])
+        log.push(starts[n], tree_leaves(args))
         self.oplog_ = log
 
     def _stop_recording(self):

@@ -59,9 +59,12 @@ Note [Unpack-time recompute]
   nothing is watched: an external input modified between the forward and the replay raises at
   unpack, as PyTorch does for a modified saved tensor -- where autograd saved that input. Where it
   did not (a loop that writes the next batch into its input buffer before backward, and a plan that
-  recomputes `sin(x * 2 + 1)` from it: mul and add save nothing), plain PyTorch trains and the
-  step raises here, naming the fix (found by fuzzing; a copy of such inputs at the end of the
-  forward is not built).
+  recomputes `sin(x * 2 + 1)` from it: mul and add save nothing), plain PyTorch trains: so at the
+  end of the forward the recorded readers of each of its tensor arguments up to kScratchBytes (token
+  ids, a small batch) replay from a copy of its bytes, taken then, as for an input written later in
+  the forward (found by fuzzing). A larger argument is read as it is, and a change to it between
+  the forward and the replay raises at unpack, naming the fix (copying it would cost the plan a
+  batch's memory).
   Limitations: the mode is Python per aten op of the forward (only in steps whose plan
   recomputes something); the replay is the slow path's Python; an op that is nondeterministic
   on the device (atomics) may replay to different bits, as in torch.utils.checkpoint; an external
@@ -429,15 +432,25 @@ class ForwardOpLog:
         self.pending: Dict[int, Recipe] = {}  # ordinal -> recipe not yet unpacked (for shared replays)
         self.unfinished: List[Recipe] = []    # saved, but the op that saved them may still write them
         self.mode: Optional[_LogMode] = None
+        self.inputs: List[torch.Tensor] = []  # the forward's tensor arguments (push)
 
     # -- the dispatch mode ---------------------------------------------------------------------------
-    def push(self, first_op):
+    def push(self, first_op, inputs=()):
+        """Record from trace op `first_op`; inputs: the forward's tensor arguments (Note [Unpack-time
+        recompute]: small ones a recorded op read are copied at the forward's end)."""
         self.op = first_op
+        self.inputs = [x for x in inputs if isinstance(x, torch.Tensor)]
         self.mode = _LogMode(self)
         self.mode.__enter__()
 
     def pop(self):
         """Leave the mode (the end of a forward, or an abandoned step); the log is dropped."""
+        for x in self.inputs:
+            # the caller may refill its batch buffer before backward (plain PyTorch need not read it again)
+            key = _key(x)
+            if key in self.readers and x.untyped_storage().nbytes() <= kScratchBytes:
+                self._snapshot_for_readers(key, x)
+        self.inputs = []
         self.finish(None)
         mode, self.mode = self.mode, None
         if mode is not None:

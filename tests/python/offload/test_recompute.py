@@ -744,3 +744,63 @@ def test_a_recomputed_save_unpacked_inside_the_forward_is_not_recorded_as_the_mo
         mode, log.mode = log.mode, None
         mode.__exit__(None, None, None)
     assert recorded > before
+
+
+class _FromTheInput(nn.Module):
+    """Recomputes sin(x * 2 + 1) from the forward's input: mul and add save nothing, so plain PyTorch never
+    reads x again after the forward."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x=None, *, features=None):
+        a = (x if x is not None else features) * 2 + 1
+        return self.l2(torch.tanh(self.l1(torch.sin(a))))
+
+
+def _refill_loop(model, opt, xs, call, run=None):
+    buf = xs[0].clone()
+    for i in range(len(xs)):
+        loss = call(model, buf).pow(2).mean()
+        if i + 1 < len(xs):
+            buf.copy_(xs[i + 1])  # the next batch into the same buffer, before backward
+        loss.backward()
+        if run is not None:
+            run.step()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_a_batch_buffer_refilled_before_backward_trains_as_plain(how):
+    """A loop that writes the next batch into its input buffer between forward and backward: the recorded
+    readers of a small forward argument replay from a copy taken at the forward's end (Note [Unpack-time
+    recompute]); the step raised at the replay before (found by fuzzing)."""
+    call = (lambda m, b: m(b)) if how == "positional" else (lambda m, b: m(features=b))
+    torch.manual_seed(0)
+    plain = _FromTheInput(16)
+    model = copy.deepcopy(plain)
+    xs = [torch.randn(64, 16, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    popt, mopt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model))
+    _refill_loop(plain, popt, xs, call)
+    with memsched.optimize(model, mopt, budget=0.5, planner="hybrid", device_model=slow_copies()) as run:
+        _refill_loop(model, mopt, xs, call, run)
+    assert sum(s.recomputed for s in run.step_stats) > 0 and run.steps_planned == 3
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
+
+
+def test_a_large_batch_buffer_refilled_before_backward_is_refused_naming_the_fix():
+    """Above kScratchBytes the argument is not copied (a batch's memory the plan does not hold): the replay
+    refuses, naming the fix, rather than recompute from the next batch."""
+    from memsched.offload.recompute import kScratchBytes
+    rows = kScratchBytes // (16 * 4) + 64
+    torch.manual_seed(0)
+    model = _FromTheInput(16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    xs = [torch.randn(rows, 16, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=slow_copies()) as run:
+        with pytest.raises(RuntimeError, match="Write the next batch into a new tensor"):
+            _refill_loop(model, opt, xs, lambda m, b: m(b), run)
