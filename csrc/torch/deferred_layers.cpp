@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
 #include <stdexcept>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -69,6 +70,18 @@ constexpr const char* kSecondBackward =
     "again for each backward pass (grad_accumulation_steps=K for K passes per step), or use ooo=False / "
     "fuse_optimizer=False.";
 
+// A refusal of out-of-order backward raised from a node: memsched._C.MemschedError (a RuntimeError), as the
+// Python side raises its refusals. The engine persists a python_error and re-raises it in the caller.
+[[noreturn]] void refuse(const char* message) {
+  {
+    py::gil_scoped_acquire gil;
+    PyErr_Clear();  // what it replaces (a saved-tensor hook's error in saved_of) may have left one set
+    py::object type = py::module_::import("memsched._C").attr("MemschedError");
+    PyErr_SetString(type.ptr(), message);
+  }
+  throw python_error();
+}
+
 bool from_an_ended_iteration(const LayerConf& conf, const std::shared_ptr<DwRuntime>& rt) {
   return rt != nullptr && rt->installed && (conf.weight_idx >= 0 || conf.bias_idx >= 0) &&
          conf.iteration != rt->iteration;
@@ -86,7 +99,7 @@ variable_list saved_of(AutogradContext* ctx, const LayerConf& conf) {
     // backward would reach the weight through autograd, uncounted.
     std::shared_ptr<DwRuntime> rt = conf.rt.lock();
     if (rt != nullptr && rt->installed && (conf.weight_idx >= 0 || conf.bias_idx >= 0)) {
-      throw std::runtime_error(
+      refuse(
           "a backward pass with create_graph=True (double backward, e.g. a gradient penalty from "
           "torch.autograd.grad(..., create_graph=True)) through a layer memsched's out-of-order backward "
           "defers is not supported: its weight gradient is computed outside autograd, so gradients of "
@@ -101,7 +114,7 @@ variable_list saved_of(AutogradContext* ctx, const LayerConf& conf) {
       throw;
     }
   }
-  throw std::runtime_error(kSecondBackward);
+  refuse(kSecondBackward);
 }
 
 // dW and db of one node: deferred to the runtime when this backward pass accumulates into
@@ -134,7 +147,7 @@ void weight_grads(AutogradContext* ctx, const LayerConf& conf, DwItem item, at::
     if (now[0]) *dw = std::move(g[k++]);
     if (now[1]) *db = std::move(g[k++]);
   }
-  if ((defer[0] || defer[1]) && from_an_ended_iteration(conf, rt)) throw std::runtime_error(kSecondBackward);
+  if ((defer[0] || defer[1]) && from_an_ended_iteration(conf, rt)) refuse(kSecondBackward);
   if (defer[0] || defer[1]) {
     item.weight_idx = defer[0] ? idx[0] : -1;
     item.bias_idx = defer[1] ? idx[1] : -1;
@@ -226,7 +239,7 @@ namespace {
 
 struct RefuseSecondBackward : torch::autograd::FunctionPreHook {
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& /*grads*/) override {
-    throw std::runtime_error(kSecondBackward);
+    refuse(kSecondBackward);
   }
 };
 

@@ -28,7 +28,7 @@ def test_gradient_penalty_refused_naming_double_backward():
     x, y = torch.randn(8, 16, requires_grad=True), torch.randint(0, 5, (8,))
     with memsched.optimize(m, torch.optim.AdamW(m.parameters()), ooo=True):
         out = m(x)
-        with pytest.raises(RuntimeError, match=r"create_graph=True \(double backward") as caught:
+        with pytest.raises(MemschedError, match=r"create_graph=True \(double backward") as caught:
             (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)  # refused here, at once
         assert "a functional call" not in str(caught.value)  # not blamed on a functional use
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
@@ -40,7 +40,7 @@ def test_fused_second_backward_over_retained_graph_names_its_cause():
     with memsched.optimize(m, torch.optim.AdamW(m.parameters()), fuse_optimizer=True):
         out = m(x)
         F.cross_entropy(out, y).backward(retain_graph=True)
-        with pytest.raises(RuntimeError, match=r"second backward pass over a graph whose backward already ran") \
+        with pytest.raises(MemschedError, match=r"second backward pass over a graph whose backward already ran") \
                 as caught:
             out.pow(2).mean().backward()
     assert "plain PyTorch raises the same" not in str(caught.value)  # plain PyTorch does not raise here
@@ -72,7 +72,7 @@ def test_second_backward_over_retained_graph_is_refused_when_autograd_reaches_a_
         # fused: the first pass stepped the tied weight the projection saved; PyTorch's own version check
         # stopped the second pass ("modified by an inplace operation") before any memsched code ran, until the
         # first pass guarded its retained graph (Note [A retained graph after a fused update])
-        with pytest.raises(RuntimeError, match=r"second backward pass over a graph whose backward already ran") \
+        with pytest.raises(MemschedError, match=r"second backward pass over a graph whose backward already ran") \
                 as caught:
             (loss * 0.5).backward()
     assert "enqueue" not in str(caught.value) and "plain PyTorch raises the same" not in str(caught.value)
@@ -88,7 +88,7 @@ def test_fused_second_backward_through_a_tied_head_under_optimize_names_its_caus
     with memsched.optimize(m, torch.optim.AdamW(m.parameters(), lr=1e-2), ooo=True, fuse_optimizer=True):
         loss = F.cross_entropy(m["head"](m["emb"](x)).reshape(-1, 11), y.reshape(-1))
         loss.backward(retain_graph=True)
-        with pytest.raises(RuntimeError, match=r"second backward pass over a graph whose backward already ran"):
+        with pytest.raises(MemschedError, match=r"second backward pass over a graph whose backward already ran"):
             loss.backward()
 
 
