@@ -29,8 +29,11 @@ Note [Backward formulas under the recording mode]
   dividing by the input (prod_safe_zeros_backward), which rounds differently in the last bits. The
   profiled step's backward runs under RecordingMode, so such a model's profiled step gets gradients
   one or two ulps from plain PyTorch's (1.8e-14 in float64 after three SGD steps, tanh + prod +
-  cumprod); its executed steps run no mode and are bitwise plain's. Ops outside those formulas are
-  unaffected (every model of tests/python/test_module_zoo.py is bitwise after its profiled step).
+  cumprod); its executed steps run no mode and are bitwise plain's. Forward-mode AD inside the
+  profiled step (a torch.autograd.forward_ad dual through LayerNorm) likewise gets tangents 1-2 ulps
+  off (an empty pass-through TorchDispatchMode does the same without memsched; found by fuzzing).
+  Ops outside those formulas are unaffected (every model of tests/python/test_module_zoo.py is
+  bitwise after its profiled step).
   What would remove it -- observing backward ops without a dispatch mode (RecordFunction callbacks)
   -- is not built.
 
