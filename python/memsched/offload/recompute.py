@@ -61,9 +61,10 @@ Note [Unpack-time recompute]
   did not (a loop that writes the next batch into its input buffer before backward, and a plan that
   recomputes `sin(x * 2 + 1)` from it: mul and add save nothing), plain PyTorch trains: so at the
   end of the forward the recorded readers of each of its tensor arguments up to kScratchBytes (token
-  ids, a small batch) replay from a copy of its bytes, taken then, as for an input written later in
-  the forward (found by fuzzing). A larger argument is read as it is, and a change to it between
-  the forward and the replay raises at unpack, naming the fix (copying it would cost the plan a
+  ids, a small batch) replay from a copy of the bytes they read (not the whole storage: a batch that
+  is a view of a large staging buffer), taken then, as for an input written later in the forward
+  (found by fuzzing). A larger argument is read as it is, and a change to it between the forward
+  and the replay raises a MemschedError at unpack, naming the fix (copying it would cost the plan a
   batch's memory).
   Limitations: the mode is Python per aten op of the forward (only in steps whose plan
   recomputes something); the replay is the slow path's Python; an op that is nondeterministic
@@ -101,6 +102,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from memsched._C import MemschedError
 from memsched.saved_tensors import on_counter, version_alias
 
 kScratchBytes = 1 << 20  # largest external tensor a recorded op may write (replayed into a copy)
@@ -219,6 +221,25 @@ def _on_bytes(flat, geometry):
                                                                             stride), geometry)
 
 
+def _byte_span(ts):
+    """(lo, hi): the bytes of their common storage that the tensors `ts` read, lo aligned to each one's
+    element size (else 0); None when there is nothing to read."""
+    lo = hi = None
+    for t in ts:
+        if t.numel() == 0:
+            continue
+        itemsize = t.element_size()
+        start = t.storage_offset() * itemsize
+        end = start + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * itemsize
+        lo = start if lo is None else min(lo, start)
+        hi = end if hi is None else max(hi, end)
+    if lo is None:
+        return None
+    if any((t.storage_offset() * t.element_size() - lo) % t.element_size() for t in ts if t.numel()):
+        lo = 0
+    return lo, hi
+
+
 def _on(storage_of, key, geometry):
     dtype, size, stride, offset = geometry[:4]
     base = storage_of[key]
@@ -264,7 +285,7 @@ class Recipe:
         """Run the recorded ops; returns storage key -> replayed tensor (a tensor on each new storage)."""
         for t, version in self.externals():
             if t._version != version:
-                raise RuntimeError(
+                raise MemschedError(
                     f"memsched: an input of recomputed activation {self.label or self.ordinal} was modified "
                     f"in place after the forward read it (version {version} -> {t._version}), so it cannot be "
                     "recomputed exactly (plain PyTorch, which keeps the activation, need not read it again). "
@@ -448,8 +469,8 @@ class ForwardOpLog:
         for x in self.inputs:
             # the caller may refill its batch buffer before backward (plain PyTorch need not read it again)
             key = _key(x)
-            if key in self.readers and x.untyped_storage().nbytes() <= kScratchBytes:
-                self._snapshot_for_readers(key, x)
+            if key in self.readers and x.numel() * x.element_size() <= kScratchBytes:
+                self._snapshot_for_readers(key, x)  # (the bytes its readers read, checked again there)
         self.inputs = []
         self.finish(None)
         mode, self.mode = self.mode, None
@@ -546,24 +567,30 @@ class ForwardOpLog:
         return out
 
     def _snapshot_for_readers(self, key, x):
-        """External storage `key` is about to be written: recorded ops that read it replay from a copy
-        of its bytes now (small storages), or cannot be replayed."""
+        """External storage `key` is about to be written (or may be, after the forward): recorded ops that
+        read it replay from a copy of the bytes they read, taken now (up to kScratchBytes), or cannot be
+        replayed."""
         readers = self.readers.pop(key, None)
         if not readers:
             return
-        st = x.untyped_storage()
+        leaves = [(r, i, leaf) for r in readers for i, leaf in enumerate(r.leaves)
+                  if type(leaf) is tuple and leaf[0] == _EXT and _key(leaf[1]) == key]
+        span = _byte_span([leaf[1] for _, _, leaf in leaves])
         flat = None
-        if st.nbytes() <= kScratchBytes:
-            flat = torch.empty(0, dtype=torch.uint8, device=x.device).set_(st, 0, (st.nbytes(),), (1,)).clone()
+        if span is not None and span[1] - span[0] <= kScratchBytes:
+            st = x.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8, device=x.device).set_(st, 0, (st.nbytes(),), (1,))
+            flat = whole[span[0]:span[1]].clone()  # the bytes read, not the whole storage (a view of a staging buffer)
         copied = True
-        for r in readers:
-            for i, leaf in enumerate(r.leaves):
-                if type(leaf) is tuple and leaf[0] == _EXT and _key(leaf[1]) == key:
-                    if flat is None or leaf[1]._version != leaf[2]:
-                        r.valid, r.why = False, "an input modified in place"
-                        copied = False
-                    else:
-                        r.leaves[i] = (_SNAP, flat, _geometry(leaf[1]))
+        for r, i, leaf in leaves:
+            if flat is None or leaf[1]._version != leaf[2]:
+                r.valid, r.why = False, "an input modified in place"
+                copied = False
+            else:
+                g = _geometry(leaf[1])
+                itemsize = leaf[1].element_size()
+                offset = (g[3] * itemsize - span[0]) // itemsize if leaf[1].numel() else 0
+                r.leaves[i] = (_SNAP, flat, g[:3] + (offset,) + g[4:])
         refs = self.watch.pop(key, None)
         if copied or not refs:
             return
