@@ -25,8 +25,8 @@ CPU; medians of 60 interleaved rounds; two runs each):
   C++ fast path of a layer call (layer_fast_path.h):    ooo 1.04-1.05x, fused 0.99-1.00x (two runs, load ~1-2)
   bf16 autocast, its calls decided in Python:           ooo 1.14x,      fused 1.12x (plain 9.8-10.3 ms)
   bf16 autocast, taken by the fast path too:            ooo 1.07x,      fused 1.04x (load ~1)
-  a 3-D Linear with a bias returns at::linear's view:   ooo 1.07x,      fused 1.02x; bf16 ooo 1.08-1.09x,
-    fused 1.06x (three runs, load ~0.5; two more view ops and nodes per such call, as plain has)
+  a 3-D Linear with a bias returns at::linear's view:   ooo 1.06-1.07x, fused 1.01x; bf16 ooo 1.07-1.08x,
+    fused 1.05-1.06x (two runs, load ~0.5; one more view op and node per such call)
 The C++ Adam row: load average 4.2-4.7 on the 2 cores, two consecutive runs; in the same session
 before the change the fused row was 1.37x (load 0.2). The row before it was torch's functional
 Adam called from Python once per layer (39 calls of _single_tensor_adam, ~50 us each); the

@@ -217,11 +217,13 @@ void bind_ooo(py::module_& m) {
   m.def(
       "deferred_linear",
       [](const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,
-         const std::optional<at::Tensor>& bias, int32_t weight_idx, int32_t bias_idx, py::handle token) {
-        return deferred_linear(rt, x, weight, bias, weight_idx, bias_idx, token);
+         const std::optional<at::Tensor>& bias, int32_t weight_idx, int32_t bias_idx, py::handle token, bool flat) {
+        return deferred_linear(rt, x, weight, bias, weight_idx, bias_idx, token, flat);
       },
       py::arg("rt"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("weight_idx"), py::arg("bias_idx"),
-      py::arg("graph_token"), "F.linear whose backward returns dX and defers dW, db to rt.");
+      py::arg("graph_token"), py::arg("flat") = false,
+      "F.linear whose backward returns dX and defers dW, db to rt (flat: the [rows, out] output of a flattened "
+      "input with a bias, for the caller to view back).");
   m.def(
       "deferred_conv",
       [](const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,

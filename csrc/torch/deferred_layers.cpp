@@ -1,6 +1,8 @@
 // deferred_layers.cpp -- see deferred_layers.h.
 #include "torch/deferred_layers.h"
 
+#include "core/check.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
@@ -27,6 +29,8 @@ struct LayerConf : torch::CustomClassHolder {
   int32_t bias_idx = -1;
   bool has_bias = false;
   bool conv = false;
+  bool flat = false;                // Linear: x flattened to rows inside, the [rows, out] output returned
+  std::vector<int64_t> x_sizes;     // (flat) x's sizes, for its gradient
   std::vector<int64_t> stride, padding, dilation;
   int64_t groups = 1;
   PyObject* token = nullptr;        // owned: the iteration's graph token (Note [A failed backward])
@@ -163,11 +167,13 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     // when it raises in plain PyTorch.
     ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor()});
     ctx->saved_data["c"] = at::IValue::make_capsule(conf);
-    at::Tensor out = at::linear(x, weight, bias);
-    // at::linear flattens an input of more than two dimensions with a bias and views addmm's output
-    // back; returned from a custom Function, that view may not be changed in place (relu_), where
-    // plain PyTorch's may: return it as no view (Note [Linear calls the deferred path gives
-    // at::linear's own rows] in backward.py, which launders it in Python while this is unbuilt).
+    const LayerConf& c = *conf;
+    // flat: at::linear's own flattening (_flatten_nd_linear's reshape and addmm) inside; the caller views
+    // the [rows, out] output back outside, so that view is autograd's as plain's is (Note [Linear calls the
+    // deferred path gives at::linear's own rows] in backward.py)
+    at::Tensor out = c.flat ? at::linear(x.view({-1, x.size(-1)}), weight, bias) : at::linear(x, weight, bias);
+    // a view returned from a custom Function may not be changed in place (relu_), where plain PyTorch's
+    // may: return it as no view
     if (out.is_view()) out = at::_unsafe_view(out, out.sizes());
     return out;
   }
@@ -177,7 +183,10 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     variable_list saved = saved_of(ctx, conf);
     const at::Tensor& grad = grads[0];
     at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) dx = grad.matmul(saved[1]);  // mm_mat1_backward
+    if (ctx->needs_input_grad(0)) {
+      dx = grad.matmul(saved[1]);  // mm_mat1_backward
+      if (conf.flat) dx = dx.reshape(conf.x_sizes);  // the backward of at::linear's reshape of x
+    }
     DwItem item;
     item.x = std::move(saved[0]);
     item.grad = grad;
@@ -230,9 +239,16 @@ struct ConvFunction : torch::autograd::Function<ConvFunction> {
 
 at::Tensor deferred_linear(const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, int32_t weight_idx, int32_t bias_idx,
-                           py::handle graph_token) {
+                           py::handle graph_token, bool flat) {
   const bool has_bias = bias.has_value() && bias->defined();
-  return LinearFunction::apply(x, weight, bias, make_conf(rt, weight_idx, bias_idx, has_bias, graph_token));
+  auto conf = make_conf(rt, weight_idx, bias_idx, has_bias, graph_token);
+  if (flat) {
+    MEMSCHED_CHECK(x.dim() > 2 && has_bias && x.is_contiguous(),
+                   "deferred_linear: flat takes a contiguous input of more than two dimensions and a bias");
+    conf->flat = true;
+    conf->x_sizes = x.sizes().vec();
+  }
+  return LinearFunction::apply(x, weight, bias, conf);
 }
 
 namespace {

@@ -43,10 +43,12 @@ namespace memsched {
 
 // weight_idx / bias_idx: the runtime's parameter indices, -1 for a parameter it does not track
 // (its gradient then goes to autograd at once). graph_token: a Python object every node of the
-// iteration keeps alive (Note [A failed backward] in backward.py); may be None.
+// iteration keeps alive (Note [A failed backward] in backward.py); may be None. flat (a contiguous x of more
+// than two dimensions, with a bias): at::linear's flattening happens inside and the [rows, out] output is
+// returned, for the caller to view back as at::linear does (autograd's view, as plain's).
 at::Tensor deferred_linear(const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, int32_t weight_idx, int32_t bias_idx,
-                           pybind11::handle graph_token);
+                           pybind11::handle graph_token, bool flat = false);
 
 at::Tensor deferred_conv(const std::shared_ptr<DwRuntime>& rt, const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias, std::vector<int64_t> stride,

@@ -317,8 +317,8 @@ PyObject* take_linear(const LayerCall& call, PyObject* /*module*/) {
   if (d > 2 && call.bias) {
     // at::linear's own form (_linear_output in backward.py): with a bias it flattens x to rows and returns
     // a view of addmm's output, which an in-place op rebases or regenerates as plain's does
-    at::Tensor out = deferred_linear(rt, x.view({-1, x.size(-1)}), *w, call.bias, target->weight_idx,
-                                     target->bias_idx, token);
+    at::Tensor out = deferred_linear(rt, x, *w, call.bias, target->weight_idx, target->bias_idx, token,
+                                     /*flat=*/true);
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = out.size(-1);
     return THPVariable_Wrap(out.view(shape));

@@ -211,18 +211,21 @@ Note [Linear calls the deferred path gives at::linear's own rows]
   not a contiguous matrix's (a transposed Parameter) gets autograd's gradient as (rows^T grad)^T in
   the weight's own layout, where the deferred one is grad^T rows, contiguous (the fused AdamW kernel
   then read the gradient in the wrong order: 3e-2 off).
-  Approach: a contiguous input of more than two dimensions with a trainable weight and no bias
-  goes to the Function as it is: at::linear folds it to contiguous rows (matmul), and the
-  Function's grad.matmul(W) in backward folds the output gradient to rows as autograd's does; its
-  output is no view. Any other input the patched forward (and the C++ fast path) hands over as the
-  [rows, in] matrix at::linear itself multiplies (x.reshape(rows, in), as at::linear's flatten and
-  matmul's fold do; a 1-D input with a bias viewed [1, in]) and gives back at::linear's output form
-  (_linear_output: a view for the flattened bias path, an _unsafe_view for the folded one), so the
-  Function's output gradient is autograd's flattened one. The view matters: (e) an in-place op on
-  the output of a flattened Linear with a bias rebases that view (with grad) or regenerates its
-  grad_fn (under no_grad), and addmm's backward then gets the base's contiguous gradient; handing
-  x over as it is, with the Function's output returned as no view, kept a transposed output
-  gradient's layout and summed the bias gradient in another order (1e-6 off, found by fuzzing).
+  Approach: a contiguous input of more than two dimensions with a trainable weight goes to the
+  Function as it is. Without a bias at::linear folds it to contiguous rows (matmul), the
+  Function's grad.matmul(W) in backward folds the output gradient to rows as autograd's does, and
+  its output is no view. With a bias the Function flattens it as at::linear does and returns
+  addmm's [rows, out] output (deferred_linear's flat; its dX reshaped back as the reshape's
+  backward does), which the caller views back outside it. Any other input the patched forward (and
+  the C++ fast path) hands over as the [rows, in] matrix at::linear itself multiplies
+  (x.reshape(rows, in), as at::linear's flatten and matmul's fold do; a 1-D input with a bias
+  viewed [1, in]). Either way the caller gives back at::linear's output form (_linear_output: a view
+  where it flattened with a bias, an _unsafe_view where matmul folded), so the Function's output
+  gradient is autograd's flattened one. The view matters: (e) an in-place op on the output of a
+  flattened Linear with a bias rebases that view (with grad) or regenerates its grad_fn (under
+  no_grad), and addmm's backward then gets the base's contiguous gradient; the Function's output
+  returned as no view kept a transposed output gradient's layout and summed the bias gradient in
+  another order (1e-6 off, found by fuzzing).
   A call whose matrix is column-major, or whose trainable weight is not a contiguous matrix, runs
   the stock forward and counts as an autograd use.
 
@@ -434,8 +437,8 @@ def _linear_rows(x: torch.Tensor, has_bias: bool, folds: bool):
         return x  # at::linear raises its own error
     else:
         contiguous = x.is_contiguous()
-        if contiguous and folds and x.numel() > x.size(-1) > 1 and not has_bias:
-            return x  # rows > 1 and in > 1: row-major [rows, in] strides (at::linear's matmul folds them)
+        if contiguous and folds and x.numel() > x.size(-1) > 1:
+            return x  # rows > 1 and in > 1: row-major [rows, in] strides (with a bias: deferred_linear's flat)
         if has_bias and not contiguous:
             return None
         n = 1
@@ -447,21 +450,26 @@ def _linear_rows(x: torch.Tensor, has_bias: bool, folds: bool):
     return rows if d != 2 else x
 
 
-def _linear_output(x, rows, out, has_bias: bool):
+def _linear_output(x, out, has_bias: bool):
     """The deferred Linear's output in at::linear's own form (Note [Linear calls the deferred path gives
-    at::linear's own rows]): as the Function returned it for x itself, else a view of it for the flattened
-    rows with a bias (so an in-place op on it rebases or regenerates the view as plain's does), an
-    _unsafe_view where matmul folded them."""
-    if rows is x:
+    at::linear's own rows]): as the Function returned it when it has x's dimensions, else a view of it for
+    rows flattened with a bias (so an in-place op on it rebases or regenerates the view as plain's does),
+    an _unsafe_view where matmul folded them."""
+    if out.dim() == x.dim():
         return out
     shape = x.shape[:-1] + out.shape[-1:]
     return out.view(shape) if has_bias else _unsafe_view(out, shape)
 
 
+def _deferred_linear_call(rt, rows, x, w, b, wd, bd, token):
+    """deferred_linear on `rows` (_linear_rows(x)): x itself of more than two dimensions with a bias is
+    flattened inside (flat), its output for _linear_output to view back."""
+    return deferred_linear(rt, rows, w, b, wd, bd, token, rows is x and x.dim() > 2 and b is not None)
+
+
 def _deferred_linear_rows(rt, x, w, b, wd, bd, token):
-    """deferred_linear on the rows at::linear multiplies (_linear_rows; the caller checked there are some);
-    _linear_output gives it at::linear's form."""
-    return deferred_linear(rt, _linear_rows(x, b is not None, True), w, b, wd, bd, token)
+    """_deferred_linear_call on the rows at::linear multiplies (the caller checked there are some)."""
+    return _deferred_linear_call(rt, _linear_rows(x, b is not None, True), x, w, b, wd, bd, token)
 
 
 def _cast_args(x, w, b, device_type):
@@ -899,8 +907,7 @@ class OutOfOrderBackward:
                     out = me._cast_call(x, w, b, wi, bi, lambda x_c, w_c, b_c: (
                         _linear_rows(x_c, b_c is not None, True) is not None
                         and (wi is None or (w_c.stride(1) == 1 and w_c.stride(0) == w_c.size(1)))),
-                        _deferred_linear_rows, lambda x_c, b_c, out: _linear_output(
-                            x_c, _linear_rows(x_c, b_c is not None, True), out, b_c is not None))
+                        _deferred_linear_rows, lambda x_c, b_c, out: _linear_output(x_c, out, b_c is not None))
                     if out is not None:
                         return out
                 autograd = cast or rows is None or (wi is not None and not (w.stride(1) == 1 and w.stride(0) == w.size(1))) \
@@ -908,10 +915,10 @@ class OutOfOrderBackward:
                 wd, bd = me._deferred_indices(wi, bi, autograd, cast)
                 if wd < 0 and bd < 0:
                     return stock(lambda w, b: F.linear(x, w, b), w, b, wi, bi, cast)
-                out = deferred_linear(rt, rows, w, b, wd, bd, me.graph_token())
+                out = _deferred_linear_call(rt, rows, x, w, b, wd, bd, me.graph_token())
                 if me._queues:
                     me._keep_arrival_order(out, wd, bd)
-                return _linear_output(x, rows, out, b is not None)
+                return _linear_output(x, out, b is not None)
         else:
             base = next(b for b in _CONV_TYPES if isinstance(m, b))
             nd = _CONV_TYPES[base]
