@@ -167,11 +167,10 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     // when it raises in plain PyTorch.
     ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor()});
     ctx->saved_data["c"] = at::IValue::make_capsule(conf);
-    const LayerConf& c = *conf;
     // flat: at::linear's own flattening (_flatten_nd_linear's reshape and addmm) inside; the caller views
     // the [rows, out] output back outside, so that view is autograd's as plain's is (Note [Linear calls the
     // deferred path gives at::linear's own rows] in backward.py)
-    at::Tensor out = c.flat ? at::linear(x.view({-1, x.size(-1)}), weight, bias) : at::linear(x, weight, bias);
+    at::Tensor out = conf->flat ? at::linear(x.view({-1, x.size(-1)}), weight, bias) : at::linear(x, weight, bias);
     // a view returned from a custom Function may not be changed in place (relu_), where plain PyTorch's
     // may: return it as no view
     if (out.is_view()) out = at::_unsafe_view(out, out.sizes());

@@ -20,9 +20,9 @@
 //   parameter this iteration (cast_uses empty), both parameters' kind unset or deferred, a
 //   row-major weight matrix, and x either a 2-D matrix that is not column-major or a contiguous
 //   input of more than two dimensions whose rows and features are both above 1 (the shapes
-//   _linear_rows hands over as they are). It then sets the kinds in the owner's own dict, counts the use, takes the graph
-//   token and applies the deferred Linear Function, exactly what the Python path does for that
-//   call. Under autocast on x's device it takes the call only where the Python path would defer it
+//   _linear_rows hands over as they are). It then sets the kinds in the owner's own dict, counts
+//   the use, takes the graph token and applies the deferred Linear Function, exactly what the
+//   Python path does for that call. Under autocast on x's device it takes the call only where the Python path would defer it
 //   in autocast's dtype (Note [Deferred calls under autocast] in backward.py): autocast's cache on, a
 //   float16/bfloat16 autocast dtype, a float32 weight and bias, x in float32 or that dtype, every
 //   trained parameter in the owner's eligible set with its kind unset or deferred-in-autocast; the

@@ -50,15 +50,16 @@ class Chain(nn.Module):
         return h
 
 
-def _count_python_decisions(monkeypatch):
+def _count_python_decisions(monkeypatch, method="_deferred_indices"):
+    """Counts the calls of OutOfOrderBackward.<method>, the Python path's decision of a layer call."""
     calls = [0]
-    original = ooo_backward.OutOfOrderBackward._deferred_indices
+    original = getattr(ooo_backward.OutOfOrderBackward, method)
 
     def counting(self, *args, **kwargs):
         calls[0] += 1
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(ooo_backward.OutOfOrderBackward, "_deferred_indices", counting)
+    monkeypatch.setattr(ooo_backward.OutOfOrderBackward, method, counting)
     return calls
 
 
@@ -180,14 +181,7 @@ def test_calls_deferred_in_autocast_dtype_take_the_fast_path(monkeypatch):
     """Under autocast only the first iteration's call decides in Python (through autograd, learning that the
     layer is used in one region); from the second on the C++ fast path casts and defers it (Note [Deferred
     calls under autocast]), bitwise plain's."""
-    calls = [0]
-    original = ooo_backward.OutOfOrderBackward._cast_call
-
-    def counting(self, *args, **kwargs):
-        calls[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(ooo_backward.OutOfOrderBackward, "_cast_call", counting)
+    calls = _count_python_decisions(monkeypatch, "_cast_call")
     _train_both("autocast")
     assert calls[0] == 1
 
