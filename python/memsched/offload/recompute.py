@@ -192,7 +192,7 @@ class _Record:
     def __init__(self, index, func):
         self.index = index      # position in the step's log
         self.func = func
-        self.spec = None        # pytree spec of (args, kwargs)
+        self.spec = None        # _flatten_call's spec of (args, kwargs)
         self.leaves = []        # non-tensors as they are; tensors as (_SYM, key, geometry) / (_EXT, t, version) /
                                 #   (_SCRATCH, copy written by the replay) / (_SNAP, storage bytes, geometry)
         self.writes = set()     # storage keys this op writes (outputs it made and inputs written in place)
@@ -238,6 +238,86 @@ def _byte_span(ts):
     if any((t.storage_offset() * t.element_size() - lo) % t.element_size() for t in ts if t.numel()):
         lo = 0
     return lo, hi
+
+
+def _flatten_call(args, kwargs):
+    """(leaves, spec) of an aten call's (args, kwargs), as tree_flatten gives them, at a fraction of its
+    cost per op (Note [Unpack-time recompute]: this runs for every recorded op of a forward). An aten
+    argument is a leaf or a list/tuple of leaves (Tensor[], Tensor?[], int[]); anything deeper takes
+    pytree."""
+    leaves = []
+    shape = []
+    for a in args:
+        ta = type(a)
+        if ta is list or ta is tuple:
+            for x in a:
+                tx = type(x)
+                if tx is list or tx is tuple or tx is dict:
+                    return tree_flatten((args, kwargs))
+            shape.append((ta, len(a)))
+            leaves.extend(a)
+        elif ta is dict:
+            return tree_flatten((args, kwargs))
+        else:
+            shape.append(None)
+            leaves.append(a)
+    kw = []
+    for name, a in kwargs.items():
+        ta = type(a)
+        if ta is list or ta is tuple:
+            for x in a:
+                tx = type(x)
+                if tx is list or tx is tuple or tx is dict:
+                    return tree_flatten((args, kwargs))
+            kw.append((name, ta, len(a)))
+            leaves.extend(a)
+        elif ta is dict:
+            return tree_flatten((args, kwargs))
+        else:
+            kw.append((name, None, 1))
+            leaves.append(a)
+    return leaves, (tuple(shape), tuple(kw))
+
+
+def _unflatten_call(leaves, spec):
+    """(args, kwargs) back from _flatten_call's leaves and spec."""
+    if type(spec) is not tuple:
+        return tree_unflatten(leaves, spec)
+    shape, kw = spec
+    args = []
+    i = 0
+    for s in shape:
+        if s is None:
+            args.append(leaves[i])
+            i += 1
+        else:
+            t, n = s
+            args.append(t(leaves[i:i + n]))
+            i += n
+    kwargs = {}
+    for name, t, n in kw:
+        if t is None:
+            kwargs[name] = leaves[i]
+            i += 1
+        else:
+            kwargs[name] = t(leaves[i:i + n])
+            i += n
+    return args, kwargs
+
+
+def _output_tensors(out):
+    """The tensors of an aten op's result: a tensor, or a tuple/list of tensors and tensor lists."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if type(out) is tuple or type(out) is list:
+        found = []
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                found.append(o)
+            elif type(o) is tuple or type(o) is list:
+                found.extend(_output_tensors(o))
+        return found
+    return [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
 
 
 def _on(storage_of, key, geometry):
@@ -314,10 +394,10 @@ class Recipe:
                         leaf[1] if kind == _EXT else leaf[1].clone() if kind == _SCRATCH else
                         _on_bytes(leaf[1], leaf[2]))
             leaves.append(leaf)
-        args, kwargs = tree_unflatten(leaves, r.spec)
+        args, kwargs = _unflatten_call(leaves, r.spec)
         out = r.func(*args, **kwargs) if r.rng is None else _with_rng(r.rng, r.func, args, kwargs)
         given = {_key(x) for x in leaves if isinstance(x, torch.Tensor)}
-        new = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and _key(o) not in given]
+        new = [o for o in _output_tensors(out) if _key(o) not in given]
         for key, o in zip(r.made, new):
             storage_of[key] = o
 
@@ -511,7 +591,7 @@ class ForwardOpLog:
 
     def _record(self, func, info, args, kwargs):
         r = _Record(len(self.log), func)
-        leaves, r.spec = tree_flatten((args, kwargs))
+        leaves, r.spec = _flatten_call(args, kwargs)
         written = {id(t) for t in _written(info, args, kwargs)} if info.writes else ()
         inputs = set()  # storage keys of every tensor argument: an output on one of them is not new
         for x in leaves:
@@ -549,9 +629,7 @@ class ForwardOpLog:
             r.valid, r.why = False, "dropout from an RNG state of its own (cuDNN RNN)"
         r.grad = torch.is_grad_enabled()
         out = func(*args, **kwargs)
-        for o in tree_flatten(out)[0]:
-            if not isinstance(o, torch.Tensor):
-                continue
+        for o in _output_tensors(out):
             key = _key(o)
             if key is None or key in inputs:
                 continue  # an in-place op's result (its write is above) or a view of an input

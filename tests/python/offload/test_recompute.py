@@ -63,6 +63,29 @@ def test_a_view_is_rebuilt_with_its_geometry():
     assert torch.equal(again, v)
 
 
+def test_ops_with_tensor_lists_keyword_arguments_and_several_outputs_replay_exactly():
+    """Recorded calls are flattened by hand (_flatten_call): a Tensor[] argument (cat, stack), a
+    Tensor?[] one (index), keyword arguments and a result of several tensors (std_mean) replay to the
+    same values; a nested argument (an int[][] in no aten schema, so a call of our own) takes pytree."""
+    x = torch.randn(6, 4)
+    idx = torch.tensor([0, 2, 5])
+
+    def f(a):
+        s, m = torch.ops.aten.std_mean.correction(torch.sin(a), [0], correction=1, keepdim=True)
+        c = torch.ops.aten.cat.default([s, m, torch.cos(a)], dim=0)
+        picked = torch.ops.aten.index.Tensor(torch.exp(c), [idx, None])
+        return torch.ops.aten.stack.default((picked, picked * 2), 1), s, m
+
+    log, (out, s, m) = _record(f, x)
+    for t in (out, s, m):
+        assert torch.equal(_replayed(log, t), t)
+    from memsched.offload.recompute import _flatten_call, _unflatten_call
+    args, kwargs = ([[1, 2], [3]], 5), {"dim": (0, 1)}
+    leaves, spec = _flatten_call(args, kwargs)
+    assert leaves == [1, 2, 3, 5, 0, 1] and tuple(_unflatten_call(leaves, spec)[0]) == args
+    assert _unflatten_call(leaves, spec)[1] == kwargs
+
+
 def test_batch_norm_replay_leaves_the_running_statistics_alone():
     x = torch.randn(16, 4, 5, 5)
     rm, rv = torch.zeros(4), torch.ones(4)
