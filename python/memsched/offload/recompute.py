@@ -193,7 +193,7 @@ class _Record:
         self.index = index      # position in the step's log
         self.func = func
         self.spec = None        # _flatten_call's spec of (args, kwargs)
-        self.leaves = []        # non-tensors as they are; tensors as (_SYM, key, geometry) / (_EXT, t, version) /
+        self.leaves = []        # non-tensors as they are; tensors as (_SYM, key, geometry, writers) / (_EXT, t, version) /
                                 #   (_SCRATCH, copy written by the replay) / (_SNAP, storage bytes, geometry)
         self.writes = set()     # storage keys this op writes (outputs it made and inputs written in place)
         self.made = []          # storage keys of new outputs, in output order
@@ -602,7 +602,7 @@ class ForwardOpLog:
             inputs.add(key)
             entry = self.live.get(key) if key is not None else None
             if entry is not None and not entry[0].expired():
-                r.leaves.append((_SYM, key, _geometry(x)))
+                r.leaves.append((_SYM, key, _geometry(x), entry[1]))  # entry[1]: its writers so far and later
                 if id(x) in written:
                     r.writes.add(key)
                     if key in self.tainted:
@@ -729,23 +729,34 @@ class ForwardOpLog:
         """Give `recipe` the slice of recorded ops that writes its storage; a reason if it cannot."""
         if recipe.held._version != recipe.version:
             return "modified in place"  # unpack raises, as PyTorch does
+        # Note [A slice from its storages' writers]: each storage a recorded op read was written, before
+        # that op, by the records its writer list holds (_SYM leaves keep the list of the storage they
+        # saw: an address reused later has a list of its own), so the slice is found from the
+        # recipe's storage back through those lists -- work in the slice's size, not the log's (a
+        # scan of the whole log per recipe was quadratic in the forward's length).
         needed = {recipe.key}
-        chosen = []
-        for r in reversed(self.log):
-            if r.writes.isdisjoint(needed):
-                continue
-            if not r.valid:
-                return r.why
-            chosen.append(r)
-            for leaf in r.leaves:
-                if type(leaf) is tuple and leaf[0] == _SYM:
-                    needed.add(leaf[1])
+        chosen = {}
+        work = [(self.live[recipe.key][1], len(self.log))]
+        while work:
+            writers, before = work.pop()
+            for i in writers:
+                if i >= before:
+                    break  # written after the reader read it (lists are in op order)
+                if i in chosen:
+                    continue
+                r = self.log[i]
+                if not r.valid:
+                    return r.why
+                chosen[i] = r
+                for leaf in r.leaves:
+                    if type(leaf) is tuple and leaf[0] == _SYM:
+                        needed.add(leaf[1])
+                        work.append((leaf[3], i))
         if not chosen:
             return "not made by a recorded op"
         if not needed.isdisjoint(self.tainted):
             return "tainted"
-        chosen.reverse()
-        recipe.set_records(chosen)
+        recipe.set_records([chosen[i] for i in sorted(chosen)])
         recipe.writers = len(self.live[recipe.key][1])
         ref = weakref.ref(recipe)
         for x, _ in recipe.externals():
