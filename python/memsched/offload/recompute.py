@@ -730,10 +730,10 @@ class ForwardOpLog:
         if recipe.held._version != recipe.version:
             return "modified in place"  # unpack raises, as PyTorch does
         # Note [A slice from its storages' writers]: each storage a recorded op read was written, before
-        # that op, by the records its writer list holds (_SYM leaves keep the list of the storage they
-        # saw: an address reused later has a list of its own), so the slice is found from the
-        # recipe's storage back through those lists -- work in the slice's size, not the log's (a
-        # scan of the whole log per recipe was quadratic in the forward's length).
+        # that op, by the records of its writer list (the _SYM leaf holds that list; a key names one
+        # storage while `live` holds its weak reference), so the slice is found from the recipe's
+        # storage back through those lists -- work in the slice's size, not the log's (a scan of the
+        # whole log per recipe was quadratic in the forward's length).
         needed = {recipe.key}
         chosen = {}
         work = [(self.live[recipe.key][1], len(self.log))]
