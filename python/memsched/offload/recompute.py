@@ -531,6 +531,7 @@ class ForwardOpLog:
         self.watch: Dict[int, list] = {}  # external storage key -> [weakref(Recipe)] pending
         self.readers: Dict[int, list] = {}  # external storage key -> [_Record] reading it
         self.pending: Dict[int, Recipe] = {}  # ordinal -> recipe not yet unpacked (for shared replays)
+        self.shared_pending: Dict[int, List[Recipe]] = {}  # storage key -> pending recipes with `shared` set
         self.unfinished: List[Recipe] = []    # saved, but the op that saved them may still write them
         self.mode: Optional[_LogMode] = None
         self.inputs: List[torch.Tensor] = []  # the forward's tensor arguments (push)
@@ -764,6 +765,8 @@ class ForwardOpLog:
             if k is not None:
                 self.watch.setdefault(k, []).append(ref)
         self.pending[recipe.ordinal] = recipe
+        if recipe.shared:
+            self.shared_pending.setdefault(recipe.key, []).append(recipe)
         return ""
 
     def materialize(self, recipe):
@@ -773,11 +776,12 @@ class ForwardOpLog:
         self.stats.replays += 1
         self.stats.replay_s += time.perf_counter() - t0
         recipe.set_value(storage_of)
-        for other in list(self.pending.values()):
-            if (other is not recipe and other.value is None and other.shared and other.key in storage_of
-                    and other.indices <= recipe.indices):
-                other.set_value(storage_of)
-        self.pending.pop(recipe.ordinal, None)
+        for key in storage_of:  # the pending shared recipes this replay recreates (not every pending one)
+            for other in self.shared_pending.get(key, ()):
+                if other is not recipe and other.value is None and other.indices <= recipe.indices:
+                    other.set_value(storage_of)
+        if self.pending.pop(recipe.ordinal, None) is recipe and recipe.shared:
+            self.shared_pending[recipe.key].remove(recipe)
 
 
 class _LogMode(TorchDispatchMode):

@@ -833,3 +833,31 @@ def test_a_large_batch_buffer_refilled_before_backward_is_refused_naming_the_fix
     with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=slow_copies()) as run:
         with pytest.raises(memsched.MemschedError, match="Write the next batch into a new tensor"):
             _refill_loop(model, opt, xs, lambda m, b: m(b), run)
+
+
+def test_an_activation_recreated_inside_anothers_replay_takes_its_value_from_it():
+    """The plan recreates some recomputed activations inside another one's replay (schedule.shared:
+    a chain's intermediate that is saved too); their unpack takes the value that replay made rather
+    than replaying again, so each step runs one replay per unshared recipe, with plain's gradients."""
+    from memsched import models
+
+    def build():
+        torch.manual_seed(0)
+        model = models.build_model("transformer", "small")
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), models.make_step_fn(model, "transformer", 8)
+
+    ref, ref_opt, ref_step = build()
+    model, opt, step = build()
+    with memsched.optimize(model, opt, budget=0.2, planner="hybrid", device_model=slow_copies()) as run:
+        for _ in range(3):
+            step()
+            run.step()
+            ref_step()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        shared = run.executor.schedule.shared
+        stats = run.step_stats[-1]
+        assert shared and stats.mode == "planned" and stats.recompute_kept == 0
+        assert stats.replays == stats.recomputed - len(shared) > 0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
