@@ -121,6 +121,8 @@ void bind_saved_tensors(py::module_& m) {
                     &SavedTensorPath::set_has_queued,
                     "D2H copies queued until their op has run (Note [Copies issued at the next op])")
       .def_readwrite("queued_op", &SavedTensorPath::queued_op)
+      .def_property_readonly("next_op_armed", &SavedTensorPath::next_op_armed,
+                             "whether the next-op callback of queued copies is registered (Note [Copies issued at the next op])")
       .def_readwrite("timeline", &SavedTensorPath::timeline)
       .def_readwrite("track_memory", &SavedTensorPath::track_memory)
       .def_readwrite("min_bytes", &SavedTensorPath::min_bytes)

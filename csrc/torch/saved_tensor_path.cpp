@@ -1,4 +1,5 @@
 // saved_tensor_path.cpp -- see saved_tensor_path.h, Note [The saved-tensor fast path].
+#include <thread>
 #include "torch/saved_tensor_path.h"
 
 #include <algorithm>
@@ -388,9 +389,15 @@ void prepare_kept_type(py::module_& m) {
 //   nothing; it is removed at the next pack or step boundary, never from inside itself. An error
 //   the copies raise there (RecordFunction drops what its callbacks throw) is kept and raised by
 //   the step's next save, unpack or end.
+//   The callback is the step thread's, armed and removed there only (callback_thread_): a save packed
+//   on another thread -- the autograd engine's device thread on a GPU, for a save made during
+//   backward (a reentrant checkpoint's recompute, create_graph) -- queues its copy without arming
+//   one, and leaves the step thread's alone. (Removing it from there warned "Requested callback is
+//   not found" and leaked it on the step thread, one more a step; one armed there would have
+//   outlived the executor on a thread no step boundary runs on.)
 //   Limitations: factory ops with no tensor argument (empty, arange) enter below autograd and do
 //   not count as the next op; the first later op that does (or a save, the end of the forward, the
-//   first unpack, as before) issues the copies.
+//   first unpack, as before) issues the copies, as for a queue made on another thread.
 namespace {
 
 
@@ -407,6 +414,7 @@ void SavedTensorPath::set_has_queued(bool queued) {
     if (t_queued_path == this) t_queued_path = nullptr;
     return;
   }
+  if (std::this_thread::get_id() != callback_thread_) return;  // See Note [Copies issued at the next op]
   t_queued_path = this;
   if (next_op_callback_ == 0) {
     next_op_callback_ = at::addThreadLocalCallback(
@@ -429,6 +437,7 @@ void SavedTensorPath::op_starts() {
 
 
 void SavedTensorPath::disarm() {
+  if (std::this_thread::get_id() != callback_thread_) return;  // not the thread that armed it
   if (next_op_callback_ != 0) at::removeCallback(next_op_callback_);
   next_op_callback_ = 0;
   if (t_queued_path == this) t_queued_path = nullptr;
@@ -436,6 +445,7 @@ void SavedTensorPath::disarm() {
 
 void SavedTensorPath::begin_step(double t0_s) {
   disarm();
+  if (next_op_callback_ == 0) callback_thread_ = std::this_thread::get_id();  // the step's thread
   reset_offloads();
   numbering_.start_step();
   diverged = false;

@@ -25,6 +25,7 @@
 //   written in Python, the floor for any hook-based offloader.
 #pragma once
 
+#include <thread>
 #include <chrono>
 #include <cstdint>
 #include <limits>
@@ -106,6 +107,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   void set_copy_engine(std::shared_ptr<CopyEngine> engine) { engine_ = std::move(engine); }
   // D2H copies were queued (or all issued): See Note [Copies issued at the next op].
   void set_has_queued(bool queued);
+  bool next_op_armed() const { return next_op_callback_ != 0; }  // See Note [Copies issued at the next op]
   // -- offloaded saves (saved_tensor_offload.cpp, Note [Offloaded saves in C++]) --------------------
   // The plan's prefetches: trigger op -> the ordinals it fetches; and the ordinals it recomputes
   // (their saves go to the executor's Python slow path).
@@ -231,6 +233,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   void drop_tracked();
   void disarm();                           // remove the next-op callback (never from inside it)
   uint64_t next_op_callback_ = 0;          // at::CallbackHandle while armed, else 0
+  std::thread::id callback_thread_ = std::this_thread::get_id();  // the step's: the only one that arms and removes it
   void track_from(const at::Tensor& t, int64_t born);
   // See Note [Measured from birth].
   int64_t tick();                          // a new moment on the step's clock; marks a new forward node
