@@ -24,8 +24,10 @@
 #include "torch/saved_tensor_path.h"
 
 #include <chrono>
+#include <optional>
 
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -66,6 +68,11 @@ struct OffloadHandle {
   // Copies of the same storage taken for saves through other version counters (first copy only).
   std::unordered_map<uintptr_t, std::shared_ptr<OffloadHandle>> others;
   std::shared_ptr<StepGraph> step;
+  // Accelerator only (Note [A fetched copy read on other streams]): the stream current when the
+  // device copy was allocated, the one that waited for it, and the event it is ready at.
+  std::optional<c10::Stream> fetched_on;
+  std::optional<c10::Stream> waited_on;
+  PooledEvent ready;
 };
 
 namespace {
@@ -78,6 +85,11 @@ struct HiddenFromModes {
   c10::impl::ExcludeDispatchKeyGuard guard{
       c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot})};
 };
+
+c10::Stream current_stream(const c10::Device& device) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  return impl.getStream(device);
+}
 
 struct OffloadedSave {
   PyObject_HEAD
@@ -374,6 +386,7 @@ void SavedTensorPath::fire(int64_t op, int64_t fired_upto_before) {
         if (h.h2d != nullptr || h.device_bytes.defined() || h.d2h == nullptr) return;
         if (guard_budget_ > 0) guard_for(h.nbytes);  // See Note [Memory guard]: before it allocates
         h.h2d = engine_->fetch(h.d2h->dst, h.d2h);
+        if (engine_->is_accelerator()) h.fetched_on = current_stream(h.h2d->dst.device());
         track(h.h2d->dst);
         ++counters.prefetched;
       };
@@ -402,6 +415,7 @@ void SavedTensorPath::materialize(OffloadHandle& h) {
       HiddenFromModes hidden;
       ticket = engine_->fetch(h.d2h->dst, h.d2h);
     }
+    if (engine_->is_accelerator()) h.fetched_on = current_stream(ticket->dst.device());
     track(ticket->dst);
     ++counters.on_demand;
     need_poll = engine_->pending_count() > 0;
@@ -411,6 +425,32 @@ void SavedTensorPath::materialize(OffloadHandle& h) {
   }
   engine_->wait(*ticket);
   h.device_bytes = ticket->dst;
+  if (engine_->is_accelerator()) {
+    h.waited_on = current_stream(h.device_bytes.device());
+    h.ready = ticket->done;
+  }
+}
+
+// Note [A fetched copy read on other streams]
+//   Rationale: the autograd engine runs each backward node on the stream its forward op ran on, so
+//   with a forward that used side streams the saves of one fetched copy may be unpacked on several
+//   streams, and a prefetch fires on its trigger node's stream, which need not be the consumer's.
+//   engine_->wait makes only the first unpack's stream wait for the H2D copy, and the caching
+//   allocator returns a block to the pool of the stream that allocated it, free to reuse there once
+//   the last tensor on it dies: a read on another stream could see the bytes before the copy landed,
+//   or the block could be handed out again while it still reads them.
+//   Approach: an unpack on a stream other than the one that waited waits for the copy's event too, and
+//   one on a stream other than the allocating one records the block on it (record_stream), as
+//   Note [Replayed values and streams] (recompute.py) does for a replayed value. On one stream this
+//   is two comparisons and nothing else.
+void SavedTensorPath::order_for_current_stream(OffloadHandle& h, const at::Tensor& dev) {
+  if (!h.fetched_on.has_value()) return;  // CPU
+  const c10::Stream current = current_stream(dev.device());
+  if (h.waited_on.has_value() && current != *h.waited_on && h.ready != nullptr) h.ready->block(current);
+  if (current != *h.fetched_on) {
+    c10::impl::VirtualGuardImpl impl(dev.device().type());
+    impl.recordDataPtrOnStream(dev.storage().data_ptr(), current);
+  }
 }
 
 PyObject* SavedTensorPath::unpack_offloaded(PyObject* packed) {
@@ -431,6 +471,7 @@ PyObject* SavedTensorPath::unpack_offloaded(PyObject* packed) {
   if (!h.device_bytes.defined()) materialize(h);
   ++h.unpacks;
   at::Tensor dev = h.device_bytes;
+  order_for_current_stream(h, dev);  // See Note [A fetched copy read on other streams]
   const StorageRef ref = storage_ref(dev);
   if (ref.key != 0) {
     fetched_.insert_or_assign(ref.key, Fetched{dev.storage().getWeakStorageImpl(), h.ordinal});
@@ -440,6 +481,7 @@ PyObject* SavedTensorPath::unpack_offloaded(PyObject* packed) {
     // Every save of it has been used once: the returned tensor owns the copy now. Another backward
     // of a retained graph (or a later micro-batch saving it again) fetches again.
     h.device_bytes = at::Tensor();
+    h.ready = nullptr;  // back to the pool once the copy's other holders let go
   }
   at::Tensor out;
   {

@@ -232,6 +232,7 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
 
   void drop_tracked();
   void disarm();                           // remove the next-op callback (never from inside it)
+  void order_for_current_stream(OffloadHandle& h, const at::Tensor& dev);  // Note [A fetched copy read on other streams]
   uint64_t next_op_callback_ = 0;          // at::CallbackHandle while armed, else 0
   std::thread::id callback_thread_ = std::this_thread::get_id();  // the step's: the only one that arms and removes it
   void track_from(const at::Tensor& t, int64_t born);

@@ -132,3 +132,44 @@ def test_a_reprofile_starts_with_no_copies_of_the_planned_steps_in_flight():
     if in_flight == 0:
         pytest.skip("the GPU had finished every copy before the host looked: nothing in flight to wait for")
     assert seen == [0], "the re-profiled step began with the last planned step's copies in flight"
+
+
+class SideStreamDeep(Deep):
+    """Every other layer runs on a side stream, as models that overlap work do: autograd runs those
+    layers' backward nodes on that stream, so saves of one fetched copy are unpacked on two streams
+    and prefetches fire on the other one (Note [A fetched copy read on other streams])."""
+
+    def forward(self, x):
+        side = self.side = getattr(self, "side", None) or torch.cuda.Stream()
+        main = torch.cuda.current_stream()
+        for i, layer in enumerate(self.layers):
+            if i % 2:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    x = torch.tanh(layer(x))
+                main.wait_stream(side)
+                x.record_stream(main)
+            else:
+                x = torch.tanh(layer(x))
+        return x.sum(dim=1)
+
+
+@pytest.mark.parametrize("planner", ["offload_all_prefetch", "dp"])
+def test_a_forward_on_two_streams_trains_bitwise_under_offload(planner):
+    """A fetched copy is waited for, and recorded, on every stream that unpacks it: without that a
+    read on the other stream could see the bytes before the H2D copy landed, or the block be reused
+    under it. Heavy enough (8 x 512 x 1024 activations, several steps) for a race to show."""
+    torch.manual_seed(0)
+    model = SideStreamDeep().cuda()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
+    xs = [torch.randn(512, 1024, device="cuda") for _ in range(5)]
+    _run(ref, ref_opt, xs)
+    with optimize(model, opt, budget=0.5, planner=planner, min_offload_bytes=0) as run:
+        _run(model, opt, xs, run)
+        assert run.steps_planned >= 3 and run.mismatches == 0
+        assert sum(s.offloaded for s in run.step_stats) > 0
+    torch.cuda.synchronize()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
