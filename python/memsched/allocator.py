@@ -310,8 +310,8 @@ def reset_peak_stats(device=None, *, pool: Optional[Pool] = None) -> None:
 #   torch's allocator otherwise.
 def cuda_memory_allocated(device) -> int:
     """Bytes allocated on the CUDA `device` now (See Note [Device memory counters under the installed allocator])."""
-    if is_installed():
-        return int(memory_stats(device).get("allocated_bytes.all.current", 0))
+    if is_installed():  # the shim's C counter: memory_stats() would build the whole JSON state
+        return int(_load_shim().memsched_allocated_bytes(_device_index(device)))
     return torch.cuda.memory_allocated(device)
 
 
@@ -326,8 +326,8 @@ def allocated_bytes_fn() -> int:
 
 def cuda_max_memory_allocated(device) -> int:
     """Peak bytes allocated on the CUDA `device` since the last reset_cuda_peak()."""
-    if is_installed():
-        return int(memory_stats(device).get("allocated_bytes.all.peak", 0))
+    if is_installed():  # the shim's C counter, as cuda_memory_allocated
+        return int(_load_shim().memsched_allocated_peak_bytes(_device_index(device)))
     return torch.cuda.max_memory_allocated(device)
 
 

@@ -296,19 +296,23 @@ def test_out_of_memory_under_memsched_raises_torch_out_of_memory_error():
 
 def test_device_counters_read_memscheds_pool_when_it_is_installed(monkeypatch):
     """See Note [Device memory counters under the installed allocator]: torch's pluggable-allocator
-    interface refuses its statistics calls, so memsched's own readers go to memsched's pool."""
+    interface refuses its statistics calls, so memsched's own readers go to memsched's pool -- its C
+    counters, not memory_stats(), which builds the whole JSON state (read at every step's end)."""
+    import types
     reads, resets = [], []
     monkeypatch.setattr(allocator, "is_installed", lambda: True)
-    monkeypatch.setattr(allocator, "memory_stats", lambda device=None, **_: reads.append(device) or
-                        {"allocated_bytes.all.current": 123, "allocated_bytes.all.peak": 456})
+    shim = types.SimpleNamespace(memsched_allocated_bytes=lambda i: reads.append(("now", i)) or 123,
+                                 memsched_allocated_peak_bytes=lambda i: reads.append(("peak", i)) or 456)
+    monkeypatch.setattr(allocator, "_load_shim", lambda: shim)
+    monkeypatch.setattr(allocator, "memory_stats", lambda *a, **k: pytest.fail("the JSON statistics were built"))
     monkeypatch.setattr(allocator, "reset_peak_stats", lambda device=None, **_: resets.append(device))
     for fn in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, fn, lambda *a, **k: pytest.fail("torch's counter was read"))
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cuda", 1)
     assert allocator.cuda_memory_allocated(dev) == 123
     assert allocator.cuda_max_memory_allocated(dev) == 456
     allocator.reset_cuda_peak(dev)
-    assert reads == [dev, dev] and resets == [dev]
+    assert reads == [("now", 1), ("peak", 1)] and resets == [dev]
 
 
 @pytest.mark.requires_cuda
