@@ -28,20 +28,48 @@ bool has_own_rng_state(const std::string& name) {
   return base == "_cudnn_rnn" || base == "miopen_rnn";
 }
 
+bool is_uninitialized_factory_name(const std::string& name) {
+  const std::string base = base_op_name(name);
+  return base == "empty" || base == "empty_like" || base == "empty_strided" || base == "new_empty" ||
+         base == "new_empty_strided" || base == "empty_permuted";
+}
+
 namespace {
 
 // The forward ops that give tensor u its saved value: its producer, then the
-// in-place ops among its forward uses (See Note [Recompute model]).
-void push_writers(const Trace& trace, const OffloadAnalysis& analysis, const TensorRecord& u,
-                  std::vector<int64_t>& stack) {
+// in-place ops among its forward uses (See Note [Recompute model]). Returns how many in-place ops.
+int64_t push_writers(const Trace& trace, const OffloadAnalysis& analysis, const TensorRecord& u,
+                     std::vector<int64_t>& stack) {
   stack.push_back(u.producer_op);
+  int64_t writers = 0;
   // Its forward: up to its own backward pass (Note [Micro-batches] in plan.h).
   const int64_t beta = u.producer_op == kBeforeStep ? analysis.first_backward_op : analysis.next_backward_op[u.producer_op];
   for (int64_t i : u.uses) {
     if (i >= beta) break;
-    if (i > u.producer_op && trace.ops[i].phase == Phase::kForward && is_inplace_op_name(trace.ops[i].name))
+    if (i > u.producer_op && trace.ops[i].phase == Phase::kForward && is_inplace_op_name(trace.ops[i].name)) {
       stack.push_back(i);
+      ++writers;
+    }
   }
+  return writers;
+}
+
+// Note [Memory filled outside the dispatcher]
+//   Rationale: a C++/CUDA extension or a Triton kernel called from a custom autograd.Function (a fused
+//   LayerNorm, an attention kernel) allocates its output with at::empty* -- an aten op the profiler
+//   records as the producer -- and fills it with a kernel no dispatch mode sees. Replaying "the
+//   producer" would give uninitialised memory: silently wrong gradients.
+//   Approach: a tensor the chain must recreate whose producer is an uninitialised factory (empty,
+//   empty_like, empty_strided, new_empty, ...) and that no forward in-place op writes is not
+//   recomputable. An out= op that fills it (add.out) is not counted as a writer by name, so such a
+//   tensor is refused too: conservative, never wrong. The executor makes the same check on what it
+//   records (Note [Unpack-time recompute] in offload/recompute.py).
+std::string filled_outside_the_dispatcher(const Trace& trace, const TensorRecord& u, int64_t writers) {
+  if (writers > 0 || u.producer_op == kBeforeStep || !is_uninitialized_factory_name(trace.ops[u.producer_op].name))
+    return "";
+  return "tensor " + std::to_string(u.id) + " is made by op " + std::to_string(u.producer_op) + " (" +
+         trace.ops[u.producer_op].name + ") and no aten op writes it: a kernel outside the dispatcher " +
+         "(an extension, Triton, numpy) filled it, which a replay cannot redo";
 }
 
 // The chain recreating candidate `candidate` before op b, where present(u)
@@ -60,7 +88,8 @@ RecomputeChain derive_chain(const Trace& trace, const OffloadAnalysis& analysis,
   const int64_t b = c.first_backward_use;
   std::vector<int64_t> stack;
   std::vector<int64_t> recreated = {t.id};  // tensors whose writers are in the chain
-  push_writers(trace, analysis, t, stack);
+  r.why = filled_outside_the_dispatcher(trace, t, push_writers(trace, analysis, t, stack));
+  if (!r.why.empty()) return r;  // See Note [Memory filled outside the dispatcher]
   while (!stack.empty()) {
     const int64_t p = stack.back();
     stack.pop_back();
@@ -82,7 +111,11 @@ RecomputeChain derive_chain(const Trace& trace, const OffloadAnalysis& analysis,
         return r;
       }
       recreated.push_back(u.id);
-      push_writers(trace, analysis, u, stack);
+      r.why = filled_outside_the_dispatcher(trace, u, push_writers(trace, analysis, u, stack));
+      if (!r.why.empty()) {
+        r.ops.clear();
+        return r;
+      }
     }
   }
   std::sort(r.ops.begin(), r.ops.end());

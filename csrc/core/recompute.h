@@ -101,6 +101,10 @@ RecomputeSchedule recompute_schedule(const Trace& trace, const OffloadAnalysis& 
 RecomputeChain recompute_chain(const Trace& trace, const OffloadAnalysis& analysis, int64_t candidate,
                                const std::vector<TensorDecision>& decisions = {});
 
+// ATen's factories of uninitialised memory (empty, empty_like, empty_strided, new_empty, ...): See
+// Note [Memory filled outside the dispatcher] (recompute.cpp).
+bool is_uninitialized_factory_name(const std::string& name);
+
 // ATen's in-place naming: the base name (after "::", before any ".overload")
 // ends in one underscore ("aten::div_", "aten::add_.Tensor"; not "__and__").
 bool is_inplace_op_name(const std::string& name);

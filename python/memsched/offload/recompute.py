@@ -50,7 +50,11 @@ Note [Unpack-time recompute]
     - a recorded cuDNN/MIOpen RNN that applies dropout: its masks come from an RNG state buffer of
       its own (dropout_state), which the kernel advances without a version bump (_OWN_RNG_STATE);
     - a recorded op that reads an inference tensor (made under torch.inference_mode(): a teacher's
-      features fed to the model), which has no version counter to check at the replay.
+      features fed to the model), which has no version counter to check at the replay;
+    - a storage of the slice that an uninitialised factory (empty_like, new_empty, ...) made and no
+      recorded op of the slice wrote: a kernel no dispatch mode sees (a C++/CUDA extension, Triton,
+      numpy) filled it (Note [Memory filled outside the dispatcher] in csrc/core/recompute.cpp, where
+      the planner makes the same check, so a plan does not count on such a recompute).
   Ops that run under torch.inference_mode() (an evaluation forward at the start of a step) save
   nothing and are counted, never recorded: their tensors have no version counter either (reading
   one raised "Inference tensors do not track version counter" from the recording).
@@ -71,7 +75,10 @@ Note [Unpack-time recompute]
   on the device (atomics) may replay to different bits, as in torch.utils.checkpoint; an external
   input changed between the forward and the replay without a version bump (`p.data.add_(...)`, which
   PyTorch documents as untracked by autograd) replays with its new values, as in
-  torch.utils.checkpoint, where plain PyTorch's saved activations keep the old ones.
+  torch.utils.checkpoint, where plain PyTorch's saved activations keep the old ones. Likewise a write
+  that bypasses the dispatcher into a tensor an aten op made (`y = x.sigmoid(); y.numpy()[...] = ...`
+  in a custom Function, a kernel writing through data_ptr()) is not seen, and the replay returns the
+  aten op's value (found by fuzzing; torch.utils.checkpoint reruns the Function's Python and redoes it).
 
 Note [Forwards that save nothing]
   Rationale: a forward of the model under torch.no_grad() or inference_mode() between two step
@@ -120,11 +127,13 @@ def _key(t):
 class _Info:
     # rng: may draw random numbers; own_rng: argument positions (dropout, train, dropout_state) of an
     # op that draws from an RNG state of its own, not from a Generator (see _OWN_RNG_STATE)
-    __slots__ = ("passthrough", "writes", "rng", "own_rng", "func")
+    __slots__ = ("passthrough", "writes", "rng", "own_rng", "func", "uninit")
 
     def __init__(self, func):
         schema = func._schema
         self.func = func
+        # makes uninitialised memory (Note [Memory filled outside the dispatcher] in csrc/core/recompute.cpp)
+        self.uninit = schema.name.split("::")[-1] in _UNINITIALIZED
         self.passthrough = func.is_view or func.namespace == "profiler"  # as in RecordingMode
         self.writes = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
                             if (a.alias_info is not None and a.alias_info.is_write)
@@ -141,6 +150,9 @@ class _Info:
 # generator's state costs ~0.3 ms, so it is read only before these.
 _RNG_WORDS = ("dropout", "bernoulli", "rand", "rrelu", "normal", "uniform", "multinomial", "exponential",
               "geometric", "cauchy", "attention")
+
+# ATen's factories of uninitialised memory (csrc/core's is_uninitialized_factory_name).
+_UNINITIALIZED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted")
 
 # Schemas that write an argument without saying so: native_batch_norm, cudnn_batch_norm and
 # miopen_batch_norm update the running statistics in training (the reason ATen added
@@ -187,7 +199,7 @@ def _written(info, args, kwargs):
 
 class _Record:
     """One recorded forward op."""
-    __slots__ = ("index", "func", "spec", "leaves", "writes", "made", "rng", "grad", "valid", "why")
+    __slots__ = ("index", "func", "spec", "leaves", "writes", "made", "rng", "grad", "valid", "why", "uninit")
 
     def __init__(self, index, func):
         self.index = index      # position in the step's log
@@ -201,6 +213,7 @@ class _Record:
         self.grad = True        # grad mode it ran under (kernels may read it: mkldnn_rnn_layer's workspace)
         self.valid = True
         self.why = ""
+        self.uninit = False     # an uninitialised factory (Note [Memory filled outside the dispatcher])
 
 
 def _geometry(t):
@@ -592,6 +605,7 @@ class ForwardOpLog:
 
     def _record(self, func, info, args, kwargs):
         r = _Record(len(self.log), func)
+        r.uninit = info.uninit
         leaves, r.spec = _flatten_call(args, kwargs)
         written = {id(t) for t in _written(info, args, kwargs)} if info.writes else ()
         inputs = set()  # storage keys of every tensor argument: an output on one of them is not new
@@ -738,8 +752,11 @@ class ForwardOpLog:
         needed = {recipe.key}
         chosen = {}
         work = [(self.live[recipe.key][1], len(self.log))]
+        made_empty = []  # writer lists of storages an uninitialised factory made
         while work:
             writers, before = work.pop()
+            if self.log[writers[0]].uninit:
+                made_empty.append(writers)
             for i in writers:
                 if i >= before:
                     break  # written after the reader read it (lists are in op order)
@@ -755,6 +772,9 @@ class ForwardOpLog:
                         work.append((leaf[3], i))
         if not chosen:
             return "not made by a recorded op"
+        for writers in made_empty:  # See Note [Memory filled outside the dispatcher] (csrc/core/recompute.cpp)
+            if not any(i in chosen for i in writers[1:]):
+                return "made by an empty tensor op and filled outside the dispatcher (an extension's kernel, numpy)"
         if not needed.isdisjoint(self.tainted):
             return "tainted"
         recipe.set_records([chosen[i] for i in sorted(chosen)])

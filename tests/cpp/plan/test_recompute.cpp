@@ -82,6 +82,35 @@ TEST(Recompute, AChainThroughACudnnRnnIsRefused) {
   EXPECT_FALSE(has_own_rng_state("aten::rnn_tanh") || has_own_rng_state("aten::_cudnn_rnn_backward"));
 }
 
+// A fused kernel from an extension: 0 empty_like(x) -> y, filled by a kernel no dispatch mode sees;
+// 1 relu(y) -> z; backward 2 reads z, 3 reads y. Replaying op 0 would give uninitialised memory (Note
+// [Memory filled outside the dispatcher]); with an in-place writer (dropout's bernoulli_) it is aten's.
+TEST(Recompute, ATensorFilledOutsideTheDispatcherIsNotReplayed) {
+  for (const bool written : {false, true}) {
+    Trace t;
+    test_traces::add_ops(t, {"aten::empty_like", written ? "aten::bernoulli_.float" : "aten::sin", "aten::relu",
+                             "relu_backward", "fused_backward"}, 3, 10.0);
+    test_traces::add_tensor(t, 100, TensorKind::kActivation, kBeforeStep, {0, 4}, kAfterStep);  // x
+    test_traces::add_tensor(t, 400, TensorKind::kActivation, 0, written ? std::vector<int64_t>{1, 2, 4}
+                                                                         : std::vector<int64_t>{2, 4}, 4);  // y
+    test_traces::add_tensor(t, 400, TensorKind::kActivation, 2, {3}, 3);  // z
+    t.validate();
+    const OffloadAnalysis a = analyze_offload(t);
+    const RecomputeChain y = recompute_chain(t, a, a.candidate_index[1]);
+    EXPECT_EQ(y.feasible, written) << y.why;
+    if (!written) EXPECT_NE(y.why.find("op 0 (aten::empty_like) and no aten op writes it"), std::string::npos) << y.why;
+    // z replays relu from y: with y gone (recomputed or offloaded), y's replay is in its chain too
+    std::vector<TensorDecision> d = keep_all(a);
+    d[a.candidate_index[1]].offload = true;
+    d[a.candidate_index[1]].offload_after_op = 2;
+    d[a.candidate_index[1]].prefetch_at_op = 4;
+    const RecomputeChain z = recompute_chain(t, a, a.candidate_index[2], d);
+    EXPECT_EQ(z.feasible, written) << z.why;
+  }
+  EXPECT_TRUE(is_uninitialized_factory_name("aten::new_empty_strided.default"));
+  EXPECT_FALSE(is_uninitialized_factory_name("aten::empty_cache"));
+}
+
 TEST(Recompute, ChainReplaysFromTheNearestKeptInputs) {
   const Trace t = small_trace();
   const OffloadAnalysis a = analyze_offload(t);

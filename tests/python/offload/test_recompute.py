@@ -4,6 +4,7 @@ save keep its tensor (or raise at unpack, as PyTorch does for a modified saved t
 import copy
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -84,6 +85,26 @@ def test_ops_with_tensor_lists_keyword_arguments_and_several_outputs_replay_exac
     leaves, spec = _flatten_call(args, kwargs)
     assert leaves == [1, 2, 3, 5, 0, 1] and tuple(_unflatten_call(leaves, spec)[0]) == args
     assert _unflatten_call(leaves, spec)[1] == kwargs
+
+
+def test_a_tensor_an_extension_fills_is_not_replayed_from_its_empty_like():
+    """A custom kernel (here numpy, as a C++/CUDA extension or Triton would) fills what torch.empty_like
+    made: replaying the recorded empty_like would give uninitialised memory, so the save keeps its
+    tensor -- and a reader of it too (Note [Memory filled outside the dispatcher]). Filled by an aten op
+    (dropout's bernoulli_), it replays."""
+    x = torch.randn(8, 6)
+
+    def fused(a):
+        out = torch.empty_like(a)
+        out.numpy()[...] = np.tanh(a.numpy()) * 3  # no aten op: no dispatch mode sees it
+        return out
+
+    log, y = _record(fused, x)
+    assert "filled outside the dispatcher" in _recipe(log, y)
+    log, z = _record(lambda a: torch.sin(fused(a)), x)
+    assert "filled outside the dispatcher" in _recipe(log, z)
+    log, m = _record(lambda a: torch.empty_like(a).bernoulli_(0.5) * a, x)
+    assert torch.equal(_replayed(log, m), m)
 
 
 def test_batch_norm_replay_leaves_the_running_statistics_alone():
@@ -859,5 +880,54 @@ def test_an_activation_recreated_inside_anothers_replay_takes_its_value_from_it(
         stats = run.step_stats[-1]
         assert shared and stats.mode == "planned" and stats.recompute_kept == 0
         assert stats.replays == stats.recomputed - len(shared) > 0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+class _FusedTanh(torch.autograd.Function):
+    """A custom kernel's shape: the output comes from torch.empty_like and a kernel no dispatch mode sees
+    (numpy here; a C++/CUDA extension or Triton on a GPU)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.empty_like(x)
+        out.numpy()[...] = np.tanh(x.detach().numpy())
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        return g * (1 - out * out)
+
+
+class _FusedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x):
+        h = _FusedTanh.apply(self.fc1(x))
+        return x + self.fc2(torch.relu(h * 2) * h)
+
+
+def _with_fused_kernel():
+    return nn.Sequential(*[_FusedBlock() for _ in range(4)])
+
+
+def test_optimize_hybrid_with_an_extensions_kernel_trains_as_plain():
+    """The planner does not recompute what an extension's kernel filled (Note [Memory filled outside the
+    dispatcher]): hybrid recomputing wherever it can still trains bitwise as plain PyTorch."""
+    torch.manual_seed(0)
+    model = _with_fused_kernel()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    _train(ref, ref_opt)
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=slow_copies()) as run:
+        _train(model, opt, run)
+        stats = [s for s in run.step_stats if s.mode == "planned"]
+        assert stats and all(s.recomputed > 0 for s in stats)
+        assert all(s.recompute_kept == 0 for s in stats), [s.recompute_kept_reasons for s in stats]
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
