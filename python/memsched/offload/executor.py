@@ -593,7 +593,7 @@ class OffloadExecutor:
         starts = self.schedule.forward_starts
         if n >= len(starts) or self.diverged_ or torch._C._len_torch_dispatch_stack() > 0:
             return  # not matchable (or under a caller's dispatch mode): its recomputes keep their tensors
-        log = ForwardOpLog(self.schedule.recompute_ops, self.schedule.shared, self.recompute_stats)
+        log = ForwardOpLog(self.schedule.recompute_ops, self.schedule.shared, self.recompute_stats, self.oplogs_)
         self.oplogs_.append(log)
         log.push(starts[n], tree_leaves(args))
         self.oplog_ = log

@@ -58,8 +58,10 @@ Note [Unpack-time recompute]
   Ops that run under torch.inference_mode() (an evaluation forward at the start of a step) save
   nothing and are counted, never recorded: their tensors have no version counter either (reading
   one raised "Inference tensors do not track version counter" from the recording).
-  An external input written in place later in the forward (seen by the mode) makes every pending
-  recipe that reads it replay at once, before the write, and keep its result. After the forward
+  An external input written in place later in the forward, or in a later forward of the step (seen
+  by the mode: nn.Embedding(max_norm=...) renormalises its weight at every forward), is copied first
+  for the recorded ops that read it (up to kScratchBytes), or makes every pending recipe that reads it
+  replay at once, before the write, and keep its result. After the forward
   nothing is watched: an external input modified between the forward and the replay raises at
   unpack, as PyTorch does for a modified saved tensor -- where autograd saved that input. Where it
   did not (a loop that writes the next batch into its input buffer before backward, and a plan that
@@ -532,10 +534,11 @@ class RecomputeStats:
 class ForwardOpLog:
     """The recording state of one step (Note [Unpack-time recompute])."""
 
-    def __init__(self, record_ops: Set[int], shared: Set[int], stats: RecomputeStats):
+    def __init__(self, record_ops: Set[int], shared: Set[int], stats: RecomputeStats, earlier=()):
         self.record_ops = record_ops  # trace op ids to record
         self.shared = shared          # ordinals the plan recreates inside another's replay
         self.stats = stats
+        self.earlier = list(earlier)  # the step's earlier forwards' logs: their readers see this one's writes
         self.op = 0                   # trace id of the next counted op
         self.paused = 0               # > 0 while the executor's own hooks issue ops
         self.log: List[_Record] = []
@@ -576,8 +579,17 @@ class ForwardOpLog:
         self.log = []
         self.live = {}
         self.tainted = set()
-        self.watch = {}
-        self.readers = {}
+        # (watch and readers stay for the step: a later forward's in-place write of an input read here --
+        # nn.Embedding(max_norm=...) renormalises its weight at every forward -- is seen by its log,
+        # which snapshots for them through `earlier`; found by fuzzing)
+
+    def _before_write(self, key, x):
+        """External storage `key` is about to be written in this forward: every recorded reader of it, in
+        this forward or an earlier one of the step, replays from the bytes it read."""
+        self._snapshot_for_readers(key, x)
+        for log in self.earlier:
+            if key in log.readers:
+                log._snapshot_for_readers(key, x)
 
     def dispatch(self, func, args, kwargs):
         info = _INFO.get(id(func)) or _info(func)
@@ -628,7 +640,7 @@ class ForwardOpLog:
                 r.valid, r.why = False, "reads an inference tensor"
                 r.leaves.append((_EXT, x, None))
             elif id(x) in written:
-                self._snapshot_for_readers(key, x)  # earlier recorded readers saw it before this write
+                self._before_write(key, x)  # earlier recorded readers saw it before this write
                 if x.untyped_storage().nbytes() > kScratchBytes:
                     r.valid, r.why = False, "writes an input in place"
                     r.leaves.append((_EXT, x, x._version))
@@ -700,7 +712,7 @@ class ForwardOpLog:
                 continue
             if key in self.live:
                 self.tainted.add(key)
-            self._snapshot_for_readers(key, t)
+            self._before_write(key, t)
 
     # -- packing and replay ----------------------------------------------------------------------------
     def begin(self, t, ordinal):

@@ -931,3 +931,40 @@ def test_optimize_hybrid_with_an_extensions_kernel_trains_as_plain():
         assert all(s.recompute_kept == 0 for s in stats), [s.recompute_kept_reasons for s in stats]
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+class _RenormedEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(16, 16, max_norm=1.0)
+        self.l, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.head(self.l(self.e(ids)).tanh())
+
+
+def test_an_input_a_later_forward_of_the_step_writes_in_place_trains_as_plain():
+    """Two forwards per step through nn.Embedding(max_norm=...): the second renormalises the weight in
+    place, which the first forward's recorded ops read. Its readers replay from the bytes they read
+    (refused at unpack before, naming a fix that did not apply; found by fuzzing)."""
+    torch.manual_seed(0)
+    model = _RenormedEmbedding()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 16, (4, 8), generator=g)) for _ in range(3)]
+
+    def loss(m, a, b):
+        return m(a).square().mean() + m(b).square().mean()
+
+    with memsched.optimize(model, opt, budget=0.5, planner="hybrid", device_model=slow_copies()) as run:
+        for a, b in data:
+            loss(ref, a, b).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss(model, a, b).backward()
+            run.step()
+        planned = [s for s in run.step_stats if s.mode == "planned"]
+        assert planned and all(s.recomputed > 0 for s in planned)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
