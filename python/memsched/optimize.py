@@ -372,6 +372,7 @@ class Run:
         self.steps_not_profiled = 0  # COUNT of steps run plainly because profiling them was unsafe
         self.profile_ = None         # profiler session while profiling
         self.profile_armed_ = False  # the next forward starts a profiler session
+        self.profile_iterations_ = 0  # ooo's completed backward passes when the open profile began
         self.forwards_since_boundary_ = 0  # root forwards since the last run.step() / optimizer.step()
         self.eval_grad_forward_ = False    # this step ran a forward in eval mode with gradients enabled
         self.profile_eval_grad_ = False    # ... and so did the step the plan was profiled from
@@ -527,10 +528,13 @@ class Run:
             self.forward_starts_ = getattr(session, "forward_starts", None)  # Note [Forwards that save nothing]
             self.unmodeled_bytes_ = getattr(session, "unmodeled_bytes", 0)  # Note [Memory the trace does not model]
             self.steps_profiled += 1
-            if self.ooo_ is not None and self.ooo_.cast_deferral_pending():
+            if self.ooo_ is not None and (self.ooo_.cast_deferral_pending() or
+                                          self.ooo_.cast_deferral_began_since(self.profile_iterations_)):
                 # See Note [Deferred calls under autocast] (ooo/backward.py): from the next step on, layers this
                 # step ran through autograd under autocast are deferred, and save other tensors; a plan of this
                 # trace would not match them (two plain steps and a re-profile). Profile the next step instead.
+                # With gradient accumulation the deferral may begin inside this step, at its second micro-batch:
+                # the trace then mixes both (found by fuzzing).
                 self.cast_warmup_profiles_ += 1
                 self._start_profiling()
                 return None
@@ -825,6 +829,7 @@ class Run:
                 return
             self.profile_armed_ = False
             self.profile_forwards_ = 0
+            self.profile_iterations_ = self.ooo_.completed_iterations() if self.ooo_ is not None else 0
             self.state_at_profile_ = self._optimizer_state_bytes()
             if self.executor.engine.pending_count():
                 # A re-profile after planned steps: their copies still in flight hold device blocks, and

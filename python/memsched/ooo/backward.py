@@ -694,6 +694,7 @@ class OutOfOrderBackward:
         # reference to its cached cast, or _MIXED), what the last iterations taught, and what never qualifies
         self._cast_region: Dict[int, object] = {}
         self._cast_eligible: Set[int] = set()
+        self._cast_began_at = -1  # completed iterations when a parameter last became eligible (cast_deferral_began_since)
         self._cast_never: Set[int] = set()
         self._first_node: Dict[int, tuple] = {}  # queueing executors: a parameter's first deferred node
         self._queues = False  # items may wait in the queue and complete out of arrival order
@@ -1077,8 +1078,20 @@ class OutOfOrderBackward:
             if region is _MIXED or kind.get(i) == _DEFERRED:  # (_DEFERRED: a call outside autocast, in C++)
                 self._cast_eligible.discard(i)
             elif kind.get(i) in (_AUTOGRAD, _DEFERRED_CAST) and i not in self._cast_never:
+                if i not in self._cast_eligible:
+                    self._cast_began_at = self._iterations  # deferred from the iteration after this many
                 self._cast_eligible.add(i)
         self._cast_region.clear()
+
+    def completed_iterations(self) -> int:
+        """Backward passes ended since install."""
+        return self._iterations
+
+    def cast_deferral_began_since(self, iterations: int) -> bool:
+        """Whether a parameter began to be deferred under autocast after more than `iterations` backward
+        passes: inside a step that started after that many (with gradient accumulation, its second
+        micro-batch defers what its first ran through autograd), so that step's trace mixes both."""
+        return self._cast_began_at > iterations
 
     def cast_deferral_pending(self) -> bool:
         """After an iteration's backward: whether the next iteration defers under autocast a parameter this
