@@ -161,8 +161,8 @@ Note [Optimizer state the profiled step did not see]
   tiny GPT-2 under AdamW), and the re-profile after a mismatch, which does see the state, then
   refused a budget the first plan had accepted.
   Approach: what the update will create (extra) is predicted when the profile closes, before the
-  update, for Adam, AdamW and SGD (their state is zeros_like each parameter with a gradient, plus a
-  step count), and checked after it against the state's bytes on the Run's device (read when the
+  update, for torch.optim's optimizers (_STATE_OF: tensors like each parameter with a gradient, and
+  0-dim step counts; Adagrad's exists from its construction), and checked after it against the state's bytes on the Run's device (read when the
   profile started and after the update); another optimizer's state is measured there. extra is
   constant over every later step, so it shifts the whole memory curve by extra. Byte budgets
   (bytes, "6GiB", and "P%" of the step's peak with the state) are planned as budget - extra on the
@@ -221,6 +221,24 @@ __all__ = ["optimize", "Run"]
 
 _DEFAULT_MIN_BYTES_CUDA = 1 << 20   # offloading less than 1 MiB costs more in latency than it saves
 _DEVICE_MEMORY_FRACTION = 0.9       # budget=None on a device that the step does not fit
+# Note [Optimizer state the profiled step did not see]: what torch.optim's update creates per parameter
+# with a gradient, by group settings: (tensors like the parameter, 0-dim float32 tensors, whether those
+# are on the parameter's device whatever `capturable` says). A retry at the least budget a refusal named
+# must not be refused again once the state exists (RMSprop was, found by fuzzing). Adagrad, and any
+# optimizer whose state exists before its first step, count as they are.
+_STATE_OF = {
+    torch.optim.SGD: lambda g: (1 if g.get("momentum", 0) else 0, 0, False),
+    torch.optim.Adam: lambda g: (3 if g.get("amsgrad") else 2, 1, False),
+    torch.optim.AdamW: lambda g: (3 if g.get("amsgrad") else 2, 1, False),
+    torch.optim.RMSprop: lambda g: (1 + (1 if g.get("momentum", 0) else 0) + (1 if g.get("centered") else 0), 1, False),
+    torch.optim.Adamax: lambda g: (2, 1, False),
+    torch.optim.RAdam: lambda g: (2, 1, False),
+    torch.optim.NAdam: lambda g: (2, 2, False),
+    torch.optim.Adadelta: lambda g: (2, 1, False),
+    torch.optim.Rprop: lambda g: (2, 1, False),
+    torch.optim.ASGD: lambda g: (1, 3, True),
+}
+
 _MAX_PROFILED_FORWARDS = 256        # forwards one profiled step may hold (Note [A step with no end])
 _STEP_BOUNDARY_FIX = ("memsched ends a step at run.step(), or at optimizer.step() of the optimizer passed to "
                       "optimize(optimizer=...): call run.step() where the optimizer steps (it steps the optimizer "
@@ -1019,26 +1037,23 @@ class Run:
         return None if self.budget_bytes is None else self.budget_bytes + self.optimizer_state_extra_
 
     def _predicted_state_bytes(self):
-        """Bytes of optimizer state the coming update will create on the Run's device, for the
-        optimizers whose state we know (Adam, AdamW, SGD); 0 when unknown -- then it is measured after
-        the update. See Note [Optimizer state the profiled step did not see]."""
+        """Bytes of optimizer state the coming update will create on the Run's device, for torch.optim's
+        optimizers (_STATE_OF); 0 for others -- then it is measured after the update. See Note
+        [Optimizer state the profiled step did not see]."""
         opt = self.optimizer
-        if opt is None or self.fuse_optimizer or type(opt) not in (torch.optim.Adam, torch.optim.AdamW,
-                                                                   torch.optim.SGD):
+        shape = _STATE_OF.get(type(opt)) if opt is not None and not self.fuse_optimizer else None
+        if shape is None:
             return 0
         total = 0
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is None or p.device != self.device or opt.state.get(p):
                     continue  # no update (no gradient), another device, or state already there
-                nbytes = p.numel() * p.element_size()
-                if type(opt) is torch.optim.SGD:
-                    total += nbytes if group.get("momentum", 0) else 0
-                    continue
-                total += nbytes * (3 if group.get("amsgrad") else 2)  # exp_avg, exp_avg_sq(, max)
-                on_device = group.get("capturable") or group.get("fused")
-                if on_device or self.device.type == "cpu":  # the step count: a 0-dim float32 tensor
-                    total += 4
+                like_param, scalars, scalars_on_device = shape(group)
+                total += p.numel() * p.element_size() * like_param
+                on_device = scalars_on_device or group.get("capturable") or group.get("fused")
+                if on_device or self.device.type == "cpu":  # the step count (and such): 0-dim float32 tensors
+                    total += 4 * scalars
         return total
 
     def _optimizer_state_bytes(self):
