@@ -379,6 +379,7 @@ class Run:
         self.compiled_steps_ = 0     # COUNT of run.step() of a compiled model (Note [Compiled modules run plainly])
         self.steps_profiled = 0      # COUNT
         self.reprofiles = 0          # COUNT of re-profiles after a mismatch
+        self.reprofile_why_ = ""     # the mismatch that armed the open re-profile (named if it is refused)
         self.cast_warmup_profiles_ = 0  # COUNT of profiles dropped as ooo began deferring under autocast
         self.mismatches = 0          # COUNT of steps that did not match the trace
         self.mismatch_run_ = 0       # consecutive mismatching steps (Note [A lone mismatching step])
@@ -561,19 +562,20 @@ class Run:
             # predicted for the optimizers we know (Note [Optimizer state the profiled step did not see])
             self.optimizer_state_extra_ = self._predicted_state_bytes()
             self.profile_stats = self._profiled_step_stats(session)
+            why, self.reprofile_why_ = self.reprofile_why_, ""
             try:
                 self._adopt_trace(trace)
+            except _C.MemschedError as e:
+                self._refused_profile()
+                if not why:
+                    raise
+                self.reprofile_why_ = why  # the next profile is this one again
+                # a budget accepted at the first step, refused for the step as it is now: say why it changed
+                raise _C.MemschedError(
+                    f"memsched: the training step changed after its budget was accepted ({why}), so it was "
+                    f"profiled again, and the new step cannot be planned within the budget: {e}") from e
             except BaseException:
-                # No plan for this budget: the optimizer did not step (a fused update already ran in
-                # backward, as plain's step would have), and the step's gradients are dropped (set to
-                # None, as run.step() leaves them after every step), so a retry with the budget the
-                # error names trains as plain PyTorch would. The next step is profiled again -- and
-                # refused again -- rather than run plainly without a word. Out-of-order backward's step
-                # ends here too, or its next backward pass would count this one (an accumulation error).
-                self._drop_gradients()
-                if self.ooo_ is not None:
-                    self.ooo_.step()
-                self._start_profiling()
+                self._refused_profile()
                 raise
             # Note [Where the peak went]: its update's peak is read -- armed only once the plan stands:
             # a refused step runs no update, and a later step not profiled must not be checked as this one
@@ -589,6 +591,18 @@ class Run:
                 self.not_profiled_why_ = ""
             return None
         return self.executor.end_step()
+
+    def _refused_profile(self):
+        """No plan for this budget: the optimizer did not step (a fused update already ran in backward, as
+        plain's step would have), and the step's gradients are dropped (set to None, as run.step() leaves
+        them after every step), so a retry with the budget the error names trains as plain PyTorch would.
+        The next step is profiled again -- and refused again -- rather than run plainly without a word.
+        Out-of-order backward's step ends here too, or its next backward pass would count this one (an
+        accumulation error)."""
+        self._drop_gradients()
+        if self.ooo_ is not None:
+            self.ooo_.step()
+        self._start_profiling()
 
     # Note [A budget the guard cannot meet]
     #   Rationale: a budget is a promise; the memory guard (Note [Memory guard] in
@@ -743,6 +757,7 @@ class Run:
                 self.mismatch_run_ = 0
                 if self.reprofiles < self.max_reprofiles:
                     self.reprofiles += 1
+                    self.reprofile_why_ = stats.mismatch or "a step ran plainly"
                     self._start_profiling()
                 else:
                     self.reprofiles_denied_ += 1

@@ -192,3 +192,38 @@ def test_a_refused_budget_is_refused_again_at_every_step_with_out_of_order_backw
                 plain_opt.zero_grad(set_to_none=True)
     for p, q in zip(plain.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_budget_refused_at_a_reprofile_says_the_step_changed():
+    """A percentage accepted at the first step can be out of reach for the step a lasting change makes (a
+    smaller batch from step 2 on): the re-profile's refusal says the step changed and how, before the
+    least budget for the new step (it read as a first refusal of a budget memsched itself had named; found
+    by fuzzing). Every later profile of it says so too."""
+    def train(budget, steps=8):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.GELU(), nn.LayerNorm(32),
+                              nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        torch.manual_seed(1)
+        errors = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with optimize(model, opt, budget=budget, planner="greedy") as run:
+                for step in range(steps):
+                    n = 48 if step < 2 else 8
+                    x, y = torch.randn(n, 16), torch.randint(0, 4, (n,))
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    try:
+                        run.step()
+                    except memsched.MemschedError as e:
+                        errors.append((step, str(e)))
+        return run, errors
+
+    _, errors = train("50%", steps=1)
+    least = re.search(r"use budget='([0-9.]+%)' or more", errors[0][1]).group(1)
+    run, errors = train(least)
+    assert run.steps_planned >= 1 and len(errors) >= 2, errors
+    for _, message in errors:
+        assert "the training step changed after its budget was accepted" in message, message
+        assert "the trace has [48, 16]:float32, this step has [8, 16]:float32" in message, message
+        assert re.search(r"use budget='([0-9.]+%)' or more", message), message
