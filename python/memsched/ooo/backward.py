@@ -1229,8 +1229,12 @@ class OutOfOrderBackward:
         raise MemschedError(
             f"parameter {self._name(i)} is used by a forward that runs during backward (activation "
             f"checkpointing recomputes it) after it already received gradient in this backward pass: its "
-            f"use inside the checkpointed region is counted too late. Use that layer either only inside or "
-            f"only outside checkpointed regions, or leave it out of ooo.")
+            f"use inside the checkpointed region is counted too late. This happens when the layer runs both "
+            f"inside and outside checkpointed regions, or in two checkpointed regions of one backward pass "
+            f"(the model called twice before one backward: two views, two batches, with gradient "
+            f"checkpointing on). Run one forward per backward pass (two micro-batches with "
+            f"grad_accumulation_steps=2), turn activation checkpointing off for this model, or train without "
+            f"ooo=True (plain PyTorch's backward handles it).")
 
     def _refuse_uncounted(self, i: int) -> None:
         """Called by the runtime's post-accumulate-grad hook (See Note [AccumulateGrad gate])."""
