@@ -47,21 +47,26 @@ def _forward_held_bytes(model, x, run=None):
     return out, torch.cuda.memory_allocated()
 
 
-def test_cuda_offload_is_bitwise_and_lowers_forward_memory(monkeypatch):
-    install_standins(monkeypatch)  # offload everything, prefetch one backward op ahead
+def _trained_reference(cls, steps):
+    """(model, its optimizer, batches, its plain-trained copy): the copy trained on the batches."""
     torch.manual_seed(0)
-    model = Deep().cuda()
+    model = cls().cuda()
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
-    xs = [torch.randn(512, 1024, device="cuda") for _ in range(3)]
-    _run(ref, ref_opt, xs)
+    xs = [torch.randn(512, 1024, device="cuda") for _ in range(steps)]
+    _run(ref, torch.optim.SGD(ref.parameters(), lr=1e-3), xs)
+    return model, opt, xs, ref
+
+
+def test_cuda_offload_is_bitwise_and_lowers_forward_memory(monkeypatch):
+    install_standins(monkeypatch)  # offload everything, prefetch one backward op ahead
+    model, opt, xs, ref = _trained_reference(Deep, 3)
     # Not the step's peak: for this model it comes at the end of backward (8 x 4 MiB of weight
     # gradients against 8 x 2 MiB of activations), where offloading cannot help, and the fetched
     # copy of the input batch (the caller still holds the batch) put it 2 MiB above plain's on the H100.
     out, plain_held = _forward_held_bytes(ref, xs[0])
     out.sum().backward()
-    ref_opt.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
     del out
     with optimize(model, opt, budget=1.0, min_offload_bytes=1 << 20, timeline=True) as run:
         _run(model, opt, xs[:2], run=run)
@@ -159,13 +164,7 @@ def test_a_forward_on_two_streams_trains_bitwise_under_offload(planner):
     """A fetched copy is waited for, and recorded, on every stream that unpacks it: without that a
     read on the other stream could see the bytes before the H2D copy landed, or the block be reused
     under it. Heavy enough (8 x 512 x 1024 activations, several steps) for a race to show."""
-    torch.manual_seed(0)
-    model = SideStreamDeep().cuda()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
-    xs = [torch.randn(512, 1024, device="cuda") for _ in range(5)]
-    _run(ref, ref_opt, xs)
+    model, opt, xs, ref = _trained_reference(SideStreamDeep, 5)
     with optimize(model, opt, budget=0.5, planner=planner, min_offload_bytes=0) as run:
         _run(model, opt, xs, run)
         assert run.steps_planned >= 3 and run.mismatches == 0

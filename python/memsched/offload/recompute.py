@@ -263,35 +263,33 @@ def _flatten_call(args, kwargs):
     leaves = []
     shape = []
     for a in args:
-        ta = type(a)
-        if ta is list or ta is tuple:
-            for x in a:
-                tx = type(x)
-                if tx is list or tx is tuple or tx is dict:
-                    return tree_flatten((args, kwargs))
-            shape.append((ta, len(a)))
-            leaves.extend(a)
-        elif ta is dict:
+        s = _shape_of(a, leaves)
+        if s is False:
             return tree_flatten((args, kwargs))
-        else:
-            shape.append(None)
-            leaves.append(a)
+        shape.append(s)
     kw = []
     for name, a in kwargs.items():
-        ta = type(a)
-        if ta is list or ta is tuple:
-            for x in a:
-                tx = type(x)
-                if tx is list or tx is tuple or tx is dict:
-                    return tree_flatten((args, kwargs))
-            kw.append((name, ta, len(a)))
-            leaves.extend(a)
-        elif ta is dict:
+        s = _shape_of(a, leaves)
+        if s is False:
             return tree_flatten((args, kwargs))
-        else:
-            kw.append((name, None, 1))
-            leaves.append(a)
+        kw.append((name, s))
     return leaves, (tuple(shape), tuple(kw))
+
+
+def _shape_of(value, leaves):
+    """Appends an argument's leaves to `leaves`; its shape: None (a leaf), (list or tuple, length), or
+    False (nested: _flatten_call takes pytree)."""
+    t = type(value)
+    if t is list or t is tuple:
+        for x in value:
+            if type(x) in (list, tuple, dict):
+                return False
+        leaves.extend(value)
+        return t, len(value)
+    if t is dict:
+        return False
+    leaves.append(value)
+    return None
 
 
 def _unflatten_call(leaves, spec):
@@ -299,25 +297,17 @@ def _unflatten_call(leaves, spec):
     if type(spec) is not tuple:
         return tree_unflatten(leaves, spec)
     shape, kw = spec
-    args = []
+    values = []
     i = 0
-    for s in shape:
+    for s in shape + tuple(s for _, s in kw):
         if s is None:
-            args.append(leaves[i])
+            values.append(leaves[i])
             i += 1
         else:
             t, n = s
-            args.append(t(leaves[i:i + n]))
+            values.append(t(leaves[i:i + n]))
             i += n
-    kwargs = {}
-    for name, t, n in kw:
-        if t is None:
-            kwargs[name] = leaves[i]
-            i += 1
-        else:
-            kwargs[name] = t(leaves[i:i + n])
-            i += n
-    return args, kwargs
+    return values[:len(shape)], {name: v for (name, _), v in zip(kw, values[len(shape):])}
 
 
 def _output_tensors(out):
