@@ -169,6 +169,9 @@ void bind_plan(py::module_& m) {
         py::arg("trace"), "the least budget any plan can reach on this trace");
   m.def("modelled_memory", [](const Trace& t, const Plan& p) { return modelled_memory(analyze_offload(t), p.decisions); },
         py::arg("trace"), py::arg("plan"), "bytes on the device during each op if copies were instantaneous");
+  m.def("is_uninitialized_factory_name", &is_uninitialized_factory_name, py::arg("op_name"),
+        "whether an op makes uninitialised memory (empty, empty_like, ...): Note [Memory filled outside the "
+        "dispatcher] in csrc/core/recompute.cpp");
   m.def("recompute_chain",
         [](const Trace& t, int64_t tensor_id, const Plan* plan) {
           const OffloadAnalysis a = analyze_offload(t);

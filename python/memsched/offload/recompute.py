@@ -111,7 +111,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from memsched._C import MemschedError
+from memsched._C import MemschedError, is_uninitialized_factory_name
 from memsched.saved_tensors import on_counter, version_alias
 
 kScratchBytes = 1 << 20  # largest external tensor a recorded op may write (replayed into a copy)
@@ -135,7 +135,7 @@ class _Info:
         schema = func._schema
         self.func = func
         # makes uninitialised memory (Note [Memory filled outside the dispatcher] in csrc/core/recompute.cpp)
-        self.uninit = schema.name.split("::")[-1] in _UNINITIALIZED
+        self.uninit = is_uninitialized_factory_name(schema.name)
         self.passthrough = func.is_view or func.namespace == "profiler"  # as in RecordingMode
         self.writes = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
                             if (a.alias_info is not None and a.alias_info.is_write)
@@ -152,9 +152,6 @@ class _Info:
 # generator's state costs ~0.3 ms, so it is read only before these.
 _RNG_WORDS = ("dropout", "bernoulli", "rand", "rrelu", "normal", "uniform", "multinomial", "exponential",
               "geometric", "cauchy", "attention")
-
-# ATen's factories of uninitialised memory (csrc/core's is_uninitialized_factory_name).
-_UNINITIALIZED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted")
 
 # Schemas that write an argument without saying so: native_batch_norm, cudnn_batch_norm and
 # miopen_batch_norm update the running statistics in training (the reason ATen added
