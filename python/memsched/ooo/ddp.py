@@ -32,14 +32,59 @@ Note [DDP and deferred weight gradients]
   Limitations: module buffers are broadcast only at DDP's first forward (as
   under no_sync); sparse gradients and comm hooks registered on the DDP module
   are not used.
+
+Note [Collectives that gloo's threads release]
+  Rationale: a spawned gloo rank aborted now and then at exit ("terminate called without an active
+  exception", SIGABRT; about 1 run in 20 of the two-rank test). gloo's worker thread (runLoop)
+  destroys a finished collective when it lets go of it. The collective holds `flat`, a tensor made
+  in Python, and the thread-local state captured at the launch, which inside loss.backward() holds
+  a Python object (torch stashes a contextvars context there: _engine_run_backward). Where Python
+  let go first, that destruction takes the GIL from gloo's thread; when it came just as the
+  interpreter was finalising (the last bucket, then a short path to exit), taking the GIL ended the
+  thread inside a noexcept destructor: std::terminate.
+  Approach: the launch runs without torch's stashed context (_without_python_tls: gloo's thread runs
+  no Python), and _finish, before the copy-back, waits -- GIL released -- until gloo's thread has
+  dropped its reference to `flat` (its use count back to Python's one), so the last reference, and
+  with it any Python object, is released here, on the caller's thread. gloo only: NCCL's works are
+  released by its watchdog thread, polled far less often than a bucket takes.
+  Limitations: the wait is bounded (0.1 s; gloo drops its reference microseconds after completing); a
+  reducer whose `flat` is still held then (by something else than gloo) stops waiting for good.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def _without_python_tls():
+    """See Note [Collectives that gloo's threads release]: torch's context stash (torch >= 2.12) is out
+    of the thread-local state for the block, then put back."""
+    has = getattr(torch._C, "_is_key_in_tls", None)
+    if has is None or not hasattr(torch._C, "_remove_obj_from_tls") or not has("context"):
+        yield
+        return
+    stashed = torch._C._get_obj_in_tls("context")
+    torch._C._remove_obj_from_tls("context")
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls("context", stashed)
+
+
+def _released_by_gloo(flat: torch.Tensor, seconds: float = 0.1) -> bool:
+    """See Note [Collectives that gloo's threads release]: whether `flat` came to be referenced by
+    the caller alone within `seconds`, sleeping with the GIL released meanwhile."""
+    deadline = time.monotonic() + seconds
+    while flat._use_count() > 1:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0)
+    return True
 
 
 class BucketReducer:
@@ -48,6 +93,7 @@ class BucketReducer:
         self.group = ddp_model.process_group
         self.world_size = dist.get_world_size(self.group)
         self.params = list(params)
+        self._gloo = dist.get_backend(self.group) == "gloo"  # See Note [Collectives that gloo's threads release]
         cap = int(getattr(ddp_model, "bucket_bytes_cap", 25 * 1024 * 1024))
         config = getattr(ddp_model, "_bucket_config", None)  # torch >= 2.12
         if config is not None:
@@ -112,12 +158,16 @@ class BucketReducer:
         flat = torch.cat(parts)
         flat.div_(self.world_size)
         self.trace.append(("allreduce_start", b, time.perf_counter()))
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        with _without_python_tls():  # See Note [Collectives that gloo's threads release]
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._works[b] = (work, flat)
 
     def _finish(self, b: int) -> List[int]:
         work, flat = self._works.pop(b)
         work.wait()
+        del work  # (flat's one reference left outside Python is then the collective's own)
+        if self._gloo and not _released_by_gloo(flat):  # before any view of flat: a view holds flat too
+            self._gloo = False  # someone else holds it: waiting again would only cost time
         self.trace.append(("allreduce_done", b, time.perf_counter()))
         ids = self.buckets[b]
         flags = flat[flat.numel() - len(ids):]
@@ -141,8 +191,7 @@ class BucketReducer:
         returns their parameter indices (in bucket order)."""
         done: List[int] = []
         while self._finished < self._launched:
-            work, _ = self._works[self._finished]
-            if not work.is_completed():
+            if not self._works[self._finished][0].is_completed():  # (no name left holding the work)
                 break
             done += self._finish(self._finished)
             self._finished += 1
