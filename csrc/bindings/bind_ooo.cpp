@@ -149,6 +149,13 @@ void bind_ooo(py::module_& m) {
       .def("take_partial_units", &DwRuntime::take_partial_units)
       .def_readonly("installed", &DwRuntime::installed)
       .def_readwrite("notify", &DwRuntime::notify)
+      .def_property(
+          "fused", [](const DwRuntime& rt) { return rt.fused; }, &DwRuntime::set_fused,
+          "Whether the owner steps parameters during backward (counted process-wide until shutdown()).")
+      .def("held", &DwRuntime::held, py::arg("param"),
+           "Whether a save of a detached alias held this parameter's fused update to the end of backward.")
+      .def("held_params", &DwRuntime::held_params)
+      .def_readonly("holds", &DwRuntime::holds)
       .def_readwrite("poll_after_defer", &DwRuntime::poll_after_defer)
       .def_readwrite("backward_started", &DwRuntime::backward_started)
       .def_readonly("grad_bytes", &DwRuntime::grad_bytes)

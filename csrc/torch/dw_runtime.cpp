@@ -136,11 +136,77 @@ DwRuntime::~DwRuntime() {
   }
 }
 
+namespace {
+// DwRuntimes with fused set and not shut down; g_fused_installed counts them for the lock-free test.
+std::atomic<int> g_fused_installed{0};
+std::mutex g_fused_mu;
+std::vector<DwRuntime*> g_fused;
+
+void set_registered(DwRuntime* rt, bool on) {
+  std::lock_guard<std::mutex> lock(g_fused_mu);
+  if (on) {
+    g_fused.push_back(rt);
+  } else {
+    g_fused.erase(std::remove(g_fused.begin(), g_fused.end(), rt), g_fused.end());
+  }
+  g_fused_installed.store(static_cast<int>(g_fused.size()), std::memory_order_relaxed);
+}
+}  // namespace
+
+bool fused_update_installed() { return g_fused_installed.load(std::memory_order_relaxed) > 0; }
+
+void note_parameter_alias_saved(const at::Tensor& t) {
+  if (g_fused_installed.load(std::memory_order_relaxed) == 0) return;  // the fast path: no fused update
+  if (!t.defined() || t.requires_grad() || !t.has_storage()) return;
+  std::lock_guard<std::mutex> lock(g_fused_mu);
+  for (DwRuntime* rt : g_fused) rt->hold_if_parameter(t);
+}
+
+void DwRuntime::set_fused(bool on) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!installed || on == fused) return;
+    fused = on;
+  }
+  set_registered(this, on);
+}
+
+bool DwRuntime::hold_if_parameter(const at::Tensor& t) {
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].has_storage() && params_[i].storage().unsafeGetStorageImpl() == storage) {
+      if (held_[i] == 0) holds += 1;
+      held_[i] = 1;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool DwRuntime::held(int32_t param) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return param >= 0 && param < static_cast<int32_t>(held_.size()) && held_[param] != 0;
+}
+
+std::vector<int32_t> DwRuntime::held_params() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < held_.size(); ++i) {
+    if (held_[i] != 0) out.push_back(static_cast<int32_t>(i));
+  }
+  return out;
+}
+
 void DwRuntime::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     installed = false;
     stop_ = true;
+  }
+  if (fused) {
+    set_registered(this, false);  // (g_fused_mu before mu_, as in note_parameter_alias_saved)
+    fused = false;
   }
   wake_.notify_all();
   if (worker_.joinable()) {
@@ -167,6 +233,7 @@ int32_t DwRuntime::add_param(const at::Tensor& param, int32_t bucket) {
   autograd_expected_.push_back(0);
   hook_expected_.push_back(0);
   seen_.emplace_back();
+  held_.push_back(0);
   stash_.emplace_back();
   deferred_used_.push_back(0);
   hook_dicts_.emplace_back();
@@ -196,6 +263,7 @@ void DwRuntime::begin_iteration(bool last_micro_step) {
   std::fill(hook_expected_.begin(), hook_expected_.end(), 0);
   std::fill(seen_.begin(), seen_.end(), AutogradSeen{});
   std::fill(deferred_used_.begin(), deferred_used_.end(), 0);
+  std::fill(held_.begin(), held_.end(), 0);  // the forward's saves hold them again
 }
 
 void DwRuntime::expect_contribution(int32_t param) {
@@ -440,6 +508,9 @@ void DwRuntime::collect(const DwCompletion& done, Completion* out) {
     std::vector<int32_t>& ready = unit_ready_[u];
     ready.push_back(i);
     if (static_cast<int32_t>(ready.size()) >= unit_size_[u]) {
+      // See Note [A parameter read after its gradient is final] (backward.py): a held unit stays
+      // here, complete, until the end of backward (take_partial_units).
+      if (std::any_of(ready.begin(), ready.end(), [this](int32_t j) { return held_[j] != 0; })) continue;
       out->groups.push_back(std::move(ready));
       ready = std::vector<int32_t>();
     }

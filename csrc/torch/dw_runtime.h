@@ -131,6 +131,16 @@ std::vector<at::Tensor> compute_dw(const DwItem& item, bool want_weight, bool wa
 // *captured is set when the pass is torch.autograd.grad() asking for that leaf's gradient.
 bool engine_runs(torch::autograd::Node* node, bool* captured);
 
+// Whether some installed out-of-order backward steps parameters during backward (a DwRuntime
+// with set_fused(true) and not shut down): the saved-tensor version check then names the fused
+// update as a cause plain PyTorch does not have (version_holds in saved_tensor_path.cpp).
+bool fused_update_installed();
+// A save of `t`, which carries no gradient (a parameter's .detach() or .data, or a view of one):
+// every fused runtime holds the parameter whose storage it aliases, if any (See Note [A parameter
+// read after its gradient is final] in backward.py). Called by memsched's pack hooks; a relaxed
+// load and nothing else while no fused update is installed.
+void note_parameter_alias_saved(const at::Tensor& t);
+
 class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
  public:
   enum class Executor { kInline, kThread, kStream };
@@ -178,6 +188,15 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void abandon();
   // Stops the worker; the Functions' items then run plainly (the owner was removed).
   void shutdown();
+  // Whether this runtime's owner steps parameters during backward (fuse_optimizer=True); counted
+  // process-wide while installed, for fused_update_installed() and note_parameter_alias_saved().
+  void set_fused(bool fused);
+  // See Note [A parameter read after its gradient is final] (backward.py): the parameter whose
+  // storage `t` aliases (if any) is held this iteration: its step unit is not handed over when
+  // final, but at the end of backward (take_partial_units). Returns whether one was held.
+  bool hold_if_parameter(const at::Tensor& t);
+  bool held(int32_t param);                // held this iteration
+  std::vector<int32_t> held_params();      // held this iteration, in index order
 
   // -- forward: use counting (See Note [AccumulateGrad gate] in backward.py) --------------------
   // Each returns -1, or the index of a parameter used by a forward that runs during backward
@@ -262,6 +281,8 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void start_tracking();  // grad_bytes = the .grad bytes held now
 
   bool installed = true;          // false after shutdown(): Functions return gradients plainly
+  bool fused = false;             // set_fused(): counted in fused_update_installed() until shutdown()
+  int64_t holds = 0;              // COUNT: parameters hold_if_parameter() held, over all iterations
   bool notify = false;            // call owner._on_ready (fused update or DDP) on the last micro-step
   bool poll_after_defer = false;  // call owner._poll_reducer() after each deferred item (DDP)
   bool backward_started = false;  // owner._backward_started ran for this iteration
@@ -348,6 +369,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<char> autograd_expected_;         // per parameter: an autograd use was counted this iteration
   std::vector<char> hook_expected_;             // per parameter: its AccumulateGrad contribution is awaited
   std::vector<AutogradSeen> seen_;              // per parameter
+  std::vector<uint8_t> held_;                   // per parameter: hold_if_parameter() this iteration
   std::vector<at::Tensor> stash_;               // per parameter: the parked .grad of a mixed parameter
   std::vector<char> deferred_used_;             // per parameter: a deferred use counted this iteration
   struct HookDicts {                            // See set_hook_dicts(); read and released with the GIL

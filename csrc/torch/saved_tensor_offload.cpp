@@ -462,8 +462,7 @@ PyObject* SavedTensorPath::unpack_offloaded(PyObject* packed) {
     const std::string message =
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         "saved activation " + h.label + " is at version " + std::to_string(now) + "; expected version " +
-        std::to_string(h.version) + " instead. (memsched checks this itself because saved-tensor hooks turn "
-        "PyTorch's own check off; plain PyTorch raises the same error.)";
+        std::to_string(h.version) + " instead." + version_error_tail(false, false);
     PyErr_SetString(PyExc_RuntimeError, message.c_str());
     return nullptr;
   }

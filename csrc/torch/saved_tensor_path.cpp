@@ -16,6 +16,7 @@
 
 #include "core/check.h"
 #include "torch/capsule_function.h"
+#include "torch/dw_runtime.h"
 
 namespace py = pybind11;
 
@@ -233,6 +234,7 @@ PyObject* SavedTensorPath::pack_saved(PyObject* obj, const at::Tensor& t) {
   const uint32_t version = t._version();
   if (act.ordinal < 0) {
     // A parameter or buffer: a leaf (no reference cycle), kept and version-checked.
+    note_parameter_alias_saved(t);  // See Note [A parameter read after its gradient is final] (backward.py)
     return kept_save(-1, t, version);
   }
   const int64_t k = act.ordinal;
@@ -321,6 +323,27 @@ PyObject* SavedTensorPath::unpack(PyObject* packed) {
   END_HANDLE_TH_ERRORS
 }
 
+std::string version_error_tail(bool parameter_itself, bool without_grad) {
+  std::string tail =
+      " (memsched checks this itself because saved-tensor hooks turn PyTorch's own check off; plain PyTorch "
+      "raises the same error";
+  if (parameter_itself) {
+    return tail + ", unless a fused optimizer update (fuse_optimizer=True) stepped this parameter in an earlier "
+                  "backward pass over the same graph: a second backward pass over a retained graph is not "
+                  "supported there.)";
+  }
+  if (without_grad && fused_update_installed()) {
+    // See Note [A parameter read after its gradient is final] (backward.py): what the hold misses.
+    return tail + ", unless this tensor is a parameter read through an alias that carries no gradient to it "
+                  "(weight.detach()) and the fused optimizer update (fuse_optimizer=True) had already stepped "
+                  "that parameter in this backward pass, its gradient being final: plain PyTorch steps after "
+                  "backward. memsched.optimize(..., fuse_optimizer=True) holds such a parameter's update to the "
+                  "end of backward when its own hooks see the save; OutOfOrderBackward alone does not. Use "
+                  "memsched.optimize, or fuse_optimizer=False.)";
+  }
+  return tail + ".)";
+}
+
 bool version_holds(const at::Tensor& t, uint64_t expected) {
   const uint32_t version = t._version();
   if (version == expected) return true;
@@ -328,13 +351,8 @@ bool version_holds(const at::Tensor& t, uint64_t expected) {
   const std::string message =
       "one of the variables needed for gradient computation has been modified by an inplace operation: "
       "a saved tensor of shape " + shape_string(t) + " is at version " + std::to_string(version) +
-      "; expected version " + std::to_string(expected) +
-      " instead. (memsched checks this itself because saved-tensor hooks turn PyTorch's own check off; "
-      "plain PyTorch raises the same error" +
-      std::string(t.is_leaf() && t.requires_grad() ? ", unless a fused optimizer update (fuse_optimizer=True) stepped this parameter in an "
-                              "earlier backward pass over the same graph: a second backward pass over a retained "
-                              "graph is not supported there.)"
-                            : ".)");
+      "; expected version " + std::to_string(expected) + " instead." +
+      version_error_tail(t.is_leaf() && t.requires_grad(), !t.requires_grad());
   PyErr_SetString(PyExc_RuntimeError, message.c_str());
   return false;
 }
@@ -346,6 +364,7 @@ PyObject* kept_pack(PyObject* obj) {
     return nullptr;
   }
   const at::Tensor& t = THPVariable_Unpack(obj);
+  note_parameter_alias_saved(t);  // See Note [A parameter read after its gradient is final] (backward.py)
   return kept_save(-1, saved_by_its_own_node(t) ? without_history(t) : t, t._version());
   END_HANDLE_TH_ERRORS
 }

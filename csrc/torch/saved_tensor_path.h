@@ -54,6 +54,10 @@ PyObject* kept_unpack(PyObject* packed);
 // A KeptSave of `t` at ordinal k: an op's own output without its history (Note [Keeping an output
 // without its history]), any other tensor as it is; version-checked at unpack.
 PyObject* kept_alias(int64_t ordinal, const at::Tensor& t);
+// The end of the in-place-modification error of a version check, from " (memsched checks this
+// itself ...": where plain PyTorch raises it too, and where a fused optimizer update made it
+// (parameter_itself: the saved tensor is a parameter; without_grad: it carries no gradient).
+std::string version_error_tail(bool parameter_itself, bool without_grad);
 // Whether `obj` is an OffloadedSave (saved_tensor_offload.cpp).
 bool is_offloaded_save(PyObject* obj);
 

@@ -1004,7 +1004,10 @@ class Run:
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)
         # See Note [A plan with nothing to do] (offload/executor.py): keep all, no budget to hold
-        self.executor.hookless = self.budget_spec is None and self.plan is None and not self.timeline
+        # ... unless a fused update holds a parameter its hooks saw saved without gradient (Note [A
+        # parameter read after its gradient is final] in ooo/backward.py): only a pack hook sees that
+        self.executor.hookless = (self.budget_spec is None and self.plan is None and not self.timeline
+                                  and (self.ooo_ is None or not self.ooo_.holds_seen))
         self._arm_memory_guard(trace)
         self.executor.active = True
 

@@ -98,6 +98,34 @@ Note [A failed backward]
   update (plain PyTorch, whose step follows backward, updates none); a RuntimeWarning names how
   many when the iteration is abandoned.
 
+Note [A parameter read after its gradient is final]
+  Rationale: the fused update steps a parameter in place once its gradient is final. A backward
+  node that reads the parameter but sends it no gradient can still run after that: the node of
+  `h = x @ w.detach().t()` or `x @ w.data.t()`, earlier in the forward than w's last gradient
+  use, has no edge to w's AccumulateGrad. `.detach()` shares w's version counter, so the saved
+  tensor's version check raised mid-backward, with some parameters already stepped, where plain
+  PyTorch (step after backward) trains; `.data` has a counter of its own, so the node silently read
+  the stepped weights: a wrong gradient (found by probing reads of a weight after its final
+  gradient; PyTorch's own optimizer-in-backward recipe, register_post_accumulate_grad_hook, does
+  the same).
+  Approach: memsched's pack hooks (the executor's and the profiler's: every step under
+  memsched.optimize) pass each save of a parameter's storage that carries no gradient to
+  note_parameter_alias_saved (csrc/torch/dw_runtime.h); every installed fused runtime holds the
+  parameter whose storage it aliases, for this iteration (cleared at the next begin_iteration).
+  A held parameter's step unit is not handed over when final but stays complete until the end of
+  backward, where _flush_ready steps it with the partial units; under DDP its bucket's update
+  leaves it out and the end of backward steps it after wait_all(). Its gradient lives until then
+  (peak_grad_bytes shows it). A save that is the parameter itself, or a view that requires grad, is
+  not a hold: its node feeds the parameter's AccumulateGrad, which runs after it.
+  memsched.optimize runs a step without saved-tensor hooks when it has nothing to do (Note [A plan
+  with nothing to do] in offload/executor.py) only while no hold was ever seen (DwRuntime.holds).
+  Limitations: OutOfOrderBackward without memsched.optimize has no pack hooks of memsched's and
+  holds nothing: a `.detach()` alias raises PyTorch's in-place error, a `.data` alias reads the
+  stepped weights. A read that is not a save at all (a custom Function's backward reading a
+  module's weight kept on ctx as an attribute) is seen by no hook and reads the stepped weights,
+  as under PyTorch's recipe. The version-check error names the case when a fused update is
+  installed (version_error_tail in csrc/torch/saved_tensor_path.cpp).
+
 Note [Parameters added or unfrozen after install]
   Rationale: a parameter that requires grad but was not registered at install is neither
   deferred nor (fused) updated; it must be refused at the next forward. Walking the model's
@@ -828,6 +856,7 @@ class OutOfOrderBackward:
         for i, p in enumerate(self._params):
             rt.add_param(p, self._reducer.bucket_of[i] if self._reducer is not None else -1)
         rt.notify = self._stepper is not None or self._reducer is not None
+        rt.fused = self._stepper is not None  # See Note [A parameter read after its gradient is final]
         if self._stepper is not None and self._reducer is None:
             rt.set_units(self._unit_of)  # final parameters come back a whole unit at a time
         rt.poll_after_defer = self._reducer is not None
@@ -1489,14 +1518,20 @@ class OutOfOrderBackward:
     def _flush_ready(self) -> None:
         """End of backward: units some of whose parameters got no gradient are stepped as they are."""
         if self._stepper is not None and self._reducer is None:
-            for idx in self._rt.take_partial_units():
-                self._step_params(idx)
+            for idx in self._rt.take_partial_units():  # held units too (Note [A parameter read after ...])
+                self._step_params(idx, at_end=True)
 
-    def _step_params(self, idx: Sequence[int]) -> None:
+    def _step_params(self, idx: Sequence[int], at_end: bool = False) -> None:
         """One grouped optimizer update of the parameters idx (See Note [Grouped step through torch's
-        functional optimizer] in fused.py); frees their gradients."""
+        functional optimizer] in fused.py); frees their gradients. Before the end of backward, a DDP
+        bucket's held parameters wait for it (Note [A parameter read after its gradient is final])."""
         if self._stepper is None:
             return
+        if not at_end and self._reducer is not None:
+            held = self._rt.held_params()
+            if held:
+                held = set(held)
+                idx = [i for i in idx if i not in held]
         idx = self._rt.step_native(list(idx))  # those the C++ Adam update covers (set_adam)
         params = [p for p in (self._params[i] for i in idx) if p.grad is not None and self._stepper.owns(p)]
         if not params:
@@ -1661,6 +1696,7 @@ class OutOfOrderBackward:
             if self._reducer is not None and self._last_micro_step():
                 self._step_params(self._reducer.poll())
                 self._step_params(self._reducer.wait_all())
+                self._step_params(self._rt.held_params(), at_end=True)  # Note [A parameter read after ...]
             self._flush_ready()
             if self._stepper is not None and self._reducer is None and self._last_micro_step():
                 self._step_leftovers()
@@ -1708,6 +1744,12 @@ class OutOfOrderBackward:
         parameters it steps (its optimizer's): p's gradient was used and freed (See Note [Clipping and
         fused updates] in clip_guard.py)."""
         return self._updated_since_step and self._stepper is not None and self._stepper.owns(p)
+
+    @property
+    def holds_seen(self) -> bool:
+        """Whether a save ever held a parameter's fused update to the end of backward (See Note [A
+        parameter read after its gradient is final])."""
+        return self._rt is not None and self._rt.holds > 0
 
     @property
     def updating(self) -> bool:

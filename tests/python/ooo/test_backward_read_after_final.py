@@ -1,0 +1,181 @@
+"""A parameter that a backward node reads after the parameter's gradient is final (Note [A parameter
+read after its gradient is final] in ooo/backward.py): early in the forward the model reads a
+weight through an alias that sends it no gradient (`weight.detach()`, `weight.data`, a row of
+`weight.detach()`); later the weight's own layer uses it with gradient. The fused update used to
+step the weight at its final gradient, before the early read's backward node ran: with `.data` that
+node silently read the stepped weights (parameters 4.5e-3 off plain after 4 steps), with `.detach()`
+the version check raised mid-backward. Under memsched.optimize such a parameter's update waits for
+the end of backward: parameters equal plain PyTorch's bit for bit."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memsched
+from memsched import _C
+
+STEPS = 4
+
+
+class EarlyRead(nn.Module):
+    """`b.weight` read at the start through `alias` (no gradient to it), then used by `b`."""
+
+    def __init__(self, alias):
+        super().__init__()
+        self.alias = alias
+        self.c, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.c(x)
+        if hasattr(self, "probe"):
+            x = self.probe(x)
+        w = self.b.weight
+        if self.alias == "detach":
+            x = x @ w.detach().t()
+        elif self.alias == "data":
+            x = x @ w.data.t()
+        elif self.alias == "detach_row":
+            x = x * w.detach()[0]  # mul saves the row: a view on b.weight's storage
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _batches(n=STEPS):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(4, 8, generator=g) for _ in range(n)]
+
+
+def _optimizer(kind, params):
+    if kind == "adamw":  # the C++ Adam update (Note [Adam plan for the C++ update] in fused.py)
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)  # the grouped Python update
+
+
+def _plain(model, opt, accumulation):
+    for k, x in enumerate(_batches()):
+        model(x).square().sum().backward()
+        if (k + 1) % accumulation == 0:
+            opt.step()
+            opt.zero_grad()
+
+
+def _assert_bitwise(a, b):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"{n}: max |diff| {(p - q).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("alias", ["data", "detach", "detach_row"])
+@pytest.mark.parametrize("options", [dict(), dict(timeline=True), dict(grad_accumulation_steps=2)],
+                         ids=["no-hooks-after-profile", "hooks-every-step", "accumulate2"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_weight_read_early_through_an_alias_trains_as_plain(alias, options, optimizer):
+    torch.manual_seed(0)
+    base = EarlyRead(alias)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    accumulation = options.get("grad_accumulation_steps", 1)
+    _plain(ref, _optimizer(optimizer, ref.parameters()), accumulation)
+    opt = _optimizer(optimizer, model.parameters())
+    with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True, **options) as run:
+        for x in _batches():
+            model(x).square().sum().backward()
+            run.step()
+        assert run.ooo_.holds_seen
+    _assert_bitwise(ref, model)
+
+
+def test_a_model_without_such_reads_holds_nothing():
+    """Holds cost the hook-free steps of a plan with nothing to do: a plain model has none."""
+    torch.manual_seed(0)
+    model = EarlyRead("none")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True) as run:
+        for x in _batches():
+            model(x).square().sum().backward()
+            run.step()
+        assert not run.ooo_.holds_seen
+        assert run.executor.hookless
+
+
+def test_only_the_held_weight_waits():
+    """At the early read's backward node, b.weight (held) still has its forward-time values, while
+    a.weight, whose gradient was final before, was already stepped and its gradient freed."""
+    torch.manual_seed(0)
+    model = EarlyRead("data")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.b_weight = model.b.weight.detach().clone()
+            ctx.a_weight = model.a.weight.detach().clone()
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # after the nodes of b, a and the early read; before c's
+            seen.append((torch.equal(model.b.weight, ctx.b_weight), torch.equal(model.a.weight, ctx.a_weight),
+                         model.a.weight.grad is None))
+            return g
+
+    model.probe = Probe.apply
+    with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True) as run:
+        for x in _batches():
+            model(x).square().sum().backward()
+            run.step()
+    assert len(seen) == STEPS
+    assert all(b_unchanged for b_unchanged, _, _ in seen), seen
+    assert all(not a_unchanged and a_freed for _, a_unchanged, a_freed in seen), seen
+
+
+def _ddp_worker(rank, port, out):
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from memsched.ooo import OutOfOrderBackward
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        results = {}
+        for mode in ("plain", "fused"):
+            torch.manual_seed(0)
+            model = EarlyRead("data")
+            ddp = DDP(model, bucket_cap_mb=0.0001)  # a bucket per few parameters
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+            ooo = OutOfOrderBackward(ddp, opt, fuse_optimizer=True) if mode == "fused" else None
+            if ooo is not None:
+                ooo.install()
+            try:
+                for k in range(3):
+                    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * k + rank))
+                    # memsched's own pack hooks, which memsched.optimize pushes, see the alias
+                    with torch.autograd.graph.saved_tensors_hooks(_C.kept_pack, _C.kept_unpack):
+                        loss = ddp(x).square().sum()
+                    loss.backward()
+                    if ooo is None or ooo.step():
+                        opt.step()
+                    opt.zero_grad()
+                results[mode] = [p.detach().clone() for p in model.parameters()]
+                results[mode + "_held"] = ooo.holds_seen if ooo is not None else None
+            finally:
+                if ooo is not None:
+                    ooo.remove()
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_ddp_a_held_weight_leaves_its_bucket_and_trains_as_plain_ddp(tmp_path):
+    from spawn_helpers import free_port, spawn_and_wait
+
+    out = str(tmp_path / "params.pt")
+    spawn_and_wait(_ddp_worker, (free_port(), out), 2)
+    for rank in range(2):
+        r = torch.load(f"{out}.{rank}", weights_only=False)
+        assert r["fused_held"]
+        for i, (p, q) in enumerate(zip(r["plain"], r["fused"])):
+            assert torch.equal(p, q), f"rank {rank} parameter {i}: max |diff| {(p - q).abs().max().item():.3g}"
