@@ -123,8 +123,10 @@ Note [A parameter read after its gradient is final]
   holds nothing: a `.detach()` alias raises PyTorch's in-place error, a `.data` alias reads the
   stepped weights. A read that is not a save at all (a custom Function's backward reading a
   module's weight kept on ctx as an attribute) is seen by no hook and reads the stepped weights,
-  as under PyTorch's recipe. The version-check error names the case when a fused update is
-  installed (version_error_tail in csrc/torch/saved_tensor_path.cpp).
+  as under PyTorch's recipe. A save of this kind that first appears in a step run without hooks (a
+  code path the profiled step did not take, under a plan with nothing to do) is not seen either. The
+  version-check error names the case when a fused update is installed (version_error_tail in
+  csrc/torch/saved_tensor_path.cpp).
 
 Note [Parameters added or unfrozen after install]
   Rationale: a parameter that requires grad but was not registered at install is neither
