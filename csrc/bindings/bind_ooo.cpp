@@ -156,6 +156,8 @@ void bind_ooo(py::module_& m) {
            "Whether a save of a detached alias held this parameter's fused update to the end of backward.")
       .def("held_params", &DwRuntime::held_params)
       .def_readonly("holds", &DwRuntime::holds)
+      .def("snapshot_versions", &DwRuntime::snapshot_versions)
+      .def("first_changed_version", &DwRuntime::first_changed_version)
       .def_readwrite("poll_after_defer", &DwRuntime::poll_after_defer)
       .def_readwrite("backward_started", &DwRuntime::backward_started)
       .def_readonly("grad_bytes", &DwRuntime::grad_bytes)

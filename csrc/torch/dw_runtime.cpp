@@ -174,14 +174,49 @@ void DwRuntime::set_fused(bool on) {
 bool DwRuntime::hold_if_parameter(const at::Tensor& t) {
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
+  if (!by_storage_valid_) map_storages();
+  const auto hit = by_storage_.find(storage);
+  if (hit == by_storage_.end()) return false;
+  for (int32_t i : hit->second) {
+    if (held_[i] == 0) holds += 1;
+    held_[i] = 1;
+  }
+  return true;
+}
+
+void DwRuntime::map_storages() {
+  // (`p.data = ...` between iterations gives a parameter another storage: rebuilt every iteration)
+  by_storage_.clear();
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].has_storage() && params_[i].storage().unsafeGetStorageImpl() == storage) {
-      if (held_[i] == 0) holds += 1;
-      held_[i] = 1;
-      return true;
+    if (params_[i].has_storage()) {
+      by_storage_[params_[i].storage().unsafeGetStorageImpl()].push_back(static_cast<int32_t>(i));
     }
   }
-  return false;
+  by_storage_valid_ = true;
+  // Parameters that are views of one buffer (nn.Parameter(flat[a:b].view(...))) share its version
+  // counter: stepping one in place mid-backward failed the version check of another's saved tensor,
+  // where plain PyTorch trains. They are held (See Note [A parameter read after its gradient is final]).
+  for (const auto& entry : by_storage_) {
+    if (entry.second.size() < 2) continue;
+    for (int32_t i : entry.second) {
+      if (held_[i] == 0) holds += 1;
+      held_[i] = 1;
+    }
+  }
+}
+
+void DwRuntime::snapshot_versions() {
+  std::lock_guard<std::mutex> lock(mu_);
+  versions_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) versions_[i] = params_[i]._version();
+}
+
+int32_t DwRuntime::first_changed_version() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < versions_.size() && i < params_.size(); ++i) {
+    if (params_[i]._version() != versions_[i]) return static_cast<int32_t>(i);
+  }
+  return -1;
 }
 
 bool DwRuntime::held(int32_t param) {
@@ -234,6 +269,7 @@ int32_t DwRuntime::add_param(const at::Tensor& param, int32_t bucket) {
   hook_expected_.push_back(0);
   seen_.emplace_back();
   held_.push_back(0);
+  by_storage_valid_ = false;
   stash_.emplace_back();
   deferred_used_.push_back(0);
   hook_dicts_.emplace_back();
@@ -264,6 +300,8 @@ void DwRuntime::begin_iteration(bool last_micro_step) {
   std::fill(seen_.begin(), seen_.end(), AutogradSeen{});
   std::fill(deferred_used_.begin(), deferred_used_.end(), 0);
   std::fill(held_.begin(), held_.end(), 0);  // the forward's saves hold them again
+  by_storage_valid_ = false;
+  if (fused) map_storages();  // parameters sharing a storage are held at once
 }
 
 void DwRuntime::expect_contribution(int32_t param) {

@@ -196,6 +196,10 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // final, but at the end of backward (take_partial_units). Returns whether one was held.
   bool hold_if_parameter(const at::Tensor& t);
   bool held(int32_t param);                // held this iteration
+  // See Note [Edits between backward and the step boundary] (backward.py): every parameter's
+  // version now; then the first parameter whose version changed since (-1: none).
+  void snapshot_versions();
+  int32_t first_changed_version();
   std::vector<int32_t> held_params();      // held this iteration, in index order
 
   // -- forward: use counting (See Note [AccumulateGrad gate] in backward.py) --------------------
@@ -370,6 +374,11 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<char> hook_expected_;             // per parameter: its AccumulateGrad contribution is awaited
   std::vector<AutogradSeen> seen_;              // per parameter
   std::vector<uint8_t> held_;                   // per parameter: hold_if_parameter() this iteration
+  // storage -> parameters on it, for hold_if_parameter(); rebuilt at its first use in an iteration
+  std::unordered_map<const c10::StorageImpl*, std::vector<int32_t>> by_storage_;
+  bool by_storage_valid_ = false;
+  std::vector<uint32_t> versions_;  // snapshot_versions()
+  void map_storages();  // under the lock: by_storage_, and holds for parameters sharing a storage
   std::vector<at::Tensor> stash_;               // per parameter: the parked .grad of a mixed parameter
   std::vector<char> deferred_used_;             // per parameter: a deferred use counted this iteration
   struct HookDicts {                            // See set_hook_dicts(); read and released with the GIL

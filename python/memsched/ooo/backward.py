@@ -116,17 +116,38 @@ Note [A parameter read after its gradient is final]
   backward, where _flush_ready steps it with the partial units; under DDP its bucket's update
   leaves it out and the end of backward steps it after wait_all(). Its gradient lives until then
   (peak_grad_bytes shows it). A save that is the parameter itself, or a view that requires grad, is
-  not a hold: its node feeds the parameter's AccumulateGrad, which runs after it.
+  not a hold: its node feeds the parameter's AccumulateGrad, which runs after it. Parameters that
+  are views of one buffer (nn.Parameter(flat[a:b].view(...))) share its version counter: stepping
+  one in place failed the version check of another's saved tensor (found by probing), so
+  DwRuntime.map_storages holds every parameter sharing its storage with another, at every iteration.
   memsched.optimize runs a step without saved-tensor hooks when it has nothing to do (Note [A plan
   with nothing to do] in offload/executor.py) only while no hold was ever seen (DwRuntime.holds).
-  Limitations: OutOfOrderBackward without memsched.optimize has no pack hooks of memsched's and
+  Limitations: a save under the caller's own saved-tensor hooks (save_on_cpu, a non-reentrant
+  checkpoint, whose recompute in backward then reads the stepped weight) reaches those hooks, not
+  memsched's. OutOfOrderBackward without memsched.optimize has no pack hooks of memsched's and
   holds nothing: a `.detach()` alias raises PyTorch's in-place error, a `.data` alias reads the
   stepped weights. A read that is not a save at all (a custom Function's backward reading a
-  module's weight kept on ctx as an attribute) is seen by no hook and reads the stepped weights,
-  as under PyTorch's recipe. A save of this kind that first appears in a step run without hooks (a
+  module's weight kept on ctx as an attribute, a tensor hook or another parameter's
+  post-accumulate-grad hook reading a weight) is seen by no hook and reads the stepped weights, as
+  under PyTorch's recipe. A save of this kind that first appears in a step run without hooks (a
   code path the profiled step did not take, under a plan with nothing to do) is not seen either. The
   version-check error names the case when a fused update is installed (version_error_tail in
   csrc/torch/saved_tensor_path.cpp).
+
+Note [Edits between backward and the step boundary]
+  Rationale: plain PyTorch's optimizer.step() reads the hyper-parameters and the parameters at the
+  step; the fused update ran during backward, with the values of then. A loop that sets the
+  learning rate between loss.backward() and optimizer.step() (a warm-up written there), calls its
+  scheduler's step() before the optimizer's, or edits a parameter in place there (a clamp under
+  no_grad) trained differently with no word (found by probing: 3.4e-2 off plain after 3 steps).
+  Approach: at the end of the last micro-step's backward, after the update, the groups' hyper-
+  parameters (every entry but "params"; a tensor by identity and version) and the parameters'
+  version counters (DwRuntime.snapshot_versions) are noted; at the step boundary (step(), and
+  memsched.optimize's run.step() or routed optimizer.step()) a change to either warns once,
+  naming it, that the update already used the values of before and how to order the loop. The
+  update is not redone: it cannot be taken back.
+  Limitations: an edit through .data (no version bump) is not seen; a change made and undone in
+  between is not either.
 
 Note [Parameters added or unfrozen after install]
   Rationale: a parameter that requires grad but was not registered at install is neither
@@ -411,6 +432,13 @@ from memsched.units import parse_bytes
 DEFAULT_MAX_DEFERRED_BYTES = 64 * 1024 * 1024
 
 _CONV_TYPES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+
+
+def _hypers(optimizer) -> list:
+    """Every param group's entries but "params", a tensor as (identity, version) (See Note [Edits
+    between backward and the step boundary])."""
+    return [{k: (id(v), v._version) if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
 
 
 def _eligible(module: nn.Module) -> bool:
@@ -734,6 +762,8 @@ class OutOfOrderBackward:
         self._micro_step = 0
         self._backwards_since_step = 0   # backward passes since the last step()
         self._updated_since_step = False # a fused update ran since the last step()
+        self._hypers_at_update = []      # See Note [Edits between backward and the step boundary]
+        self._warned_late_edit = False
         self._iterations = 0
         self._fused_steps = 0
         self._native_seen = 0  # the runtime's native_updates at the end of the last backward
@@ -1720,6 +1750,9 @@ class OutOfOrderBackward:
         self._last_peak_grad_bytes = rt.peak_grad_bytes
         if self._stepper is not None and self._last_micro_step():
             self._updated_since_step = True
+            # See Note [Edits between backward and the step boundary]
+            self._hypers_at_update = _hypers(self.optimizer)
+            rt.snapshot_versions()
         self._micro_step += 1
         self._backwards_since_step += 1
         self._iterations += 1
@@ -1785,6 +1818,8 @@ class OutOfOrderBackward:
                                 "deferred weight gradients were dropped and parameters not yet updated keep "
                                 "their old values. Zero the gradients and run the step again.")
         ran = self._backwards_since_step
+        if self._updated_since_step and not self._warned_late_edit:
+            self._check_late_edits()
         self._backwards_since_step = 0
         self._updated_since_step = False
         if declares_zeroing:
@@ -1797,6 +1832,31 @@ class OutOfOrderBackward:
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
         return True
+
+    def _check_late_edits(self) -> None:
+        """See Note [Edits between backward and the step boundary]: warns once when the hyper-parameters
+        or a parameter changed since the fused update of the last backward pass."""
+        what = ""
+        now = _hypers(self.optimizer)
+        if now != self._hypers_at_update:
+            changed = [f"param group {g}: {k} {before[k]!r} -> {after.get(k)!r}"
+                       for g, (before, after) in enumerate(zip(self._hypers_at_update, now))
+                       for k in before if before[k] != after.get(k)]
+            what = "the optimizer's hyper-parameters changed (" + ("; ".join(changed[:3]) or "param groups") + ")"
+        else:
+            i = self._rt.first_changed_version()
+            if i >= 0:
+                what = f"parameter {self._name(i)} was modified in place"
+        if not what:
+            return
+        self._warned_late_edit = True
+        warnings.warn(
+            f"memsched: {what} between the backward pass and the step boundary; with fuse_optimizer=True every "
+            f"parameter was already updated during that backward pass, with the values of before, where plain "
+            f"PyTorch's optimizer.step() would use the new ones. Make such changes before backward (set the "
+            f"learning rate before the forward; call the LR scheduler's step() after the step boundary) or use "
+            f"fuse_optimizer=False (Note [Edits between backward and the step boundary] in memsched/ooo/backward.py). "
+            f"Warned once.", RuntimeWarning, stacklevel=3)
 
     def _name(self, i: int) -> str:
         root = self.model

@@ -200,3 +200,38 @@ def test_under_ddp_a_held_weight_leaves_its_bucket_and_trains_as_plain_ddp(tmp_p
         assert r["held"]
         for i, (p, q) in enumerate(zip(r["plain"], r["fused"])):
             assert torch.equal(p, q), f"rank {rank} parameter {i}: max |diff| {(p - q).abs().max().item():.3g}"
+
+
+class FlatMLP(nn.Module):
+    """Parameters that are views of one flat buffer (a "contiguous parameters" layout): they share its
+    storage and version counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0, self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        slots = [(m, n) for m in (self.l0, self.l1, self.l2) for n in ("weight", "bias")]
+        flat = torch.cat([getattr(m, n).detach().reshape(-1) for m, n in slots])
+        offset = 0
+        for m, n in slots:
+            shape = getattr(m, n).shape
+            setattr(m, n, nn.Parameter(flat[offset:offset + shape.numel()].view(shape)))
+            offset += shape.numel()
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(torch.relu(self.l0(x)))))
+
+
+def test_parameters_viewing_one_buffer_train_as_plain():
+    """Stepping l2 in place mid-backward bumped the shared counter, and l1's saved weight then failed
+    the version check (a message saying plain PyTorch raises too), with l2 already stepped."""
+    torch.manual_seed(0)
+    ref = FlatMLP()
+    torch.manual_seed(0)
+    model = FlatMLP()
+    _plain(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True) as run:
+        for x in _batches():
+            model(x).square().sum().backward()
+            run.step()
+    _assert_bitwise(ref, model)
