@@ -246,6 +246,14 @@ _STEP_BOUNDARY_FIX = ("memsched ends a step at run.step(), or at optimizer.step(
 
 
 # -- the pieces of other issues, behind one seam each (tests may substitute stand-ins) -----------------
+def _fused_refusal_note(stepped, total):
+    """The end of a budget refusal at a step boundary whose backward pass already ran the fused update."""
+    return (f" With fuse_optimizer=True this step's update already ran during its backward pass ({stepped} of "
+            f"{total} parameters stepped, with the optimizer's state), and a refusal cannot take it back: the "
+            f"model and optimizer are one update further than before this step. To retry as plain PyTorch "
+            f"would, restore both (a copy or checkpoint taken before the first step) before running the loop again.")
+
+
 def start_profile(model, optimizer, device, offload=None):
     """Start recording one step (called at the step's first forward): a started
     memsched.profiler.ProfilerSession, whose stop() returns the memsched.Trace and whose abort()
@@ -566,14 +574,19 @@ class Run:
             try:
                 self._adopt_trace(trace)
             except _C.MemschedError as e:
+                stepped = self.ooo_.stepped_since_boundary if self.ooo_ is not None else 0
                 self._refused_profile()
-                if not why:
+                if not why and not stepped:
                     raise
-                self.reprofile_why_ = why  # the next profile is this one again
-                # a budget accepted at the first step, refused for the step as it is now: say why it changed
-                raise _C.MemschedError(
-                    f"memsched: the training step changed after its budget was accepted ({why}), so it was "
-                    f"profiled again, and the new step cannot be planned within the budget: {e}") from e
+                message = str(e)
+                if why:
+                    self.reprofile_why_ = why  # the next profile is this one again
+                    # a budget accepted at the first step, refused for the step as it is now: say why it changed
+                    message = (f"memsched: the training step changed after its budget was accepted ({why}), so it "
+                               f"was profiled again, and the new step cannot be planned within the budget: {message}")
+                if stepped:
+                    message = message.rstrip().rstrip(".") + "." + _fused_refusal_note(stepped, len(self.ooo_._params))
+                raise _C.MemschedError(message) from e
             except BaseException:
                 self._refused_profile()
                 raise
@@ -596,7 +609,8 @@ class Run:
         """No plan for this budget: the optimizer did not step (a fused update already ran in backward, as
         plain's step would have), and the step's gradients are dropped (set to None, as run.step() leaves
         them after every step), so a retry with the budget the error names trains as plain PyTorch would.
-        The next step is profiled again -- and refused again -- rather than run plainly without a word.
+        With the fused update the step's update ran in its backward pass and stays: the refusal says so
+        (_fused_refusal_note), so a retry restores model and optimizer first. The next step is profiled again -- and refused again -- rather than run plainly without a word.
         Out-of-order backward's step ends here too, or its next backward pass would count this one (an
         accumulation error)."""
         self._drop_gradients()

@@ -2,6 +2,7 @@
 least_working_budget / fraction_refusal): a retry with the figure the error names trains, for every
 planner -- never a second refusal naming another figure (the first error named the least budget any
 plan reaches, which vdnn, offloading only the inputs of linear/conv/matmul ops, cannot reach)."""
+import copy
 import re
 import warnings
 
@@ -227,3 +228,42 @@ def test_a_budget_refused_at_a_reprofile_says_the_step_changed():
         assert "the training step changed after its budget was accepted" in message, message
         assert "the trace has [48, 16]:float32, this step has [8, 16]:float32" in message, message
         assert re.search(r"use budget='([0-9.]+%)' or more", message), message
+
+
+def test_a_refusal_after_the_fused_update_says_it_ran_and_a_restored_retry_trains_as_plain():
+    """With fuse_optimizer the refused step's update already ran in its backward pass: the refusal says so,
+    and how many parameters it stepped, so a caller restores model and optimizer before retrying at the
+    named budget (the helper's probe retried without restoring and ended one update ahead of plain, and its
+    retry was refused again: the optimizer state now existed)."""
+    x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(1))
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    saved = (copy.deepcopy(model), copy.deepcopy(opt.state_dict()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(memsched.MemschedError) as info:
+            with optimize(model, opt, budget="1%", planner="dp", ooo=True, fuse_optimizer=True) as run:
+                model(x).sum().backward()
+                run.step()
+    message = str(info.value)
+    total = len(list(model.parameters()))
+    assert f"already ran during its backward pass ({total} of {total} parameters stepped" in message, message
+    retry = re.search(r"use budget='([0-9.]+%)' or more", message).group(1)
+    model = saved[0]  # restored, as the refusal says
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt.load_state_dict(saved[1])
+    plain = _model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with optimize(model, opt, budget=retry, planner="dp", ooo=True, fuse_optimizer=True) as run:
+            for _ in range(2):
+                model(x).sum().backward()
+                run.step()
+    for _ in range(2):
+        plain(x).sum().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    assert [s.mode for s in run.step_stats] == ["planned"]
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p, q)

@@ -1781,6 +1781,15 @@ class OutOfOrderBackward:
         return self._updated_since_step and self._stepper is not None and self._stepper.owns(p)
 
     @property
+    def stepped_since_boundary(self) -> int:
+        """Parameters the fused update stepped in the backward pass since the last step() (0 when none
+        ran): a step refused at its boundary cannot take their update back."""
+        if not self._updated_since_step:
+            return 0
+        self._note_native_steps()
+        return self._iter_stepped
+
+    @property
     def holds_seen(self) -> bool:
         """Whether a save ever held a parameter's fused update to the end of backward (See Note [A
         parameter read after its gradient is final])."""
