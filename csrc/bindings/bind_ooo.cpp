@@ -220,6 +220,12 @@ void bind_ooo(py::module_& m) {
       },
       py::arg("t"), py::arg("device_type"),
       "at::autocast::cached_cast to the device type's autocast dtype (Note [Deferred calls under autocast]).");
+  m.def("hold_parameter_alias", &hold_parameter_alias, py::arg("t"),
+        "The profiler saw the forward read t, an alias of a parameter without gradient: every installed fused "
+        "update holds that parameter to the end of backward from now on (Note [A parameter read after its "
+        "gradient is final]).");
+  m.def("fused_update_installed", &fused_update_installed,
+        "Whether an out-of-order backward with the fused update is installed (a DwRuntime with fused set).");
   m.def("guard_retained_graph", &guard_retained_graph,
         "In a backward pass that keeps its graph: pre-hooks on its first nodes that refuse a second pass over it "
         "(Note [A retained graph after a fused update]); whether it hooked any.");

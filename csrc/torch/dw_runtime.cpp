@@ -162,6 +162,13 @@ void note_parameter_alias_saved(const at::Tensor& t) {
   for (DwRuntime* rt : g_fused) rt->hold_if_parameter(t);
 }
 
+void hold_parameter_alias(const at::Tensor& t) {
+  if (g_fused_installed.load(std::memory_order_relaxed) == 0) return;
+  if (!t.defined() || t.requires_grad() || !t.has_storage()) return;
+  std::lock_guard<std::mutex> lock(g_fused_mu);
+  for (DwRuntime* rt : g_fused) rt->hold_if_parameter(t, /*sticky=*/true);
+}
+
 void DwRuntime::set_fused(bool on) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -171,7 +178,7 @@ void DwRuntime::set_fused(bool on) {
   set_registered(this, on);
 }
 
-bool DwRuntime::hold_if_parameter(const at::Tensor& t) {
+bool DwRuntime::hold_if_parameter(const at::Tensor& t, bool sticky) {
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
   if (!by_storage_valid_) map_storages();
@@ -180,6 +187,7 @@ bool DwRuntime::hold_if_parameter(const at::Tensor& t) {
   for (int32_t i : hit->second) {
     if (held_[i] == 0) holds += 1;
     held_[i] = 1;
+    if (sticky) sticky_[i] = 1;
   }
   return true;
 }
@@ -269,6 +277,7 @@ int32_t DwRuntime::add_param(const at::Tensor& param, int32_t bucket) {
   hook_expected_.push_back(0);
   seen_.emplace_back();
   held_.push_back(0);
+  sticky_.push_back(0);
   by_storage_valid_ = false;
   stash_.emplace_back();
   deferred_used_.push_back(0);
@@ -299,7 +308,7 @@ void DwRuntime::begin_iteration(bool last_micro_step) {
   std::fill(hook_expected_.begin(), hook_expected_.end(), 0);
   std::fill(seen_.begin(), seen_.end(), AutogradSeen{});
   std::fill(deferred_used_.begin(), deferred_used_.end(), 0);
-  std::fill(held_.begin(), held_.end(), 0);  // the forward's saves hold them again
+  held_ = sticky_;  // the forward's saves hold the others again
   by_storage_valid_ = false;
   if (fused) map_storages();  // parameters sharing a storage are held at once
 }

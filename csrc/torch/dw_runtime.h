@@ -140,6 +140,11 @@ bool fused_update_installed();
 // read after its gradient is final] in backward.py). Called by memsched's pack hooks; a relaxed
 // load and nothing else while no fused update is installed.
 void note_parameter_alias_saved(const at::Tensor& t);
+// The profiler saw an op of the forward read `t`, an alias of a parameter that carries no gradient
+// (inside the caller's own saved-tensor hooks or a checkpointed region too): every fused runtime
+// holds that parameter from now on, at every iteration (See Note [A parameter read after its
+// gradient is final] in backward.py).
+void hold_parameter_alias(const at::Tensor& t);
 
 class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
  public:
@@ -194,7 +199,8 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // See Note [A parameter read after its gradient is final] (backward.py): the parameter whose
   // storage `t` aliases (if any) is held this iteration: its step unit is not handed over when
   // final, but at the end of backward (take_partial_units). Returns whether one was held.
-  bool hold_if_parameter(const at::Tensor& t);
+  // sticky: held at every later iteration too (seen once by the profiler, not by a hook every step).
+  bool hold_if_parameter(const at::Tensor& t, bool sticky = false);
   bool held(int32_t param);                // held this iteration
   // See Note [Edits between backward and the step boundary] (backward.py): every parameter's
   // version now; then the first parameter whose version changed since (-1: none).
@@ -374,6 +380,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<char> hook_expected_;             // per parameter: its AccumulateGrad contribution is awaited
   std::vector<AutogradSeen> seen_;              // per parameter
   std::vector<uint8_t> held_;                   // per parameter: hold_if_parameter() this iteration
+  std::vector<uint8_t> sticky_;                 // per parameter: held at every iteration
   // storage -> parameters on it, for hold_if_parameter(); rebuilt at its first use in an iteration
   std::unordered_map<const c10::StorageImpl*, std::vector<int32_t>> by_storage_;
   bool by_storage_valid_ = false;

@@ -194,6 +194,13 @@ class Recorder:
         self.node_of_op: Dict[int, int] = {}
         self.backward_open = False  # a backward pass has run ops and not ended (it may have raised)
         self._watch: Dict[int, _StorageRef] = {}  # storage key -> weakref with free callback; == builder's live keys
+        # Note [A parameter read after its gradient is final] (ooo/backward.py): the storage keys of the
+        # parameters, while a fused update is installed; a forward op reading one through an alias
+        # without gradient holds that parameter's update to the end of backward, at every step
+        self._param_keys = frozenset()
+        if _C.fused_update_installed() and (named_params is not None or model is not None):
+            params = named_params if named_params is not None else list(model.named_parameters())
+            self._param_keys = frozenset(p.untyped_storage()._cdata for _, p in params)
         # Note [Held outside the graph]: saved storage key -> saves of it (each holds one alias), and
         # the keys that something besides those saves still held at the last check.
         self._saves: Dict[int, int] = {}
@@ -311,11 +318,14 @@ class Recorder:
         used = []
         bytes_read = 0
         is_cuda = False
+        param_keys = self._param_keys if phase is FORWARD else ()
         for t in _tensors(args, kwargs):
             try:
                 key = t.untyped_storage()._cdata
             except (RuntimeError, NotImplementedError, TypeError):
                 continue  # no storage: not counted
+            if key in param_keys and not t.requires_grad:
+                _C.hold_parameter_alias(t)  # See Note [A parameter read after its gradient is final]
             if key not in watch:
                 self.register_existing(t, "temporary")
             used.append(key)
