@@ -224,6 +224,9 @@ void bind_ooo(py::module_& m) {
         "The profiler saw the forward read t, an alias of a parameter without gradient: every installed fused "
         "update holds that parameter to the end of backward from now on (Note [A parameter read after its "
         "gradient is final]).");
+  m.def("note_backward_parameter_read", &note_backward_parameter_read, py::arg("t"),
+        "The profiler saw backward read t, on a parameter's storage: a parameter whose gradient is already final "
+        "is held to the end of backward from now on (Note [The profiled step updates after backward]).");
   m.def("fused_update_installed", &fused_update_installed,
         "Whether an out-of-order backward with the fused update is installed (a DwRuntime with fused set).");
   m.def("guard_retained_graph", &guard_retained_graph,

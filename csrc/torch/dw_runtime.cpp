@@ -162,6 +162,13 @@ void note_parameter_alias_saved(const at::Tensor& t) {
   for (DwRuntime* rt : g_fused) rt->hold_if_parameter(t);
 }
 
+void note_backward_parameter_read(const at::Tensor& t) {
+  if (g_fused_installed.load(std::memory_order_relaxed) == 0) return;
+  if (!t.defined() || !t.has_storage()) return;
+  std::lock_guard<std::mutex> lock(g_fused_mu);
+  for (DwRuntime* rt : g_fused) rt->hold_if_final(t);
+}
+
 void hold_parameter_alias(const at::Tensor& t) {
   if (g_fused_installed.load(std::memory_order_relaxed) == 0) return;
   if (!t.defined() || t.requires_grad() || !t.has_storage()) return;
@@ -227,6 +234,23 @@ int32_t DwRuntime::first_changed_version() {
   return -1;
 }
 
+bool DwRuntime::hold_if_final(const at::Tensor& t) {
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!by_storage_valid_) map_storages();
+  const auto hit = by_storage_.find(storage);
+  if (hit == by_storage_.end()) return false;
+  bool any = false;
+  for (int32_t i : hit->second) any = any || final_[i] != 0;
+  if (!any) return false;
+  for (int32_t i : hit->second) {
+    if (held_[i] == 0) holds += 1;
+    held_[i] = 1;
+    sticky_[i] = 1;
+  }
+  return true;
+}
+
 bool DwRuntime::held(int32_t param) {
   std::lock_guard<std::mutex> lock(mu_);
   return param >= 0 && param < static_cast<int32_t>(held_.size()) && held_[param] != 0;
@@ -278,6 +302,7 @@ int32_t DwRuntime::add_param(const at::Tensor& param, int32_t bucket) {
   seen_.emplace_back();
   held_.push_back(0);
   sticky_.push_back(0);
+  final_.push_back(0);
   by_storage_valid_ = false;
   stash_.emplace_back();
   deferred_used_.push_back(0);
@@ -309,6 +334,7 @@ void DwRuntime::begin_iteration(bool last_micro_step) {
   std::fill(seen_.begin(), seen_.end(), AutogradSeen{});
   std::fill(deferred_used_.begin(), deferred_used_.end(), 0);
   held_ = sticky_;  // the forward's saves hold the others again
+  std::fill(final_.begin(), final_.end(), 0);
   by_storage_valid_ = false;
   if (fused) map_storages();  // parameters sharing a storage are held at once
 }
@@ -514,6 +540,7 @@ void DwRuntime::add_pending(int32_t param, at::Tensor g, std::vector<at::Tensor>
 }
 
 void DwRuntime::finalize(int32_t param, std::vector<at::Tensor>* released) {
+  final_[param] = 1;  // See note_backward_parameter_read
   at::Tensor pend = std::move(pending_[param]);
   pending_[param] = at::Tensor();
   if (!pend.defined()) return;

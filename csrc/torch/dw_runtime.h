@@ -145,6 +145,11 @@ void note_parameter_alias_saved(const at::Tensor& t);
 // holds that parameter from now on, at every iteration (See Note [A parameter read after its
 // gradient is final] in backward.py).
 void hold_parameter_alias(const at::Tensor& t);
+// The profiler saw an op of backward read `t`, on a parameter's storage: a parameter whose gradient
+// was already final in this iteration (a hook, or a custom Function's backward, reading it after
+// its last gradient use) is held from now on, at every iteration (See Note [The profiled step
+// updates after backward] in optimize.py).
+void note_backward_parameter_read(const at::Tensor& t);
 
 class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
  public:
@@ -201,6 +206,8 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // final, but at the end of backward (take_partial_units). Returns whether one was held.
   // sticky: held at every later iteration too (seen once by the profiler, not by a hook every step).
   bool hold_if_parameter(const at::Tensor& t, bool sticky = false);
+  // Holds for good the parameters on `t`'s storage whose gradient is final in this iteration.
+  bool hold_if_final(const at::Tensor& t);
   bool held(int32_t param);                // held this iteration
   // See Note [Edits between backward and the step boundary] (backward.py): every parameter's
   // version now; then the first parameter whose version changed since (-1: none).
@@ -381,6 +388,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<AutogradSeen> seen_;              // per parameter
   std::vector<uint8_t> held_;                   // per parameter: hold_if_parameter() this iteration
   std::vector<uint8_t> sticky_;                 // per parameter: held at every iteration
+  std::vector<uint8_t> final_;                  // per parameter: finalize()d this iteration
   // storage -> parameters on it, for hold_if_parameter(); rebuilt at its first use in an iteration
   std::unordered_map<const c10::StorageImpl*, std::vector<int32_t>> by_storage_;
   bool by_storage_valid_ = false;

@@ -173,8 +173,31 @@ Note [Optimizer state the profiled step did not see]
   found after the update, re-planned then and refused there (the first step was then a complete
   plain step). A refusal before the update drops the step's gradients (set to None), so a retry
   with the named budget trains as plain PyTorch.
-  Limitations: with fuse_optimizer the state is made during backward and is in the trace already;
-  state made later than the first update (an optimizer that allocates at step 2) is not seen.
+  With fuse_optimizer too: the profiled step updates after backward (Note [The profiled step updates
+  after backward]).
+  Limitations: state made later than the first update (an optimizer that allocates at step 2) is not
+  seen.
+
+Note [The profiled step updates after backward]
+  Rationale: with fuse_optimizer the update ran inside the profiled step's backward, before run.step()
+  planned. A budget refused there left the model and optimizer one update further, and the retry the
+  error named was refused again (the optimizer state now existed; found by probing). And a backward
+  node or hook that reads a weight after its gradient is final (a tensor hook, another parameter's
+  post-accumulate-grad hook, a weight kept on a custom Function's ctx) can only be seen by watching
+  backward, which must not run after the weights changed.
+  Approach: while a profile is open, out-of-order backward runs its backward passes unfused
+  (OutOfOrderBackward.fusion_paused: gradients are kept as without fusion), and the step boundary
+  runs optimizer.step() as for ooo=True alone -- after planning, so a refusal changes nothing. The
+  state that update creates is predicted as without fusion (Note [Optimizer state the profiled step
+  did not see]); its peak is not taken as every update's (Note [Where the peak went]): later updates
+  are fused, inside backward. run.step() after it counts the gradients it zeroes as freed by a fused
+  update (OutOfOrderBackward.note_step_zeroed), so a loop's zero_grad(set_to_none=False) after it
+  gets the zeros plain PyTorch holds, as after the other steps. The profiler's
+  dispatch mode notes every backward op that reads a parameter whose gradient is already final; such
+  a parameter is held to the end of backward from then on (Note [A parameter read after its gradient
+  is final] in ooo/backward.py). Later steps fuse.
+  Limitations: the profiled step keeps every gradient until its update, as plain PyTorch does, so the
+  plan counts them (a budget is then met with room to spare on fused steps).
 
 Note [A step with no end]
   A Run whose loop never reaches its step boundary -- no run.step(), and no optimizer passed to
@@ -198,6 +221,7 @@ import re
 import sys
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -246,14 +270,6 @@ _STEP_BOUNDARY_FIX = ("memsched ends a step at run.step(), or at optimizer.step(
 
 
 # -- the pieces of other issues, behind one seam each (tests may substitute stand-ins) -----------------
-def _fused_refusal_note(stepped, total):
-    """The end of a budget refusal at a step boundary whose backward pass already ran the fused update."""
-    return (f" With fuse_optimizer=True this step's update already ran during its backward pass ({stepped} of "
-            f"{total} parameters stepped, with the optimizer's state), and a refusal cannot take it back: the "
-            f"model and optimizer are one update further than before this step. To retry as plain PyTorch "
-            f"would, restore both (a copy or checkpoint taken before the first step) before running the loop again.")
-
-
 def start_profile(model, optimizer, device, offload=None):
     """Start recording one step (called at the step's first forward): a started
     memsched.profiler.ProfilerSession, whose stop() returns the memsched.Trace and whose abort()
@@ -574,19 +590,14 @@ class Run:
             try:
                 self._adopt_trace(trace)
             except _C.MemschedError as e:
-                stepped = self.ooo_.stepped_since_boundary if self.ooo_ is not None else 0
                 self._refused_profile()
-                if not why and not stepped:
+                if not why:
                     raise
-                message = str(e)
-                if why:
-                    self.reprofile_why_ = why  # the next profile is this one again
-                    # a budget accepted at the first step, refused for the step as it is now: say why it changed
-                    message = (f"memsched: the training step changed after its budget was accepted ({why}), so it "
-                               f"was profiled again, and the new step cannot be planned within the budget: {message}")
-                if stepped:
-                    message = message.rstrip().rstrip(".") + "." + _fused_refusal_note(stepped, len(self.ooo_._params))
-                raise _C.MemschedError(message) from e
+                self.reprofile_why_ = why  # the next profile is this one again
+                # a budget accepted at the first step, refused for the step as it is now: say why it changed
+                raise _C.MemschedError(
+                    f"memsched: the training step changed after its budget was accepted ({why}), so it was "
+                    f"profiled again, and the new step cannot be planned within the budget: {e}") from e
             except BaseException:
                 self._refused_profile()
                 raise
@@ -606,11 +617,10 @@ class Run:
         return self.executor.end_step()
 
     def _refused_profile(self):
-        """No plan for this budget: the optimizer did not step (a fused update already ran in backward, as
-        plain's step would have), and the step's gradients are dropped (set to None, as run.step() leaves
-        them after every step), so a retry with the budget the error names trains as plain PyTorch would.
-        With the fused update the step's update ran in its backward pass and stays: the refusal says so
-        (_fused_refusal_note), so a retry restores model and optimizer first. The next step is profiled again -- and refused again -- rather than run plainly without a word.
+        """No plan for this budget: the optimizer did not step (nor did a fused update: the profiled step updates
+        after backward, Note [The profiled step updates after backward]), and the step's gradients are
+        dropped (set to None, as run.step() leaves them after every step), so a retry with the budget the
+        error names trains as plain PyTorch would. The next step is profiled again -- and refused again -- rather than run plainly without a word.
         Out-of-order backward's step ends here too, or its next backward pass would count this one (an
         accumulation error)."""
         self._drop_gradients()
@@ -661,7 +671,9 @@ class Run:
         meter = self.executor.meter
         profiled, self.profiled_update_due_ = self.profiled_update_due_, False
         if self.fuse_optimizer:
-            profiled = False  # the fused update ran inside backward: its memory is the backward's
+            # the profiled step updates after backward (Note [The profiled step updates after backward]),
+            # but every later update is fused: inside backward, its memory is the backward's
+            profiled = False
         if profiled and meter is not None:
             meter.reset()  # the profiler restarted the peak at every op: the update's own from here
         update()
@@ -792,7 +804,11 @@ class Run:
                     self.optimizer.step()
             else:
                 self.optimizer.step()
+            fused = self.ooo_ is not None and self.fuse_optimizer  # the profiled step's update: unfused
+            had = [i for i, p in enumerate(self.ooo_._params) if p.grad is not None] if fused else ()
             self.optimizer.zero_grad(set_to_none=True)
+            if had:  # as the fused update of the other steps frees them (Note [The profiled step updates after backward])
+                self.ooo_.note_step_zeroed(had)
 
     def _count_mismatch(self, stats):
         """Fewer activations than the trace (a shorter control-flow path): mismatch, found at step end."""
@@ -1073,7 +1089,7 @@ class Run:
         optimizers (_STATE_OF); 0 for others -- then it is measured after the update. See Note
         [Optimizer state the profiled step did not see]."""
         opt = self.optimizer
-        shape = _STATE_OF.get(type(opt)) if opt is not None and not self.fuse_optimizer else None
+        shape = _STATE_OF.get(type(opt)) if opt is not None else None
         if shape is None:
             return 0
         total = 0
@@ -1109,7 +1125,7 @@ class Run:
         """After the update of the step just planned: plan again with the optimizer state that update
         created. See Note [Optimizer state the profiled step did not see]."""
         before, self.state_check_ = self.state_check_, None
-        if before is None or self.trace is None or self.fuse_optimizer:
+        if before is None or self.trace is None:
             return
         extra = max(self._optimizer_state_bytes() - before, 0)
         if extra == self.optimizer_state_extra_:
@@ -1180,8 +1196,16 @@ class Run:
         except ImportError as e:
             raise _C.MemschedError("optimize(ooo=True / fuse_optimizer=True) needs memsched.ooo (the out-of-order "
                                    f"backward component), which this build does not have ({e}); pass ooo=False") from e
-        return OutOfOrderBackward(self.model, self.optimizer, fuse_optimizer=fuse_optimizer,
-                                  grad_accumulation_steps=self.grad_accumulation_steps)
+        ooo = OutOfOrderBackward(self.model, self.optimizer, fuse_optimizer=fuse_optimizer,
+                                 grad_accumulation_steps=self.grad_accumulation_steps)
+        run = weakref.ref(self)  # (no reference cycle through the owner)
+
+        def profiling():  # See Note [The profiled step updates after backward]
+            r = run()
+            return r is not None and r.profile_ is not None
+
+        ooo.fusion_paused = profiling
+        return ooo
 
     @staticmethod
     def _check_device(device):

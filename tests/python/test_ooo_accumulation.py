@@ -55,12 +55,14 @@ def test_optimize_accumulates_k_backward_passes_per_step_bitwise(k, fuse, step_e
 def test_two_backward_passes_per_step_with_the_default_accumulation_are_refused_before_a_second_update():
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    xs = _batches(2)
+    xs = _batches(3)
     with optimize(model, opt, ooo=True, fuse_optimizer=True) as run:
-        model(xs[0]).pow(2).sum().backward()           # the fused update ran here
+        model(xs[0]).pow(2).sum().backward()           # the profiled step: it updates at run.step()
+        run.step()
+        model(xs[1]).pow(2).sum().backward()           # the fused update ran here
         after_first = [p.detach().clone() for p in model.parameters()]
         with pytest.raises(memsched.MemschedError, match="grad_accumulation_steps=K"):
-            model(xs[1]).pow(2).sum().backward()
+            model(xs[2]).pow(2).sum().backward()
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_first))
 
 

@@ -119,7 +119,13 @@ Note [A parameter read after its gradient is final]
   (hold_parameter_alias: sticky, at every later iteration). It is conservative: a read whose node
   runs before the parameter is final (or that saves nothing) holds too, costing only the gradient's
   memory until the end of backward; the models of memsched.models and tiny Hugging Face Llama,
-  GPT-2, BERT and T5 hold nothing.
+  GPT-2, BERT and T5 hold nothing. A read that is no save at all (a tensor hook, another parameter's
+  post-accumulate-grad hook, a custom Function's backward reading a module's weight it keeps on
+  ctx) shows only in backward: memsched.optimize's profiled step updates after its backward (Note
+  [The profiled step updates after backward] in optimize.py), so the weights it reads there are
+  plain's, and its dispatch mode passes every backward op's argument on a parameter's storage to
+  note_backward_parameter_read, which holds for good a parameter whose gradient is already final
+  (DwRuntime.finalize marks it) -- 1.5e-3 off plain before.
   A held parameter's step unit is not handed over when final but stays complete until the end of
   backward, where _flush_ready steps it with the partial units; under DDP its bucket's update
   leaves it out and the end of backward steps it after wait_all(). Its gradient lives until then
@@ -130,14 +136,12 @@ Note [A parameter read after its gradient is final]
   DwRuntime.map_storages holds every parameter sharing its storage with another, at every iteration.
   memsched.optimize runs a step without saved-tensor hooks when it has nothing to do (Note [A plan
   with nothing to do] in offload/executor.py) only while no hold was ever seen (DwRuntime.holds).
-  Limitations: a read under the caller's own saved-tensor hooks is held only if the profiled step
-  made it. OutOfOrderBackward without memsched.optimize has no pack hooks of memsched's and
-  holds nothing: a `.detach()` alias raises PyTorch's in-place error, a `.data` alias reads the
-  stepped weights. A read that is not a save at all (a custom Function's backward reading a
-  module's weight kept on ctx as an attribute, a tensor hook or another parameter's
-  post-accumulate-grad hook reading a weight) is seen by no hook and reads the stepped weights, as
-  under PyTorch's recipe. A save of this kind that first appears in a step run without hooks (a
-  code path the profiled step did not take, under a plan with nothing to do) is not seen either. The
+  Limitations: a read under the caller's own saved-tensor hooks, and a read that is no save, are
+  held only if the profiled step made them; so is a save that first appears in a step run without
+  hooks (a code path the profiled step did not take, under a plan with nothing to do).
+  OutOfOrderBackward without memsched.optimize has no profile and no pack hooks of memsched's and
+  holds only parameters sharing a storage: a `.detach()` alias raises PyTorch's in-place error, a
+  `.data` alias or a read that is no save reads the stepped weights, as under PyTorch's recipe. The
   version-check error names the case when a fused update is installed (version_error_tail in
   csrc/torch/saved_tensor_path.cpp).
 
@@ -719,6 +723,9 @@ class OutOfOrderBackward:
         self.model = model
         self.optimizer = optimizer
         self.fuse_optimizer = bool(fuse_optimizer)
+        # None, or a callable: true while the owner wants backward passes unfused (memsched.optimize's
+        # profiled step: Note [The profiled step updates after backward] in optimize.py)
+        self.fusion_paused = None
         self.max_deferred_bytes = int(max_deferred_bytes)
         self.grad_accumulation_steps = int(grad_accumulation_steps)
         self.max_grad_norm = max_grad_norm
@@ -769,6 +776,7 @@ class OutOfOrderBackward:
         self._micro_step = 0
         self._backwards_since_step = 0   # backward passes since the last step()
         self._updated_since_step = False # a fused update ran since the last step()
+        self._fusing = False             # this backward pass runs the fused update (set at its start)
         self._hypers_at_update = []      # See Note [Edits between backward and the step boundary]
         self._warned_late_edit = False
         self._iterations = 0
@@ -1516,9 +1524,13 @@ class OutOfOrderBackward:
             hooked = self._rt.first_hooked_deferred()  # See Note [Parameters with gradient hooks]
             if hooked >= 0:
                 self._refuse_hook_after_forward(hooked)
+            # memsched.optimize's profiled step updates after backward (Note [The profiled step updates
+            # after backward] in optimize.py): this pass then fuses nothing
+            self._fusing = self._stepper is not None and not (self.fusion_paused is not None and self.fusion_paused())
+            self._rt.notify = self._fusing or self._reducer is not None
             if self._stepper is not None:
                 self._rt.post_hooks_last()  # also those registered since the forward
-                if self._last_micro_step():
+                if self._fusing and self._last_micro_step():
                     # See Note [Adam plan for the C++ update] in fused.py
                     self._stepper.install_native_plan(self._rt, self._params)
 
@@ -1556,7 +1568,7 @@ class OutOfOrderBackward:
 
     def _flush_ready(self) -> None:
         """End of backward: units some of whose parameters got no gradient are stepped as they are."""
-        if self._stepper is not None and self._reducer is None:
+        if self._fusing and self._reducer is None:
             for idx in self._rt.take_partial_units():  # held units too (Note [A parameter read after ...])
                 self._step_params(idx, at_end=True)
 
@@ -1564,7 +1576,7 @@ class OutOfOrderBackward:
         """One grouped optimizer update of the parameters idx (See Note [Grouped step through torch's
         functional optimizer] in fused.py); frees their gradients. Before the end of backward, a DDP
         bucket's held parameters wait for it (Note [A parameter read after its gradient is final])."""
-        if self._stepper is None:
+        if self._stepper is None or not self._fusing:
             return
         if not at_end and self._reducer is not None:
             held = self._rt.held_params()
@@ -1581,6 +1593,14 @@ class OutOfOrderBackward:
         self._fused_steps += len(params)
         self._iter_stepped += len(params)
         self._mark_freed(idx)
+
+    def note_step_zeroed(self, idx: Sequence[int]) -> None:
+        """memsched.optimize's run.step() after a backward pass it kept unfused (Note [The profiled step
+        updates after backward] in optimize.py) ran optimizer.step() and zero_grad(set_to_none=True):
+        as after a fused update, the gradients of the parameters idx count as freed by it, and a later
+        zero_grad(set_to_none=False) gives them zeros back (Note [Gradients the fused update did not see])."""
+        self._mark_freed(idx)
+        self._step_declared = True
 
     def _mark_freed(self, idx: Sequence[int]) -> None:
         """The fused update stepped these and freed their gradients (Note [Gradients the fused update
@@ -1720,7 +1740,7 @@ class OutOfOrderBackward:
         self._ended_task = torch._C._current_graph_task_id()  # See _first_deferred
         self._first_node.clear()  # (the nodes of a queueing executor's first deferred calls)
         rt = self._rt
-        if self._stepper is not None and self._last_micro_step():
+        if self._fusing and self._last_micro_step():
             _guard_retained_graph()  # See Note [A retained graph after a fused update] (csrc/torch/deferred_layers.h)
         try:
             if self._executor == "thread":
@@ -1737,7 +1757,7 @@ class OutOfOrderBackward:
                 self._step_params(self._reducer.wait_all())
                 self._step_params(self._rt.held_params(), at_end=True)  # Note [A parameter read after ...]
             self._flush_ready()
-            if self._stepper is not None and self._reducer is None and self._last_micro_step():
+            if self._fusing and self._reducer is None and self._last_micro_step():
                 self._step_leftovers()
         except BaseException:
             self._abandon()
@@ -1755,7 +1775,7 @@ class OutOfOrderBackward:
         self._timeline.append(("backward_end", time.perf_counter()))
         self._last_timeline = list(self._timeline) + (list(self._reducer.trace) if self._reducer else [])
         self._last_peak_grad_bytes = rt.peak_grad_bytes
-        if self._stepper is not None and self._last_micro_step():
+        if self._fusing and self._last_micro_step():
             self._updated_since_step = True
             # See Note [Edits between backward and the step boundary]
             self._hypers_at_update = _hypers(self.optimizer)
@@ -1786,15 +1806,6 @@ class OutOfOrderBackward:
         parameters it steps (its optimizer's): p's gradient was used and freed (See Note [Clipping and
         fused updates] in clip_guard.py)."""
         return self._updated_since_step and self._stepper is not None and self._stepper.owns(p)
-
-    @property
-    def stepped_since_boundary(self) -> int:
-        """Parameters the fused update stepped in the backward pass since the last step() (0 when none
-        ran): a step refused at its boundary cannot take their update back."""
-        if not self._updated_since_step:
-            return 0
-        self._note_native_steps()
-        return self._iter_stepped
 
     @property
     def holds_seen(self) -> bool:
@@ -1834,7 +1845,8 @@ class OutOfOrderBackward:
                                 "deferred weight gradients were dropped and parameters not yet updated keep "
                                 "their old values. Zero the gradients and run the step again.")
         ran = self._backwards_since_step
-        if self._updated_since_step and not self._warned_late_edit:
+        fused = self._updated_since_step  # the last backward pass ran the update (not a paused one)
+        if fused and not self._warned_late_edit:
             self._check_late_edits()
         self._backwards_since_step = 0
         self._updated_since_step = False
@@ -1843,7 +1855,7 @@ class OutOfOrderBackward:
         # No backward pass since the last step(): gradients (if any) came from torch.autograd.grad and
         # the caller's own .grad assignments, which no fused update saw -- step them as plain PyTorch.
         completed = ran == 0 or (self._micro_step % self.grad_accumulation_steps == 0 and self._micro_step > 0)
-        if (self.fuse_optimizer and ran > 0) or not completed:
+        if (fused and ran > 0) or not completed:
             return False
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
