@@ -65,16 +65,10 @@ def _assert_bitwise(a, b):
         assert torch.equal(p, q), f"{n}: max |diff| {(p - q).abs().max().item():.3g}"
 
 
-@pytest.mark.parametrize("alias", ["data", "detach", "detach_row"])
-@pytest.mark.parametrize("options", [dict(), dict(timeline=True), dict(grad_accumulation_steps=2)],
-                         ids=["no-hooks-after-profile", "hooks-every-step", "accumulate2"])
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_a_weight_read_early_through_an_alias_trains_as_plain(alias, options, optimizer):
-    torch.manual_seed(0)
-    base = EarlyRead(alias)
-    ref, model = copy.deepcopy(base), copy.deepcopy(base)
-    accumulation = options.get("grad_accumulation_steps", 1)
-    _plain(ref, _optimizer(optimizer, ref.parameters()), accumulation)
+def _fused_trains_as_plain(ref, model, optimizer="adamw", **options):
+    """`ref` trained plainly, `model` (the same weights) under memsched.optimize with the fused update and
+    `options`: a hold was seen, and the parameters are bitwise equal."""
+    _plain(ref, _optimizer(optimizer, ref.parameters()), options.get("grad_accumulation_steps", 1))
     opt = _optimizer(optimizer, model.parameters())
     with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True, **options) as run:
         for x in _batches():
@@ -82,6 +76,16 @@ def test_a_weight_read_early_through_an_alias_trains_as_plain(alias, options, op
             run.step()
         assert run.ooo_.holds_seen
     _assert_bitwise(ref, model)
+
+
+@pytest.mark.parametrize("alias", ["data", "detach", "detach_row"])
+@pytest.mark.parametrize("options", [dict(), dict(timeline=True), dict(grad_accumulation_steps=2)],
+                         ids=["no-hooks-after-profile", "hooks-every-step", "accumulate2"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_weight_read_early_through_an_alias_trains_as_plain(alias, options, optimizer):
+    torch.manual_seed(0)
+    base = EarlyRead(alias)
+    _fused_trains_as_plain(copy.deepcopy(base), copy.deepcopy(base), optimizer, **options)
 
 
 class EarlyReadWrapped(EarlyRead):
@@ -110,15 +114,7 @@ class EarlyReadWrapped(EarlyRead):
 def test_a_weight_read_early_under_the_callers_own_hooks_trains_as_plain(alias, wrapper):
     torch.manual_seed(0)
     base = EarlyReadWrapped(alias, wrapper)
-    ref, model = copy.deepcopy(base), copy.deepcopy(base)
-    _plain(ref, _optimizer("adamw", ref.parameters()), 1)
-    opt = _optimizer("adamw", model.parameters())
-    with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True) as run:
-        for x in _batches():
-            model(x).square().sum().backward()
-            run.step()
-        assert run.ooo_.holds_seen
-    _assert_bitwise(ref, model)
+    _fused_trains_as_plain(copy.deepcopy(base), copy.deepcopy(base))
 
 
 class _CtxRead(torch.autograd.Function):
@@ -163,19 +159,9 @@ def test_a_weight_read_in_backward_after_its_final_gradient_trains_as_plain(how)
     on. The fused update used to step b.weight first: 2.2e-4 (tensor hook), 2.8e-4 (ctx) and 1.5e-3
     (another parameter's post-accumulate-grad hook) off plain."""
     torch.manual_seed(0)
-    base = LateRead(how)
-    ref, model = copy.deepcopy(base), copy.deepcopy(base)
-    if how == "post_accumulate_hook":  # (deepcopy does not carry the hook over)
-        ref, model = LateRead(how), LateRead(how)
-        model.load_state_dict(ref.state_dict())
-    _plain(ref, _optimizer("adamw", ref.parameters()), 1)
-    opt = _optimizer("adamw", model.parameters())
-    with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True) as run:
-        for x in _batches():
-            model(x).square().sum().backward()
-            run.step()
-        assert run.ooo_.holds_seen
-    _assert_bitwise(ref, model)
+    ref, model = LateRead(how), LateRead(how)  # (not deepcopy: each hook reads its own model's b.weight)
+    model.load_state_dict(ref.state_dict())
+    _fused_trains_as_plain(ref, model)
 
 
 @pytest.mark.parametrize("name", ["early-read-none", "mlp", "cnn", "transformer", "lstm"])
@@ -333,11 +319,4 @@ def test_parameters_viewing_one_buffer_train_as_plain():
     torch.manual_seed(0)
     ref = FlatMLP()
     torch.manual_seed(0)
-    model = FlatMLP()
-    _plain(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True) as run:
-        for x in _batches():
-            model(x).square().sum().backward()
-            run.step()
-    _assert_bitwise(ref, model)
+    _fused_trains_as_plain(ref, FlatMLP())
