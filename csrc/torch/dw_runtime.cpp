@@ -185,17 +185,23 @@ void DwRuntime::set_fused(bool on) {
   set_registered(this, on);
 }
 
-bool DwRuntime::hold_if_parameter(const at::Tensor& t, bool sticky) {
-  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  std::lock_guard<std::mutex> lock(mu_);
+const std::vector<int32_t>* DwRuntime::params_on(const at::Tensor& t) {
   if (!by_storage_valid_) map_storages();
-  const auto hit = by_storage_.find(storage);
-  if (hit == by_storage_.end()) return false;
-  for (int32_t i : hit->second) {
-    if (held_[i] == 0) holds += 1;
-    held_[i] = 1;
-    if (sticky) sticky_[i] = 1;
-  }
+  const auto hit = by_storage_.find(t.storage().unsafeGetStorageImpl());
+  return hit == by_storage_.end() ? nullptr : &hit->second;
+}
+
+void DwRuntime::hold_locked(int32_t param, bool sticky) {
+  if (held_[param] == 0) holds += 1;
+  held_[param] = 1;
+  if (sticky) sticky_[param] = 1;
+}
+
+bool DwRuntime::hold_if_parameter(const at::Tensor& t, bool sticky) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::vector<int32_t>* on = params_on(t);
+  if (on == nullptr) return false;
+  for (int32_t i : *on) hold_locked(i, sticky);
   return true;
 }
 
@@ -213,10 +219,7 @@ void DwRuntime::map_storages() {
   // where plain PyTorch trains. They are held (See Note [A parameter read after its gradient is final]).
   for (const auto& entry : by_storage_) {
     if (entry.second.size() < 2) continue;
-    for (int32_t i : entry.second) {
-      if (held_[i] == 0) holds += 1;
-      held_[i] = 1;
-    }
+    for (int32_t i : entry.second) hold_locked(i, false);
   }
 }
 
@@ -235,19 +238,12 @@ int32_t DwRuntime::first_changed_version() {
 }
 
 bool DwRuntime::hold_if_final(const at::Tensor& t) {
-  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
-  if (!by_storage_valid_) map_storages();
-  const auto hit = by_storage_.find(storage);
-  if (hit == by_storage_.end()) return false;
-  bool any = false;
-  for (int32_t i : hit->second) any = any || final_[i] != 0;
-  if (!any) return false;
-  for (int32_t i : hit->second) {
-    if (held_[i] == 0) holds += 1;
-    held_[i] = 1;
-    sticky_[i] = 1;
+  const std::vector<int32_t>* on = params_on(t);
+  if (on == nullptr || std::none_of(on->begin(), on->end(), [this](int32_t i) { return final_[i] != 0; })) {
+    return false;
   }
+  for (int32_t i : *on) hold_locked(i, /*sticky=*/true);
   return true;
 }
 

@@ -394,6 +394,8 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   bool by_storage_valid_ = false;
   std::vector<uint32_t> versions_;  // snapshot_versions()
   void map_storages();  // under the lock: by_storage_, and holds for parameters sharing a storage
+  const std::vector<int32_t>* params_on(const at::Tensor& t);  // under the lock: by_storage_'s entry, or null
+  void hold_locked(int32_t param, bool sticky);                // under the lock
   std::vector<at::Tensor> stash_;               // per parameter: the parked .grad of a mixed parameter
   std::vector<char> deferred_used_;             // per parameter: a deferred use counted this iteration
   struct HookDicts {                            // See set_hook_dicts(); read and released with the GIL
