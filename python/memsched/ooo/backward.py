@@ -436,7 +436,7 @@ from memsched._C import autocast_cast as _autocast_cast
 from memsched._C import guard_retained_graph as _guard_retained_graph
 from memsched.copy_inert import PatchedForward, inert_on_copy
 from memsched.ooo import clip_guard, grad_scaler_guard
-from memsched.ooo.fused import SUPPORTED_OPTIMIZERS, ParamStepper
+from memsched.ooo.fused import SUPPORTED_OPTIMIZERS, ParamStepper, has_step_hooks
 from memsched.ooo.zero_grad_watch import ZeroGradWatch
 from memsched.units import parse_bytes
 
@@ -779,6 +779,7 @@ class OutOfOrderBackward:
         self._fusing = False             # this backward pass runs the fused update (set at its start)
         self._hypers_at_update = []      # See Note [Edits between backward and the step boundary]
         self._warned_late_edit = False
+        self._warned_step_hooks = False
         self._iterations = 0
         self._fused_steps = 0
         self._native_seen = 0  # the runtime's native_updates at the end of the last backward
@@ -1528,11 +1529,25 @@ class OutOfOrderBackward:
             # after backward] in optimize.py): this pass then fuses nothing
             self._fusing = self._stepper is not None and not (self.fusion_paused is not None and self.fusion_paused())
             self._rt.notify = self._fusing or self._reducer is not None
+            if self._fusing and not self._warned_step_hooks and has_step_hooks(self.optimizer):
+                self._warn_step_hooks()
             if self._stepper is not None:
                 self._rt.post_hooks_last()  # also those registered since the forward
                 if self._fusing and self._last_micro_step():
                     # See Note [Adam plan for the C++ update] in fused.py
                     self._stepper.install_native_plan(self._rt, self._params)
+
+    def _warn_step_hooks(self) -> None:
+        """The optimizer has step hooks (its own or global): each fused call runs them on a one-layer view
+        of its group (Note [Per-parameter step through a one-parameter group view] in fused.py), which a
+        hook that edits hyper-parameters edits in vain (found by probing: 1e-2 off plain). Said once."""
+        self._warned_step_hooks = True
+        warnings.warn(
+            "memsched: the optimizer has step hooks (register_step_pre_hook / register_step_post_hook, or "
+            "global ones); with fuse_optimizer=True they run once per layer the update steps during backward, "
+            "each seeing a one-layer view of its param group, not once per step: a hook that counts steps "
+            "counts layers, and one that changes hyper-parameters changes only that view. Use "
+            "fuse_optimizer=False for such hooks. Warned once.", RuntimeWarning, stacklevel=2)
 
     def _refuse_hook_after_forward(self, i: int) -> None:
         raise MemschedError(

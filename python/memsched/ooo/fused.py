@@ -20,7 +20,8 @@ Note [Per-parameter step through a one-parameter group view]
   functional optimizer]: it runs when step hooks are registered, when step()
   was replaced on the instance or class, or for a differentiable group.
   Limitations: optimizer step hooks run once per call (a ready group of
-  parameters) and see the view; ``step()``'s closure argument is not
+  parameters) and see the view (OutOfOrderBackward warns once: a hook that edits
+  hyper-parameters edits the view); ``step()``'s closure argument is not
   supported; optimizers whose update couples parameters (LBFGS, or anything
   with a global norm) cannot be fused and are rejected. On CUDA the default
   foreach path runs on the group's lists: same elementwise math.
@@ -206,7 +207,7 @@ def _stock_step(opt: torch.optim.Optimizer) -> bool:
     return True
 
 
-def _has_step_hooks(opt: torch.optim.Optimizer) -> bool:
+def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
     return bool(opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
                 or _opt_mod._global_optimizer_pre_hooks or _opt_mod._global_optimizer_post_hooks)
 
@@ -386,7 +387,7 @@ class ParamStepper:
         """Per param group that C++ may step: (hypers, native_of: group index -> index in hypers), or
         None when no group qualifies."""
         opt = self.optimizer
-        if self._is_sgd or _has_step_hooks(opt):
+        if self._is_sgd or has_step_hooks(opt):
             return None
         key = (type(opt).step, opt.__dict__.get("step"))
         if key != self._checked_step:
@@ -474,7 +475,7 @@ class ParamStepper:
         if key != self._checked_step:
             self._stock = _stock_step(opt)
             self._checked_step = key
-        direct = self._stock and not _has_step_hooks(opt)
+        direct = self._stock and not has_step_hooks(opt)
         for gi, ps in by_group.items():
             group = opt.param_groups[gi]
             if direct and not group["differentiable"]:

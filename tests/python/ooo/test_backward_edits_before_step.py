@@ -92,3 +92,21 @@ def test_a_scheduler_stepped_after_the_boundary_trains_as_plain():
             sched.step()
     for (n, p), q in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_optimizer_step_hooks_under_the_fused_update_warn_once():
+    """They run once per stepped layer on a one-layer view of the group (a hook halving the lr halved the
+    view's: 1e-2 off plain, with no word); said once, at the first fused backward pass."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True) as run:
+            for x in _batches():
+                model(x).square().sum().backward()
+                run.step()
+    named = [str(w.message) for w in caught if "step hooks" in str(w.message)]
+    assert len(named) == 1 and "once per layer" in named[0], named
+    assert len(calls) > len(_batches())  # (the profiled step's own optimizer.step(), then per layer)
