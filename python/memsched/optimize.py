@@ -617,10 +617,11 @@ class Run:
         return self.executor.end_step()
 
     def _refused_profile(self):
-        """No plan for this budget: the optimizer did not step (nor did a fused update: the profiled step updates
-        after backward, Note [The profiled step updates after backward]), and the step's gradients are
-        dropped (set to None, as run.step() leaves them after every step), so a retry with the budget the
-        error names trains as plain PyTorch would. The next step is profiled again -- and refused again -- rather than run plainly without a word.
+        """No plan for this budget: the optimizer did not step (nor did a fused update: the profiled step
+        updates after backward, Note [The profiled step updates after backward]), and the step's gradients
+        are dropped (set to None, as run.step() leaves them after every step), so a retry with the budget
+        the error names trains as plain PyTorch would. The next step is profiled again -- and refused
+        again -- rather than run plainly without a word.
         Out-of-order backward's step ends here too, or its next backward pass would count this one (an
         accumulation error)."""
         self._drop_gradients()
@@ -807,7 +808,7 @@ class Run:
             fused = self.ooo_ is not None and self.fuse_optimizer  # the profiled step's update: unfused
             had = [i for i, p in enumerate(self.ooo_._params) if p.grad is not None] if fused else ()
             self.optimizer.zero_grad(set_to_none=True)
-            if had:  # as the fused update of the other steps frees them (Note [The profiled step updates after backward])
+            if had:  # as the other steps' fused update frees them (Note [The profiled step updates after backward])
                 self.ooo_.note_step_zeroed(had)
 
     def _count_mismatch(self, stats):
