@@ -152,8 +152,6 @@ void bind_ooo(py::module_& m) {
       .def_property(
           "fused", [](const DwRuntime& rt) { return rt.fused; }, &DwRuntime::set_fused,
           "Whether the owner steps parameters during backward (counted process-wide until shutdown()).")
-      .def("held", &DwRuntime::held, py::arg("param"),
-           "Whether a save of a detached alias held this parameter's fused update to the end of backward.")
       .def("held_params", &DwRuntime::held_params)
       .def_readonly("holds", &DwRuntime::holds)
       .def("snapshot_versions", &DwRuntime::snapshot_versions)

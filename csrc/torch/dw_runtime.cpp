@@ -197,12 +197,11 @@ void DwRuntime::hold_locked(int32_t param, bool sticky) {
   if (sticky) sticky_[param] = 1;
 }
 
-bool DwRuntime::hold_if_parameter(const at::Tensor& t, bool sticky) {
+void DwRuntime::hold_if_parameter(const at::Tensor& t, bool sticky) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::vector<int32_t>* on = params_on(t);
-  if (on == nullptr) return false;
+  if (on == nullptr) return;
   for (int32_t i : *on) hold_locked(i, sticky);
-  return true;
 }
 
 void DwRuntime::map_storages() {
@@ -237,19 +236,13 @@ int32_t DwRuntime::first_changed_version() {
   return -1;
 }
 
-bool DwRuntime::hold_if_final(const at::Tensor& t) {
+void DwRuntime::hold_if_final(const at::Tensor& t) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::vector<int32_t>* on = params_on(t);
   if (on == nullptr || std::none_of(on->begin(), on->end(), [this](int32_t i) { return final_[i] != 0; })) {
-    return false;
+    return;
   }
   for (int32_t i : *on) hold_locked(i, /*sticky=*/true);
-  return true;
-}
-
-bool DwRuntime::held(int32_t param) {
-  std::lock_guard<std::mutex> lock(mu_);
-  return param >= 0 && param < static_cast<int32_t>(held_.size()) && held_[param] != 0;
 }
 
 std::vector<int32_t> DwRuntime::held_params() {

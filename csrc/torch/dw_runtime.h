@@ -203,12 +203,11 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void set_fused(bool fused);
   // See Note [A parameter read after its gradient is final] (backward.py): the parameter whose
   // storage `t` aliases (if any) is held this iteration: its step unit is not handed over when
-  // final, but at the end of backward (take_partial_units). Returns whether one was held.
+  // final, but at the end of backward (take_partial_units).
   // sticky: held at every later iteration too (seen once by the profiler, not by a hook every step).
-  bool hold_if_parameter(const at::Tensor& t, bool sticky = false);
+  void hold_if_parameter(const at::Tensor& t, bool sticky = false);
   // Holds for good the parameters on `t`'s storage whose gradient is final in this iteration.
-  bool hold_if_final(const at::Tensor& t);
-  bool held(int32_t param);                // held this iteration
+  void hold_if_final(const at::Tensor& t);
   // See Note [Edits between backward and the step boundary] (backward.py): every parameter's
   // version now; then the first parameter whose version changed since (-1: none).
   void snapshot_versions();

@@ -1591,7 +1591,7 @@ class OutOfOrderBackward:
         """One grouped optimizer update of the parameters idx (See Note [Grouped step through torch's
         functional optimizer] in fused.py); frees their gradients. Before the end of backward, a DDP
         bucket's held parameters wait for it (Note [A parameter read after its gradient is final])."""
-        if self._stepper is None or not self._fusing:
+        if not self._fusing:  # (never with no optimizer to step)
             return
         if not at_end and self._reducer is not None:
             held = self._rt.held_params()

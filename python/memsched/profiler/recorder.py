@@ -319,7 +319,6 @@ class Recorder:
         bytes_read = 0
         is_cuda = False
         param_keys = self._param_keys
-        forward = phase is FORWARD
         for t in _tensors(args, kwargs):
             try:
                 key = t.untyped_storage()._cdata
@@ -328,7 +327,7 @@ class Recorder:
             if key in param_keys:  # See Note [A parameter read after its gradient is final] (ooo/backward.py)
                 if phase is BACKWARD:
                     _C.note_backward_parameter_read(t)  # (Note [The profiled step updates after backward])
-                elif forward and not t.requires_grad:
+                elif phase is FORWARD and not t.requires_grad:
                     _C.hold_parameter_alias(t)
             if key not in watch:
                 self.register_existing(t, "temporary")
