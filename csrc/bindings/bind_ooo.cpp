@@ -153,6 +153,9 @@ void bind_ooo(py::module_& m) {
           "fused", [](const DwRuntime& rt) { return rt.fused; }, &DwRuntime::set_fused,
           "Whether the owner steps parameters during backward (counted process-wide until shutdown()).")
       .def("held_params", &DwRuntime::held_params)
+      .def_property("watching", &DwRuntime::watching, &DwRuntime::set_watch,
+                    "Whether every parameter is held while a ParameterReadWatch observes the iteration's "
+                    "reads; set False, the parameters it saw read are held from then on.")
       .def_readonly("holds", &DwRuntime::holds)
       .def("snapshot_versions", &DwRuntime::snapshot_versions)
       .def("first_changed_version", &DwRuntime::first_changed_version)

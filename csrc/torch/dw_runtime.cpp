@@ -245,6 +245,30 @@ void DwRuntime::hold_if_final(const at::Tensor& t) {
   for (int32_t i : *on) hold_locked(i, /*sticky=*/true);
 }
 
+void DwRuntime::set_watch(bool on) {
+  std::unique_ptr<ParameterReadWatch> ended;  // (destroyed outside mu_: it removes the observer)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (on == (watch_ != nullptr)) return;
+    if (on) {
+      watch_ = std::make_unique<ParameterReadWatch>();
+      watch_->begin_iteration(params_);
+      std::fill(held_.begin(), held_.end(), 1);
+      return;
+    }
+    ended = std::move(watch_);
+    for (int32_t i : ended->hits()) {  // (held_ is all set this iteration: hold_locked would not count them)
+      if (sticky_[i] == 0) holds += 1;
+      sticky_[i] = 1;
+    }
+  }
+}
+
+bool DwRuntime::watching() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return watch_ != nullptr;
+}
+
 std::vector<int32_t> DwRuntime::held_params() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int32_t> out;
@@ -255,11 +279,14 @@ std::vector<int32_t> DwRuntime::held_params() {
 }
 
 void DwRuntime::shutdown() {
+  std::unique_ptr<ParameterReadWatch> watch;
   {
     std::lock_guard<std::mutex> lock(mu_);
     installed = false;
     stop_ = true;
+    watch = std::move(watch_);
   }
+  watch.reset();  // (outside mu_, as in set_watch)
   if (fused) {
     set_registered(this, false);  // (g_fused_mu before mu_, as in note_parameter_alias_saved)
     fused = false;
@@ -324,6 +351,10 @@ void DwRuntime::begin_iteration(bool last_micro_step) {
   std::fill(deferred_used_.begin(), deferred_used_.end(), 0);
   held_ = sticky_;  // the forward's saves hold the others again
   std::fill(final_.begin(), final_.end(), 0);
+  if (watch_) {  // See set_watch()
+    watch_->begin_iteration(params_);
+    std::fill(held_.begin(), held_.end(), 1);
+  }
   by_storage_valid_ = false;
   if (fused) map_storages();  // parameters sharing a storage are held at once
 }
@@ -530,6 +561,7 @@ void DwRuntime::add_pending(int32_t param, at::Tensor g, std::vector<at::Tensor>
 
 void DwRuntime::finalize(int32_t param, std::vector<at::Tensor>* released) {
   final_[param] = 1;  // See note_backward_parameter_read
+  if (watch_) watch_->mark_final(param);
   at::Tensor pend = std::move(pending_[param]);
   pending_[param] = at::Tensor();
   if (!pend.defined()) return;

@@ -104,6 +104,7 @@
 
 #include "core/dw_scheduler.h"
 #include "torch/adam_update.h"
+#include "torch/parameter_read_watch.h"
 
 namespace memsched {
 
@@ -208,6 +209,11 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void hold_if_parameter(const at::Tensor& t, bool sticky = false);
   // Holds for good the parameters on `t`'s storage whose gradient is final in this iteration.
   void hold_if_final(const at::Tensor& t);
+  // See Note [The first fused iteration watches its parameter reads] (backward.py). on: every
+  // parameter is held at each iteration (not counted in `holds`) and a ParameterReadWatch observes
+  // the ops; off: the parameters it saw read are held from now on, at every iteration.
+  void set_watch(bool on);
+  bool watching();
   // See Note [Edits between backward and the step boundary] (backward.py): every parameter's
   // version now; then the first parameter whose version changed since (-1: none).
   void snapshot_versions();
@@ -388,6 +394,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<uint8_t> held_;                   // per parameter: hold_if_parameter() this iteration
   std::vector<uint8_t> sticky_;                 // per parameter: held at every iteration
   std::vector<uint8_t> final_;                  // per parameter: finalize()d this iteration
+  std::unique_ptr<ParameterReadWatch> watch_;   // set_watch(true) until set_watch(false) or shutdown()
   // storage -> parameters on it, for hold_if_parameter(); rebuilt at its first use in an iteration
   std::unordered_map<const c10::StorageImpl*, std::vector<int32_t>> by_storage_;
   bool by_storage_valid_ = false;

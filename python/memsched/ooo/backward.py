@@ -139,11 +139,35 @@ Note [A parameter read after its gradient is final]
   Limitations: a read under the caller's own saved-tensor hooks, and a read that is no save, are
   held only if the profiled step made them; so is a save that first appears in a step run without
   hooks (a code path the profiled step did not take, under a plan with nothing to do).
-  OutOfOrderBackward without memsched.optimize has no profile and no pack hooks of memsched's and
-  holds only parameters sharing a storage: a `.detach()` alias raises PyTorch's in-place error, a
-  `.data` alias or a read that is no save reads the stepped weights, as under PyTorch's recipe. The
-  version-check error names the case when a fused update is installed (version_error_tail in
-  csrc/torch/saved_tensor_path.cpp).
+  OutOfOrderBackward without memsched.optimize has no profile and no pack hooks of memsched's: its
+  first fused iteration is watched instead (Note [The first fused iteration watches its parameter
+  reads]). The version-check error names the fused update when one is installed (version_error_tail
+  in csrc/torch/saved_tensor_path.cpp).
+
+Note [The first fused iteration watches its parameter reads]
+  Rationale: OutOfOrderBackward used without memsched.optimize has no profiled step: a `.data` alias
+  read in the forward, a tensor hook or another parameter's post-accumulate-grad hook reading a later
+  layer's weight, or a custom Function's backward reading a weight it keeps on ctx read the stepped
+  weights, silently (found by probing: 1e-3 to 2e-2 off plain after 4 AdamW steps), as under
+  PyTorch's own optimizer-in-backward recipe; a `.detach()` alias raised PyTorch's in-place error.
+  Approach: when no profile pauses the fusion (fusion_paused is None), install sets
+  DwRuntime.watching: until the end of the first accumulation cycle's last backward pass, every
+  parameter is held (updated at the end of backward, as the profiled step of memsched.optimize is,
+  after backward) and a C++ observer of every aten op (csrc/torch/parameter_read_watch.h: a
+  RecordFunction callback, not a dispatch mode, so the watched iteration's gradients stay bitwise
+  plain's) notes the same reads as the profiler's dispatch mode: in the forward with grad mode on, an
+  argument on a parameter's storage that carries no gradient; in backward, an argument on a
+  parameter whose gradient is already final. Only the outermost op's arguments count: addmm's CPU
+  kernel expands the bias below autograd (no gradient) and held every bias of Hugging Face GPT-2's
+  Conv1D when nested ops counted. The observer is global (every thread: the autograd engine's device
+  threads too). The watch ends just before that pass's update; the parameters it noted are held at
+  every later iteration (DwRuntime.holds counts them).
+  Cost: the first iteration keeps every gradient to the end of backward (the peak of a step without
+  fusion) and pays a boxed-argument callback per aten op; later iterations pay nothing.
+  Limitations: what the first iteration does not do is not seen (a hook registered later, a code
+  path taken later), and a read that is no aten op (a kernel reading data_ptr()) or happens inside
+  one (the Python body of a torch.library custom op) neither. A read in a forward under no_grad is
+  not noted (an evaluation saves nothing; a no_grad alias that a later grad-mode op reads is).
 
 Note [Edits between backward and the step boundary]
   Rationale: plain PyTorch's optimizer.step() reads the hyper-parameters and the parameters at the
@@ -905,6 +929,8 @@ class OutOfOrderBackward:
             rt.add_param(p, self._reducer.bucket_of[i] if self._reducer is not None else -1)
         rt.notify = self._stepper is not None or self._reducer is not None
         rt.fused = self._stepper is not None  # See Note [A parameter read after its gradient is final]
+        # See Note [The first fused iteration watches its parameter reads]
+        rt.watching = self._stepper is not None and self.fusion_paused is None
         if self._stepper is not None and self._reducer is None:
             rt.set_units(self._unit_of)  # final parameters come back a whole unit at a time
         rt.poll_after_defer = self._reducer is not None
@@ -1765,6 +1791,8 @@ class OutOfOrderBackward:
             rt.end_iteration(True)
             # the compute stream waits for the side stream here, where gradients are consumed
             rt.sync_streams()
+            if self._last_micro_step() and rt.watching:
+                rt.watching = False  # before the update, which reads every parameter (Note [The first fused ...])
             if self._zeroed and self._last_micro_step():
                 self._restore_zeroed()
             if self._reducer is not None and self._last_micro_step():

@@ -1,0 +1,51 @@
+// parameter_read_watch.h -- which parameters a training iteration reads where a fused optimizer
+// update would hand them already stepped: an observer of every aten op (a RecordFunction callback,
+// C++, no dispatch mode), on while an OutOfOrderBackward without memsched.optimize's profile watches
+// its first fused iteration.
+//
+// Entry point: ParameterReadWatch (owned by DwRuntime::set_watch; See Note [The first fused iteration
+// watches its parameter reads] in python/memsched/ooo/backward.py).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+namespace memsched {
+
+// While any ParameterReadWatch exists, a global RecordFunction callback sees the tensor arguments
+// of every aten op on every thread (the autograd engine's too); it is removed with the last one.
+// An argument on a watched parameter's storage is a hit when
+//   - outside backward, with grad mode on, the argument carries no gradient (a `.detach()`/`.data`
+//     alias, or a view made under no_grad): an op that may save the stepped weight for backward;
+//   - inside backward (a graph task runs on this thread), the parameter's gradient is already final
+//     in this iteration (mark_final): a hook or a custom Function's backward reading it late.
+// Thread-safe: one process-wide mutex, never held while an op runs.
+class ParameterReadWatch {
+ public:
+  ParameterReadWatch();
+  ~ParameterReadWatch();
+  ParameterReadWatch(const ParameterReadWatch&) = delete;
+  ParameterReadWatch& operator=(const ParameterReadWatch&) = delete;
+
+  // A new iteration over `params` (their storages now: `p.data = ...` between iterations moves one):
+  // clears the final marks.
+  void begin_iteration(const std::vector<at::Tensor>& params);
+  // The parameter's gradient is final in this iteration.
+  void mark_final(int32_t param);
+  // Parameters hit since the watch began, in index order.
+  std::vector<int32_t> hits() const;
+
+  // Called by the observer, under the process-wide mutex.
+  void see(const at::Tensor& t, bool backward);
+
+ private:
+  std::unordered_map<const c10::StorageImpl*, std::vector<int32_t>> by_storage_;
+  std::vector<uint8_t> final_;
+  std::vector<uint8_t> hit_;
+};
+
+}  // namespace memsched
