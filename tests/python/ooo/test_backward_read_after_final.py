@@ -65,24 +65,42 @@ def _assert_bitwise(a, b):
         assert torch.equal(p, q), f"{n}: max |diff| {(p - q).abs().max().item():.3g}"
 
 
-def _fused_trains_as_plain(ref, model, optimizer="adamw", **options):
-    """`ref` trained plainly, `model` (the same weights) under memsched.optimize with the fused update and
-    `options`: a hold was seen, and the parameters are bitwise equal."""
+def _fused_trains_as_plain(ref, model, optimizer="adamw", standalone=False, **options):
+    """`ref` trained plainly, `model` (the same weights) with the fused update and `options`, under
+    memsched.optimize or (standalone) OutOfOrderBackward alone, whose first iteration is watched instead of
+    profiled (Note [The first fused iteration watches its parameter reads] in ooo/backward.py): a hold was
+    seen, and the parameters are bitwise equal."""
     _plain(ref, _optimizer(optimizer, ref.parameters()), options.get("grad_accumulation_steps", 1))
     opt = _optimizer(optimizer, model.parameters())
-    with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True, **options) as run:
-        for x in _batches():
-            model(x).square().sum().backward()
-            run.step()
-        assert run.ooo_.holds_seen
+    if standalone:
+        with memsched.OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=True, **options) as ooo:
+            for x in _batches():
+                model(x).square().sum().backward()
+                if ooo.step():
+                    opt.step()
+                    opt.zero_grad()
+            assert ooo.holds_seen
+    else:
+        with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True, **options) as run:
+            for x in _batches():
+                model(x).square().sum().backward()
+                run.step()
+            assert run.ooo_.holds_seen
     _assert_bitwise(ref, model)
 
 
+ENTRIES = ["optimize", "standalone"]
+
+
 @pytest.mark.parametrize("alias", ["data", "detach", "detach_row"])
-@pytest.mark.parametrize("options", [dict(), dict(timeline=True), dict(grad_accumulation_steps=2)],
-                         ids=["no-hooks-after-profile", "hooks-every-step", "accumulate2"])
+@pytest.mark.parametrize("options", [dict(), dict(timeline=True), dict(grad_accumulation_steps=2),
+                                     dict(standalone=True), dict(standalone=True, grad_accumulation_steps=2)],
+                         ids=["no-hooks-after-profile", "hooks-every-step", "accumulate2", "standalone",
+                              "standalone-accumulate2"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_a_weight_read_early_through_an_alias_trains_as_plain(alias, options, optimizer):
+    """Standalone, `.data` read the stepped weights (1.2e-3 off plain after 4 AdamW steps) and `.detach()`
+    raised PyTorch's in-place error mid-backward before the first iteration was watched."""
     torch.manual_seed(0)
     base = EarlyRead(alias)
     _fused_trains_as_plain(copy.deepcopy(base), copy.deepcopy(base), optimizer, **options)
@@ -111,10 +129,11 @@ class EarlyReadWrapped(EarlyRead):
 
 @pytest.mark.parametrize("alias", ["data", "detach"])
 @pytest.mark.parametrize("wrapper", ["save_on_cpu", "checkpoint"])
-def test_a_weight_read_early_under_the_callers_own_hooks_trains_as_plain(alias, wrapper):
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_weight_read_early_under_the_callers_own_hooks_trains_as_plain(alias, wrapper, entry):
     torch.manual_seed(0)
     base = EarlyReadWrapped(alias, wrapper)
-    _fused_trains_as_plain(copy.deepcopy(base), copy.deepcopy(base))
+    _fused_trains_as_plain(copy.deepcopy(base), copy.deepcopy(base), standalone=entry == "standalone")
 
 
 class _CtxRead(torch.autograd.Function):
@@ -153,15 +172,17 @@ class LateRead(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["tensor_hook", "ctx", "post_accumulate_hook"])
-def test_a_weight_read_in_backward_after_its_final_gradient_trains_as_plain(how):
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_weight_read_in_backward_after_its_final_gradient_trains_as_plain(how, entry):
     """No save shows these reads; the profiled step, which updates after backward (Note [The profiled step
     updates after backward] in optimize.py), sees them in its backward ops and holds b.weight from then
-    on. The fused update used to step b.weight first: 2.2e-4 (tensor hook), 2.8e-4 (ctx) and 1.5e-3
-    (another parameter's post-accumulate-grad hook) off plain."""
+    on; standalone, the watched first iteration does. The fused update used to step b.weight first:
+    2.2e-4 (tensor hook), 2.8e-4 (ctx) and 1.5e-3 (another parameter's post-accumulate-grad hook) off
+    plain under optimize, 4.5e-3, 9.5e-3 and 2.2e-2 standalone."""
     torch.manual_seed(0)
     ref, model = LateRead(how), LateRead(how)  # (not deepcopy: each hook reads its own model's b.weight)
     model.load_state_dict(ref.state_dict())
-    _fused_trains_as_plain(ref, model)
+    _fused_trains_as_plain(ref, model, standalone=entry == "standalone")
 
 
 @pytest.mark.parametrize("name", ["early-read-none", "mlp", "cnn", "transformer", "lstm"])
@@ -323,52 +344,7 @@ def test_parameters_viewing_one_buffer_train_as_plain():
 
 
 # ---- OutOfOrderBackward without memsched.optimize (Note [The first fused iteration watches its parameter
-# reads] in ooo/backward.py): no profile, no pack hooks of memsched's; the first iteration is watched.
-
-def _standalone_trains_as_plain(ref, model, optimizer="adamw", accumulation=1):
-    """`ref` trained plainly, `model` (the same weights) under OutOfOrderBackward with the fused update: a
-    hold was seen, and the parameters are bitwise equal."""
-    _plain(ref, _optimizer(optimizer, ref.parameters()), accumulation)
-    opt = _optimizer(optimizer, model.parameters())
-    with memsched.OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=True,
-                                     grad_accumulation_steps=accumulation) as ooo:
-        for x in _batches():
-            model(x).square().sum().backward()
-            if ooo.step():
-                opt.step()
-                opt.zero_grad()
-        assert ooo.holds_seen
-    _assert_bitwise(ref, model)
-
-
-@pytest.mark.parametrize("alias", ["data", "detach", "detach_row"])
-@pytest.mark.parametrize("accumulation", [1, 2])
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_standalone_a_weight_read_early_through_an_alias_trains_as_plain(alias, accumulation, optimizer):
-    """`.data` read the stepped weights (1.2e-3 off plain after 4 AdamW steps); `.detach()` raised
-    PyTorch's in-place error mid-backward."""
-    torch.manual_seed(0)
-    base = EarlyRead(alias)
-    _standalone_trains_as_plain(copy.deepcopy(base), copy.deepcopy(base), optimizer, accumulation)
-
-
-@pytest.mark.parametrize("alias", ["data", "detach"])
-@pytest.mark.parametrize("wrapper", ["save_on_cpu", "checkpoint"])
-def test_standalone_a_weight_read_early_under_the_callers_own_hooks_trains_as_plain(alias, wrapper):
-    torch.manual_seed(0)
-    base = EarlyReadWrapped(alias, wrapper)
-    _standalone_trains_as_plain(copy.deepcopy(base), copy.deepcopy(base))
-
-
-@pytest.mark.parametrize("how", ["tensor_hook", "ctx", "post_accumulate_hook"])
-def test_standalone_a_weight_read_in_backward_after_its_final_gradient_trains_as_plain(how):
-    """4.5e-3 (tensor hook), 9.5e-3 (ctx) and 2.2e-2 (another parameter's post-accumulate-grad hook) off plain
-    before."""
-    torch.manual_seed(0)
-    ref, model = LateRead(how), LateRead(how)
-    model.load_state_dict(ref.state_dict())
-    _standalone_trains_as_plain(ref, model)
-
+# reads] in ooo/backward.py)
 
 class Addmm(nn.Module):
     """A layer as Hugging Face GPT-2's Conv1D computes it: torch.addmm(bias, x, weight)."""
