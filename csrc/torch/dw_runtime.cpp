@@ -449,6 +449,14 @@ void DwRuntime::defer(DwItem item) {
     if (item.weight_idx >= 0) ps.push_back(item.weight_idx);
     if (item.bias_idx >= 0) ps.push_back(item.bias_idx);
     const int64_t id = sched_.enqueue(ps, item.held_bytes());
+    if (fused && item.x.defined() && item.x.has_storage()) {
+      // See Note [A parameter read after its gradient is final] (backward.py): the item reads its input
+      // later, and an input on a parameter's storage (learned queries fed to a Linear) may be final, and
+      // stepped, before then -- the thread executor's worker read the stepped values (4e-2 off plain).
+      if (const std::vector<int32_t>* on = params_on(item.x)) {
+        for (int32_t i : *on) hold_locked(i, /*sticky=*/false);
+      }
+    }
     if (executor_ == Executor::kStream && on_accelerator(item.grad)) {
       // Note [Streams of out-of-order backward]: the side stream waits for what the compute
       // stream queued so far (this layer's dX included), not the other way round.

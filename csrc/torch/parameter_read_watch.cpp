@@ -1,6 +1,5 @@
 #include "torch/parameter_read_watch.h"
 
-#include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -16,13 +15,12 @@ std::mutex g_mu;
 std::vector<ParameterReadWatch*> g_watches;
 at::CallbackHandle g_handle = 0;
 
-void see_value(const c10::IValue& v, bool backward) {
+void see_value(const c10::IValue& v) {
   if (v.isTensor()) {
-    ParameterReadWatch* const* end = g_watches.data() + g_watches.size();
-    for (ParameterReadWatch* const* w = g_watches.data(); w != end; ++w) (*w)->see(v.toTensor(), backward);
+    for (ParameterReadWatch* w : g_watches) w->see(v.toTensor());
   } else if (v.isList()) {  // Tensor[] and Tensor?[] (torch.cat, index)
     for (const c10::IValue& e : v.toListRef()) {
-      if (e.isTensor()) see_value(e, backward);
+      if (e.isTensor()) see_value(e);
     }
   }
 }
@@ -43,10 +41,9 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   const bool outermost = t_depth++ == 0;
   std::unique_ptr<at::ObserverContext> counted = std::make_unique<Counted>();
   if (!outermost) return counted;
-  const bool backward = torch::autograd::get_current_graph_task_id() != -1;
-  if (!backward && !at::GradMode::is_enabled()) return counted;  // an evaluation: nothing saved
+  if (torch::autograd::get_current_graph_task_id() == -1) return counted;  // not inside backward
   std::lock_guard<std::mutex> lock(g_mu);
-  for (const c10::IValue& v : fn.inputs()) see_value(v, backward);
+  for (const c10::IValue& v : fn.inputs()) see_value(v);
   return counted;
 }
 
@@ -98,15 +95,11 @@ std::vector<int32_t> ParameterReadWatch::hits() const {
   return out;
 }
 
-void ParameterReadWatch::see(const at::Tensor& t, bool backward) {
+void ParameterReadWatch::see(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return;
   const auto on = by_storage_.find(t.storage().unsafeGetStorageImpl());
   if (on == by_storage_.end()) return;
-  if (backward) {
-    if (std::none_of(on->second.begin(), on->second.end(), [this](int32_t i) { return final_[i] != 0; })) return;
-  } else if (t.requires_grad()) {
-    return;  // the parameter itself, or a view with gradient: its node feeds the AccumulateGrad
-  }
+  if (std::none_of(on->second.begin(), on->second.end(), [this](int32_t i) { return final_[i] != 0; })) return;
   for (int32_t i : on->second) hit_[i] = 1;
 }
 

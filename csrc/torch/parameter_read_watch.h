@@ -17,12 +17,11 @@
 namespace memsched {
 
 // While any ParameterReadWatch exists, a global RecordFunction callback sees the tensor arguments
-// of every aten op on every thread (the autograd engine's too); it is removed with the last one.
-// An argument on a watched parameter's storage is a hit when
-//   - outside backward, with grad mode on, the argument carries no gradient (a `.detach()`/`.data`
-//     alias, or a view made under no_grad): an op that may save the stepped weight for backward;
-//   - inside backward (a graph task runs on this thread), the parameter's gradient is already final
-//     in this iteration (mark_final): a hook or a custom Function's backward reading it late.
+// of every aten op on every thread; it is removed with the last one. An argument of an op run inside
+// backward (a graph task runs on this thread: the autograd engine's nodes and the hooks it calls), on
+// the storage of a watched parameter whose gradient is already final in this iteration (mark_final),
+// is a hit: a node, a hook or a custom Function's backward reading it late. Only the outermost op's
+// arguments count (not those of ops its kernel calls).
 // Thread-safe: one process-wide mutex, never held while an op runs.
 class ParameterReadWatch {
  public:
@@ -40,7 +39,7 @@ class ParameterReadWatch {
   std::vector<int32_t> hits() const;
 
   // Called by the observer, under the process-wide mutex.
-  void see(const at::Tensor& t, bool backward);
+  void see(const at::Tensor& t);
 
  private:
   std::unordered_map<const c10::StorageImpl*, std::vector<int32_t>> by_storage_;

@@ -153,21 +153,28 @@ Note [The first fused iteration watches its parameter reads]
   Approach: when no profile pauses the fusion (fusion_paused is None), install sets
   DwRuntime.watching: until the end of the first accumulation cycle's last backward pass, every
   parameter is held (updated at the end of backward, as the profiled step of memsched.optimize is,
-  after backward) and a C++ observer of every aten op (csrc/torch/parameter_read_watch.h: a
-  RecordFunction callback, not a dispatch mode, so the watched iteration's gradients stay bitwise
-  plain's) notes the same reads as the profiler's dispatch mode: in the forward with grad mode on, an
-  argument on a parameter's storage that carries no gradient; in backward, an argument on a
-  parameter whose gradient is already final. Only the outermost op's arguments count: addmm's CPU
-  kernel expands the bias below autograd (no gradient) and held every bias of Hugging Face GPT-2's
-  Conv1D when nested ops counted. The observer is global (every thread: the autograd engine's device
-  threads too). The watch ends just before that pass's update; the parameters it noted are held at
-  every later iteration (DwRuntime.holds counts them).
+  after backward), so every read of a parameter in that backward sees its unstepped values, and a C++
+  observer of every aten op (csrc/torch/parameter_read_watch.h: a RecordFunction callback, not a
+  dispatch mode, so the watched iteration's gradients stay bitwise plain's) notes each op run inside
+  backward (a graph task on its thread) with an argument on the storage of a parameter whose gradient
+  is already final (DwRuntime.finalize marks it): the read a fused update would have handed the
+  stepped weights, whatever made it (a saved alias, a hook, a ctx). Reads outside backward are not
+  noted: a forward's read through an alias matters only where a backward op reads it again, which
+  the observer sees (noting them held every parameter a teacher deepcopy'd or a state_dict cloned
+  inside the `with` block touched, or nn.Embedding(max_norm=...)'s renorm of `weight.detach()`). Only
+  the outermost op's arguments count: addmm's CPU kernel expands the bias below autograd and held
+  every bias of Hugging Face GPT-2's Conv1D when nested ops counted. The watch ends just before that
+  pass's update; the parameters it noted are held at every later iteration (DwRuntime.holds counts
+  them). The dW items of out-of-order backward are memsched's own reads, covered by the runtime for
+  every iteration: an item whose input is on a parameter's storage (learned queries fed to a Linear)
+  holds that parameter (DwRuntime::defer), since a queued item runs after that parameter may be final
+  -- on the thread executor's worker, which no graph task marks as backward (4.4e-2 off plain), or
+  deferred in bf16 only from the iteration after the watch (Note [Deferred calls under autocast]).
   Cost: the first iteration keeps every gradient to the end of backward (the peak of a step without
   fusion) and pays a boxed-argument callback per aten op; later iterations pay nothing.
   Limitations: what the first iteration does not do is not seen (a hook registered later, a code
   path taken later), and a read that is no aten op (a kernel reading data_ptr()) or happens inside
-  one (the Python body of a torch.library custom op) neither. A read in a forward under no_grad is
-  not noted (an evaluation saves nothing; a no_grad alias that a later grad-mode op reads is).
+  one (the Python body of a torch.library custom op) neither.
 
 Note [Edits between backward and the step boundary]
   Rationale: plain PyTorch's optimizer.step() reads the hyper-parameters and the parameters at the
@@ -1838,7 +1845,10 @@ class OutOfOrderBackward:
             f"accumulation. To accumulate gradients over K backward passes per optimizer step, pass "
             f"grad_accumulation_steps=K (memsched.optimize(..., grad_accumulation_steps=K) or "
             f"OutOfOrderBackward(..., grad_accumulation_steps=K)) and call step() after every backward pass "
-            f"(run.step() once per K backward passes under memsched.optimize).")
+            f"(run.step() once per K backward passes under memsched.optimize). A backward pass that only goes "
+            f"through this model (a GAN's generator loss through the discriminator) updated it too, with "
+            f"gradients plain PyTorch's zero_grad() would discard: freeze its parameters "
+            f"(requires_grad_(False)) around such passes, or use fuse_optimizer=False.")
 
     def owns_parameter(self, p) -> bool:
         """Whether p is one of the parameters this object defers (and, fused, updates)."""

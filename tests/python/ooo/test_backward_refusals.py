@@ -1,4 +1,6 @@
 """Refusals of the out-of-order backward name their real cause, before any parameter changes."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -160,3 +162,42 @@ def test_a_model_with_no_eligible_layer_is_said_so():
 
     with pytest.warns(RuntimeWarning, match="found no eligible layer.*defers no weight gradient"):
         memsched.OutOfOrderBackward(Bare()).install().remove()
+
+
+def _gan_steps(G, D, step_g, step_d, zero_g, zero_d, freeze):
+    for s in range(3):
+        g = torch.Generator().manual_seed(10 + s)
+        x, z = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        zero_d()
+        (F.softplus(-D(x)).mean() + F.softplus(D(G(z).detach())).mean()).backward()
+        step_d()
+        zero_g()
+        D.requires_grad_(not freeze)
+        F.softplus(-D(G(z))).mean().backward()
+        step_g()
+        D.requires_grad_(True)
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_a_gan_loop_with_two_fused_updates_names_the_freeze_or_trains_as_plain(freeze):
+    """The generator's loss backpropagates through the discriminator D, and plain PyTorch discards D's
+    gradients of that pass at D's next zero_grad(); with a fused update on D, that pass updated D. Its next
+    backward is refused naming the freeze; with D frozen during the generator's step both train as plain."""
+    torch.manual_seed(0)
+    Gp = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    Dp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    G, D = copy.deepcopy(Gp), copy.deepcopy(Dp)
+    og, od = torch.optim.Adam(Gp.parameters(), lr=1e-2), torch.optim.Adam(Dp.parameters(), lr=1e-2)
+    _gan_steps(Gp, Dp, og.step, od.step, og.zero_grad, od.zero_grad, freeze)
+    og, od = torch.optim.Adam(G.parameters(), lr=1e-2), torch.optim.Adam(D.parameters(), lr=1e-2)
+    with memsched.OutOfOrderBackward(D, optimizer=od, fuse_optimizer=True) as ood, \
+            memsched.OutOfOrderBackward(G, optimizer=og, fuse_optimizer=True) as oog:
+        steps = (lambda: oog.step() and og.step(), lambda: ood.step() and od.step(), og.zero_grad, od.zero_grad)
+        if not freeze:
+            with pytest.raises(MemschedError, match=r"a GAN's generator loss through the discriminator.*freeze its "
+                                                    r"parameters \(requires_grad_\(False\)\)"):
+                _gan_steps(G, D, *steps, freeze)
+            return
+        _gan_steps(G, D, *steps, freeze)
+    for a, b in zip(list(Gp.parameters()) + list(Dp.parameters()), list(G.parameters()) + list(D.parameters())):
+        assert torch.equal(a, b)
