@@ -131,6 +131,9 @@ def test_validation_after_every_step_leaves_the_plan_matching():
 
 @pytest.mark.parametrize("trainer_kw,cb_kw,match", [
     (dict(gradient_clip_val=1.0), dict(fuse_optimizer=True), r"gradient_clip_val=1.0.*fuse_optimizer=False"),
+    # 48 samples in batches of 8: 6 batches an epoch, its second step accumulates 2 (was refused at that step)
+    (dict(accumulate_grad_batches=4), dict(ooo=True),
+     r"accumulate_grad_batches=4: an epoch has 6 batches, not a multiple of 4.*max_steps < 2.*ooo=False"),
 ])
 def test_unsupported_settings_are_refused_before_the_first_step(trainer_kw, cb_kw, match):
     module = _module()
@@ -195,3 +198,24 @@ def test_module_argument_names_the_submodule():
     _fit(None, module=ref)
     _assert_same(module, ref)
     assert cb.run.steps_profiled == 1 and cb.run.steps_planned == 2
+
+
+def test_a_compiled_module_runs_plainly_with_a_warning():
+    """Lightning's fit(torch.compile(module)) compiles the module's forward and training_step in place (no
+    OptimizedModule reaches the callback): memsched's hooks ran inside the compiled graph, 3e-2 off both
+    plain runs with no word. Now memsched stands aside, as for any compiled module, and says so."""
+    def fit(callback):
+        module = _module()
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(callbacks=[callback] if callback is not None else None, accelerator="cpu", devices=1,
+                             max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(torch.compile(module, backend="aot_eager"), _loader())
+        return module
+
+    ref = fit(None)
+    cb = MemschedCallback(budget=0.7, planner="dp")
+    with pytest.warns(RuntimeWarning, match=r"its forward is torch.compile\(module.forward\).*run plainly"):
+        module = fit(cb)
+    _assert_same(module, ref)
+    assert cb.run.steps_profiled == 0 and cb.run.steps_planned == 0

@@ -96,6 +96,11 @@ def test_trainer_with_callback_equals_plain_trainer(case, tmp_path):
 @pytest.mark.parametrize("args_kw,cb_kw,match", [
     (dict(fp16=True), {}, "TrainingArguments.fp16"),
     ({}, dict(fuse_optimizer=True), r"TrainingArguments.max_grad_norm=1.0.*max_grad_norm=0"),
+    # compiled through accelerate around memsched's hooks: steps 1.2e-5 off plain compiled training, none planned
+    (dict(torch_compile=True), {}, r"TrainingArguments.torch_compile=True.*Use torch_compile=False"),
+    # 24 samples in batches of 4: 6 batches an epoch, the third step accumulates 2 (was refused at that step)
+    (dict(gradient_accumulation_steps=4), dict(ooo=True),
+     r"gradient_accumulation_steps=4: an epoch has 6 batches, not a multiple of 4.*max_steps < 2.*ooo=False"),
 ])
 def test_unsupported_settings_are_refused_before_the_first_step(args_kw, cb_kw, match, tmp_path, monkeypatch):
     if args_kw.get("fp16"):  # fp16 on CPU is refused by the Trainer itself on some versions: test our check alone
@@ -107,7 +112,8 @@ def test_unsupported_settings_are_refused_before_the_first_step(args_kw, cb_kw, 
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, use_cpu=True, report_to=[],
-                                          per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True)
+                                          per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True,
+                                          **args_kw)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
                                    callbacks=[MemschedCallback(budget=0.7, **cb_kw)])
     with pytest.raises(memsched.MemschedError, match=match):
@@ -143,3 +149,30 @@ def test_a_failed_train_is_cleaned_up_by_the_next(tmp_path, caplog):
     assert not first.entered_ and not cb.run.entered_ and cb.run is not first
     assert not model._forward_pre_hooks and "step" not in first.optimizer.__dict__
 
+
+
+def test_a_short_accumulation_the_training_does_not_reach_is_not_refused(tmp_path):
+    """6 batches an epoch and 4 per step: the epoch's second step would accumulate 2, but training stops at 1."""
+    cb = MemschedCallback(budget=0.8, planner="dp", ooo=True)
+    model, _ = _train(tmp_path, cb, steps=1, gradient_accumulation_steps=4)
+    ref, _ = _train(tmp_path, None, steps=1, gradient_accumulation_steps=4)
+    _assert_same(model, ref)
+    assert cb.run.steps_profiled == 1
+
+
+def test_a_failed_train_is_left_by_the_next_trainers_callback(tmp_path):
+    """A notebook's retry builds a new Trainer and a new callback at the budget the refusal named: the refused
+    train()'s Run was still entered, and every step of the retry ran plainly (0 profiled, 0 planned)."""
+    cb = MemschedCallback(budget=1000, planner="dp")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, use_cpu=True, report_to=[],
+                                          per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=_model(), args=args, train_dataset=Tokens(), callbacks=[cb])
+    with pytest.raises(memsched.MemschedError, match="least budget"):
+        trainer.train()
+    retry = MemschedCallback(budget=0.7, planner="dp")
+    with pytest.warns(RuntimeWarning, match="left the Run of an earlier training that raised"):
+        model, _ = _train(tmp_path, retry)
+    assert not cb.run.entered_
+    assert retry.run.steps_profiled == 1 and retry.run.steps_planned == 2, retry.run.report()
+    ref, _ = _train(tmp_path, None)
+    _assert_same(model, ref)

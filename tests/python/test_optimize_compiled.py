@@ -27,6 +27,9 @@ def test_compiled_modules_are_detected_without_compiling():
     outer = nn.Sequential(make(), nn.ReLU())
     outer[0].compile()
     assert "submodule '0'" in compiled_module_reason(outer)
+    m = make()
+    m[0].forward = torch.compile(m[0].forward)  # as Lightning's fit(torch.compile(module)) does to the module
+    assert "submodule '0' is compiled (its forward is torch.compile(module.forward))" == compiled_module_reason(m)
 
 
 @pytest.mark.parametrize("how", ["wrap", "method"])

@@ -2,8 +2,22 @@
 torch optimizer behind a framework's wrapper, and the figures they log.
 
 Entry points: check_callback_args(budget, planner, ooo, fuse_optimizer, options),
-torch_optimizer(optimizer, where), step_figures(run).
+torch_optimizer(optimizer, where), step_figures(run), enter_run(run), leave_stale_runs(),
+short_accumulation_refusal(...).
+
+Note [A Run a raised training left behind]
+  Rationale: a training that raised (a refused budget, an error of the caller's) never reaches the
+  callback's end-of-training event in the Hugging Face Trainer, so its Run stayed entered with its
+  hooks on the old model; a new Trainer with a new MemschedCallback in the same process (a notebook's
+  retry at the budget the refusal named) then ran every step plainly, saying only "call the first
+  Run's run.step()", which a Trainer user cannot (found by a helper probing as a new user).
+  Approach: the callbacks enter their Runs through enter_run, which remembers them weakly; at the
+  start of a training, leave_stale_runs leaves every one still entered, with a warning: trainings run
+  one at a time, so one still entered at the start of another belongs to a training that raised.
 """
+import warnings
+import weakref
+
 import torch
 
 from memsched import step_hook
@@ -69,3 +83,43 @@ def step_figures(run):
                     "memsched/planned_step": 1.0 if s.mode == "planned" else 0.0})
     out["memsched/steps_profiled"] = float(run.steps_profiled)
     return out
+
+
+_ENTERED = weakref.WeakSet()  # Runs the callbacks entered (See Note [A Run a raised training left behind])
+
+
+def enter_run(run):
+    run.__enter__()
+    _ENTERED.add(run)
+
+
+def leave_stale_runs():
+    """Leave every Run a callback entered that is still entered (See Note [A Run a raised training left
+    behind]); called at the start of a training."""
+    for run in list(_ENTERED):
+        if run.entered_:
+            warnings.warn("memsched: left the Run of an earlier training that raised before its end (its "
+                          "MemschedCallback never saw the training end); this training gets a Run of its own",
+                          RuntimeWarning, stacklevel=3)
+            run.__exit__(None, None, None)
+        _ENTERED.discard(run)
+
+
+def short_accumulation_refusal(batches, k, global_step, max_steps, setting, which, fixes):
+    """With ooo/fuse_optimizer an optimizer step must follow k backward passes (the update follows
+    grad_accumulation_steps); an epoch of `batches` batches, no multiple of k, ends with a step after
+    fewer. The MemschedError to raise before the first step when training reaches that end, else None.
+    max_steps <= 0: no step limit."""
+    if k <= 1 or batches is None or batches % k == 0:
+        return None
+    per_epoch = batches // k + 1
+    epoch_end = (global_step // per_epoch + 1) * per_epoch  # the step that ends the current epoch
+    if 0 < max_steps < epoch_end:
+        return None
+    from memsched._C import MemschedError
+
+    return MemschedError(
+        f"{setting}={k}: an epoch has {batches} batches, not a multiple of {k}, so its last optimizer step follows "
+        f"{batches % k} backward pass(es); with {which} memsched's update follows exactly {k}. Make the batches per "
+        f"epoch a multiple of {k} ({fixes}), stop within the epoch (max_steps < {epoch_end}), or use "
+        f"MemschedCallback(ooo=False, fuse_optimizer=False), which handles a short accumulation")

@@ -22,13 +22,16 @@ Note [memsched inside Lightning]
   step (whose update was plain PyTorch's), naming `module=`.
   Refused at on_train_start, before the first step: a precision plugin with a GradScaler
   ("16-mixed": it skips optimizer.step() on overflow, so the step would have no end), more than one
-  process, manual optimization, more than one optimizer, and with fuse_optimizer
-  gradient_clip_val (global clipping needs every gradient before the first fused update).
+  process, manual optimization, more than one optimizer, with fuse_optimizer gradient_clip_val
+  (global clipping needs every gradient before the first fused update), and with ooo/fuse_optimizer
+  an epoch whose batch count is not a multiple of accumulate_grad_batches, when training reaches its
+  end (its last step accumulates fewer backward passes; short_accumulation_refusal in _common.py).
 """
 import lightning.pytorch as pl
 
 from memsched._C import MemschedError
-from memsched.integrations._common import check_callback_args, step_figures, torch_optimizer
+from memsched.integrations._common import (check_callback_args, enter_run, leave_stale_runs,
+                                          short_accumulation_refusal, step_figures, torch_optimizer)
 from memsched.optimize import optimize
 
 __all__ = ["MemschedCallback"]
@@ -62,13 +65,14 @@ class MemschedCallback(pl.Callback):
     # -- Lightning's events ----------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module):
         self.close()
+        leave_stale_runs()  # See Note [A Run a raised training left behind] in _common.py
         self._refuse_unsupported(trainer, pl_module)
         model = pl_module if self.module is None else self._submodule(pl_module)
         opt = torch_optimizer(trainer.optimizers[0], "MemschedCallback")
         accumulate = trainer.accumulate_grad_batches if (self.ooo or self.fuse_optimizer) else 1
         run = optimize(model, opt, budget=self.budget, planner=self.planner, ooo=self.ooo,
                        fuse_optimizer=self.fuse_optimizer, grad_accumulation_steps=accumulate, **self.options)
-        run.__enter__()
+        enter_run(run)
         self.run = run
         self.logged_steps_ = 0
 
@@ -128,6 +132,14 @@ class MemschedCallback(pl.Callback):
         if len(trainer.optimizers) != 1:
             raise MemschedError(f"configure_optimizers: memsched's Lightning callback needs exactly one optimizer, "
                                 f"this module has {len(trainer.optimizers)}")
+        if self.ooo or self.fuse_optimizer:
+            batches = trainer.num_training_batches
+            refusal = short_accumulation_refusal(
+                None if batches == float("inf") else int(batches), trainer.accumulate_grad_batches,
+                trainer.global_step, trainer.max_steps, "Trainer: accumulate_grad_batches",
+                "ooo=True" if self.ooo else "fuse_optimizer=True", "the dataset's size, the batch size, limit_train_batches")
+            if refusal is not None:
+                raise refusal
         if self.fuse_optimizer and trainer.gradient_clip_val:
             raise MemschedError(
                 f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): gradient clipping cannot be fused with the "

@@ -659,7 +659,9 @@ _REENTRANT_MESSAGE = (
     "torch.utils.checkpoint(..., use_reentrant=True) cannot be combined with fuse_optimizer=True: its "
     "segments run forward under no_grad and recompute it as a separate backward pass, so a parameter used "
     "there is not counted before backward starts and could be updated before all of its gradient arrived. "
-    "Use checkpoint(..., use_reentrant=False), or fuse_optimizer=False.")
+    "Use checkpoint(..., use_reentrant=False) (a Hugging Face model: {'use_reentrant': "
+    "False} as TrainingArguments' gradient_checkpointing_kwargs, or to gradient_checkpointing_enable()), or "
+    "fuse_optimizer=False.")
 
 
 class _IterationGraph:
@@ -1602,8 +1604,9 @@ class OutOfOrderBackward:
                     "torch.utils.checkpoint(..., use_reentrant=True) ran its own backward pass inside this one "
                     "before the other deferred layers of this forward, and that nested pass ended out-of-order "
                     "backward's iteration early: the deferred weight gradients left would be lost. Use "
-                    "use_reentrant=False (PyTorch's recommended checkpoint), or leave the model out of ooo "
-                    "(ooo=False, fuse_optimizer=False).")
+                    "use_reentrant=False (PyTorch's recommended checkpoint; a Hugging Face model: "
+                    "{'use_reentrant': False} as TrainingArguments' gradient_checkpointing_kwargs, or to "
+                    "gradient_checkpointing_enable()), or leave the model out of ooo (ooo=False, fuse_optimizer=False).")
             raise MemschedError(
                 "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
                 "backward(inputs=...) first) is not supported by OutOfOrderBackward: each backward pass needs "
