@@ -23,3 +23,16 @@ def spawn_and_wait(worker, args, nprocs, seconds=300):
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"the {nprocs} worker process(es) did not finish within {seconds} s")
+
+
+def init_gloo(rank, port, world_size):
+    """In a spawned worker: one intra-op thread and a gloo process group on 127.0.0.1:port."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)

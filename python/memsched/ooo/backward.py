@@ -467,6 +467,7 @@ from memsched._C import autocast_cast as _autocast_cast
 from memsched._C import guard_retained_graph as _guard_retained_graph
 from memsched.copy_inert import PatchedForward, inert_on_copy
 from memsched.ooo import clip_guard, grad_scaler_guard
+from memsched.ooo import ddp as ddp_support
 from memsched.ooo.fused import SUPPORTED_OPTIMIZERS, ParamStepper, has_step_hooks
 from memsched.ooo.zero_grad_watch import ZeroGradWatch
 from memsched.units import parse_bytes
@@ -913,9 +914,19 @@ class OutOfOrderBackward:
             if self.executor_name == "thread":
                 raise MemschedError("executor='thread' is not supported under DistributedDataParallel: "
                                     "collectives must be issued in one order on every rank; use 'inline'")
+            ddp_support.refuse_unsupported(ddp)  # See Note [DDP features the bucket reduction replaces]
             self._reducer = BucketReducer(ddp, self._params)
             self._ddp_saved_sync = ddp.require_backward_grad_sync
-            ddp.require_backward_grad_sync = False
+            ddp.require_backward_grad_sync = ddp_support.SYNC_OFF
+            mine = weakref.ref(self)
+
+            def _after_ddp_forward(module, args, output):
+                me_ = mine()
+                if me_ is not None and me_._reducer is not None:
+                    ddp_support.buffers_after_forward(
+                        module, me_._last_micro_step() and not ddp_support.in_no_sync(module))
+
+            self._handles.append(ddp.register_forward_hook(inert_on_copy(_after_ddp_forward)))
         executor = self.executor_name
         if executor == "auto":
             executor = "stream" if any(p.is_cuda for p in self._params) else "inline"
@@ -1130,6 +1141,8 @@ class OutOfOrderBackward:
             # (its end-of-backward callback never runs) and its graph is still referenced.
             self._abandon()
         if self._phase == "idle":
+            if self._reducer is not None:  # See Note [DDP features the bucket reduction replaces] (ddp.py)
+                ddp_support.check_forward(self.model, self._last_micro_step(), self.grad_accumulation_steps)
             if self._updated_since_step:
                 self._refuse_extra_backward()
             self._failed_backward = False

@@ -29,9 +29,25 @@ Note [DDP and deferred weight gradients]
   the same all-reduce, and a None ``.grad`` whose flag came back non-zero gets
   the reduced gradient -- every rank then steps it alike, as under plain DDP.
   Only a bucket holding such a parameter reads its flags on the host.
-  Limitations: module buffers are broadcast only at DDP's first forward (as
-  under no_sync); sparse gradients and comm hooks registered on the DDP module
-  are not used.
+  Limitations: sparse gradients are not used.
+
+Note [DDP features the bucket reduction replaces]
+  Rationale: with DDP's own sync off (Note [DDP and deferred weight gradients]), features that act
+  through it were lost without a word (found by a helper probing as a new user, gloo, 2 ranks):
+  a comm hook (fp16_compress_hook: parameters 1.1e-4 off plain DDP), ddp.no_sync() around a step
+  that then updates (local SGD: memsched reduced anyway, 7e-2 off), module buffers broadcast at
+  every forward (BatchNorm running statistics drifted apart across ranks, 4.6e-2 off: DDP sets
+  require_forward_param_sync only after a forward that syncs); static_graph=True failed inside
+  torch's Reducer (an internal assert) and ddp.join() (uneven inputs) let its shadow all-reduces meet
+  the buckets' (gloo aborted the process).
+  Approach: static_graph and a comm hook are refused at install (a hook registered later, at the next
+  forward); `require_backward_grad_sync` is set to SYNC_OFF, a falsy object, so a caller's no_sync()
+  -- which sets a real False and puts SYNC_OFF back -- shows at the forward (in_no_sync): a forward of
+  the step's last micro-step under it, and a forward under join(), are refused there, before anything
+  changes; after each forward, buffers_after_forward sets require_forward_param_sync as DDP's own
+  post-forward would have (grad enabled and the step syncs), so DDP broadcasts buffers at the next
+  forward as it does without memsched.
+  Limitations: a buffer comm hook (register_buffer_comm_hook) is left to DDP's own path.
 
 Note [Collectives that gloo's threads release]
   Rationale: a spawned gloo rank aborted now and then at exit ("terminate called without an active
@@ -74,6 +90,78 @@ def _without_python_tls():
         yield
     finally:
         torch._C._stash_obj_in_tls("context", stashed)
+
+
+class _SyncOff:
+    """DDP's require_backward_grad_sync while memsched reduces (See Note [DDP features the bucket reduction
+    replaces]): false for DDP, and not the False a caller's no_sync() sets."""
+
+    def __bool__(self):
+        return False
+
+    def __repr__(self):
+        return "SYNC_OFF"
+
+
+SYNC_OFF = _SyncOff()
+
+
+def refuse_unsupported(ddp) -> None:
+    """What the bucket reduction cannot stand in for, refused before anything changes (See Note [DDP
+    features the bucket reduction replaces]); also at each forward, for a comm hook registered later."""
+    from memsched._C import MemschedError
+
+    if getattr(ddp, "static_graph", False):
+        raise MemschedError(
+            "DistributedDataParallel(static_graph=True) is not supported by memsched's out-of-order backward: "
+            "memsched all-reduces the gradients itself, with DDP's Reducer turned off, which a static graph's "
+            "Reducer does not allow. Build the DDP module with static_graph=False, or leave the model out of ooo "
+            "(ooo=False, fuse_optimizer=False)")
+    hooked = bool(getattr(ddp, "_comm_hooks", None))
+    if not hooked:
+        try:
+            hooked = bool(ddp._get_ddp_logging_data().get("comm_hook"))
+        except Exception:  # noqa: BLE001 -- no logger, an older DDP: only _comm_hooks tells
+            pass
+    if hooked:
+        raise MemschedError(
+            "a DDP comm hook (register_comm_hook, e.g. fp16_compress_hook) is not run by memsched's out-of-order "
+            "backward: memsched all-reduces each bucket itself, so the hook's compression or averaging would be "
+            "skipped (parameters differ from plain DDP). Register no comm hook, or leave the model out of ooo "
+            "(ooo=False, fuse_optimizer=False)")
+
+
+def in_no_sync(ddp) -> bool:
+    """Whether the caller's ddp.no_sync() is active (it sets a real False over SYNC_OFF)."""
+    return ddp.require_backward_grad_sync is False
+
+
+def check_forward(ddp, last_micro_step: bool, accumulation: int) -> None:
+    """At a forward's start (See Note [DDP features the bucket reduction replaces])."""
+    from memsched._C import MemschedError
+
+    refuse_unsupported(ddp)
+    join = getattr(ddp, "_join_config", None)
+    if join is not None and getattr(join, "enable", False):
+        raise MemschedError(
+            "DistributedDataParallel.join() (uneven inputs) is not supported by memsched's out-of-order "
+            "backward: the join's shadow all-reduces of a rank out of data would meet memsched's bucket "
+            "all-reduces of the others (gloo aborts the process). Give every rank the same number of batches "
+            "(DistributedSampler(drop_last=True)), or leave the model out of ooo (ooo=False, fuse_optimizer=False)")
+    if last_micro_step and in_no_sync(ddp):
+        raise MemschedError(
+            f"a forward under ddp.no_sync() ends an optimizer step (grad_accumulation_steps={accumulation}, and this "
+            "is its last micro-step): plain DDP would skip the gradient all-reduce and step each rank with its own "
+            "gradients, where memsched's out-of-order backward reduces every step's gradients itself. If no_sync() "
+            "marks gradient accumulation, pass grad_accumulation_steps=<backward passes per optimizer step>; for "
+            "local SGD leave the model out of ooo (ooo=False, fuse_optimizer=False)")
+
+
+def buffers_after_forward(ddp, syncs: bool) -> None:
+    """After a forward: what DDP's own post-forward sets when it syncs -- buffers broadcast at the next forward
+    after a grad-enabled forward of a step that reduces (See Note [DDP features the bucket reduction
+    replaces])."""
+    ddp.require_forward_param_sync = bool(syncs and torch.is_grad_enabled())
 
 
 def _released_by_gloo(flat: torch.Tensor, seconds: float = 0.1) -> bool:
