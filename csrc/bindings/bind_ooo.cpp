@@ -221,10 +221,6 @@ void bind_ooo(py::module_& m) {
       },
       py::arg("t"), py::arg("device_type"),
       "at::autocast::cached_cast to the device type's autocast dtype (Note [Deferred calls under autocast]).");
-  m.def("hold_parameter_alias", &hold_parameter_alias, py::arg("t"),
-        "The profiler saw the forward read t, an alias of a parameter without gradient: every installed fused "
-        "update holds that parameter to the end of backward from now on (Note [A parameter read after its "
-        "gradient is final]).");
   m.def("note_backward_parameter_read", &note_backward_parameter_read, py::arg("t"),
         "The profiler saw backward read t, on a parameter's storage: a parameter whose gradient is already final "
         "is held to the end of backward from now on (Note [The profiled step updates after backward]).");

@@ -169,13 +169,6 @@ void note_backward_parameter_read(const at::Tensor& t) {
   for (DwRuntime* rt : g_fused) rt->hold_if_final(t);
 }
 
-void hold_parameter_alias(const at::Tensor& t) {
-  if (g_fused_installed.load(std::memory_order_relaxed) == 0) return;
-  if (!t.defined() || t.requires_grad() || !t.has_storage()) return;
-  std::lock_guard<std::mutex> lock(g_fused_mu);
-  for (DwRuntime* rt : g_fused) rt->hold_if_parameter(t, /*sticky=*/true);
-}
-
 void DwRuntime::set_fused(bool on) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -197,11 +190,11 @@ void DwRuntime::hold_locked(int32_t param, bool sticky) {
   if (sticky) sticky_[param] = 1;
 }
 
-void DwRuntime::hold_if_parameter(const at::Tensor& t, bool sticky) {
+void DwRuntime::hold_if_parameter(const at::Tensor& t) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::vector<int32_t>* on = params_on(t);
   if (on == nullptr) return;
-  for (int32_t i : *on) hold_locked(i, sticky);
+  for (int32_t i : *on) hold_locked(i, /*sticky=*/false);
 }
 
 void DwRuntime::map_storages() {

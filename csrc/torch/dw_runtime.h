@@ -141,11 +141,6 @@ bool fused_update_installed();
 // read after its gradient is final] in backward.py). Called by memsched's pack hooks; a relaxed
 // load and nothing else while no fused update is installed.
 void note_parameter_alias_saved(const at::Tensor& t);
-// The profiler saw an op of the forward read `t`, an alias of a parameter that carries no gradient
-// (inside the caller's own saved-tensor hooks or a checkpointed region too): every fused runtime
-// holds that parameter from now on, at every iteration (See Note [A parameter read after its
-// gradient is final] in backward.py).
-void hold_parameter_alias(const at::Tensor& t);
 // The profiler saw an op of backward read `t`, on a parameter's storage: a parameter whose gradient
 // was already final in this iteration (a hook, or a custom Function's backward, reading it after
 // its last gradient use) is held from now on, at every iteration (See Note [The profiled step
@@ -205,8 +200,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   // See Note [A parameter read after its gradient is final] (backward.py): the parameter whose
   // storage `t` aliases (if any) is held this iteration: its step unit is not handed over when
   // final, but at the end of backward (take_partial_units).
-  // sticky: held at every later iteration too (seen once by the profiler, not by a hook every step).
-  void hold_if_parameter(const at::Tensor& t, bool sticky = false);
+  void hold_if_parameter(const at::Tensor& t);
   // Holds for good the parameters on `t`'s storage whose gradient is final in this iteration.
   void hold_if_final(const at::Tensor& t);
   // See Note [The first fused iteration watches its parameter reads] (backward.py). on: every

@@ -114,18 +114,19 @@ Note [A parameter read after its gradient is final]
   parameter whose storage it aliases, for this iteration (cleared at the next begin_iteration).
   The caller's own saved-tensor hooks (save_on_cpu, a non-reentrant checkpoint, whose recompute in
   backward reads the weight again) take such saves from memsched's (found by probing: 3.1e-2 off
-  plain), so the profiler's dispatch mode also looks at every op of the profiled forward: one that
-  reads a parameter's storage through a tensor without gradient holds that parameter for good
-  (hold_parameter_alias: sticky, at every later iteration). It is conservative: a read whose node
-  runs before the parameter is final (or that saves nothing) holds too, costing only the gradient's
-  memory until the end of backward; the models of memsched.models and tiny Hugging Face Llama,
-  GPT-2, BERT and T5 hold nothing. A read that is no save at all (a tensor hook, another parameter's
-  post-accumulate-grad hook, a custom Function's backward reading a module's weight it keeps on
-  ctx) shows only in backward: memsched.optimize's profiled step updates after its backward (Note
-  [The profiled step updates after backward] in optimize.py), so the weights it reads there are
-  plain's, and its dispatch mode passes every backward op's argument on a parameter's storage to
+  plain), and a read that is no save at all (a tensor hook, another parameter's post-accumulate-grad
+  hook, a custom Function's backward reading a module's weight it keeps on ctx) shows only in
+  backward: memsched.optimize's profiled step updates after its backward (Note [The profiled step
+  updates after backward] in optimize.py), so every read there sees plain's weights, and its
+  dispatch mode passes every backward op's argument on a parameter's storage to
   note_backward_parameter_read, which holds for good a parameter whose gradient is already final
-  (DwRuntime.finalize marks it) -- 1.5e-3 off plain before.
+  (DwRuntime.finalize marks it) -- 1.5e-3 off plain before. A forward read through an alias matters
+  only where a backward op reads it again, which that sees; the profiler also held every parameter a
+  forward op read through a tensor without gradient, which held nn.Embedding(max_norm=...)'s weight
+  (its renorm reads weight.detach()) and every parameter whose `p.detach().norm()` was logged during
+  the profiled step, for good and with no read after its final gradient (found by a helper probing
+  the same rule in the first-iteration watch). The models of memsched.models and tiny Hugging Face
+  Llama, GPT-2, BERT and T5 hold nothing.
   A held parameter's step unit is not handed over when final but stays complete until the end of
   backward, where _flush_ready steps it with the partial units; under DDP its bucket's update
   leaves it out and the end of backward steps it after wait_all(). Its gradient lives until then

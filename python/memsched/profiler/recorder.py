@@ -324,11 +324,8 @@ class Recorder:
                 key = t.untyped_storage()._cdata
             except (RuntimeError, NotImplementedError, TypeError):
                 continue  # no storage: not counted
-            if key in param_keys:  # See Note [A parameter read after its gradient is final] (ooo/backward.py)
-                if phase is BACKWARD:
-                    _C.note_backward_parameter_read(t)  # (Note [The profiled step updates after backward])
-                elif phase is FORWARD and not t.requires_grad:
-                    _C.hold_parameter_alias(t)
+            if key in param_keys and phase is BACKWARD:  # See Note [A parameter read after its gradient is final]
+                _C.note_backward_parameter_read(t)  # (ooo/backward.py; Note [The profiled step updates after backward])
             if key not in watch:
                 self.register_existing(t, "temporary")
             used.append(key)

@@ -422,11 +422,14 @@ def test_a_parameter_a_queued_weight_gradient_reads_trains_as_plain(case):
 
 
 @pytest.mark.parametrize("work", ["deepcopy", "state_dict", "log_norm", "embedding_max_norm"])
-def test_standalone_reads_outside_backward_hold_nothing(work):
-    """A teacher copied inside the `with` block, a state_dict cloned, a logged norm of `p.detach()`, or
-    nn.Embedding(max_norm=...) renormalising `weight.detach()` in its forward: reads through aliases no
-    backward node reads after the gradient is final. When the watch also noted forward reads through an
-    alias, each held every parameter it touched for good (the gradients' whole size at every iteration)."""
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_reads_outside_backward_hold_nothing(work, entry):
+    """A teacher copied, a state_dict cloned or the norm of each `p.detach()` logged between a forward and its
+    backward, or nn.Embedding(max_norm=...) renormalising `weight.detach()` in its forward: reads through
+    aliases that no backward node reads after the gradient is final. When forward reads through an alias
+    counted too (the watch's first rule, and the profiler's dispatch mode), each held every parameter it
+    touched for good: the gradients' whole size at every iteration, and under memsched.optimize no step
+    without hooks."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 8, max_norm=1.0 if work == "embedding_max_norm" else None),
                           nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
@@ -438,17 +441,21 @@ def test_standalone_reads_outside_backward_hold_nothing(work):
         ropt.step()
         ropt.zero_grad()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    kept = None  # what the work made (a name keeps it alive through the loop)
-    with memsched.OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=True) as ooo:
-        if work == "deepcopy":
-            kept = copy.deepcopy(model)
-        elif work == "state_dict":
-            kept = {k: v.clone() for k, v in model.state_dict().items()}
-        elif work == "log_norm":
-            kept = sum(p.detach().norm() for p in model.parameters())
+    kept = []  # what the work made (kept alive through the loop)
+    with (memsched.OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=True) if entry == "standalone" else
+          memsched.optimize(model, opt, ooo=True, fuse_optimizer=True)) as handle:
         for x in ids:
-            model(x).square().sum().backward()
-            ooo.step()
+            loss = model(x).square().sum()
+            if work == "deepcopy":
+                kept.append(copy.deepcopy(model))
+            elif work == "state_dict":
+                kept.append({k: v.clone() for k, v in model.state_dict().items()})
+            elif work == "log_norm":
+                kept.append(sum(p.detach().norm() for p in model.parameters()))
+            loss.backward()
+            handle.step()
+        ooo = handle if entry == "standalone" else handle.ooo_
         assert not ooo.holds_seen
+        if entry == "optimize":
+            assert handle.executor.hookless
     _assert_bitwise(ref, model)
-    assert work == "embedding_max_norm" or kept is not None
