@@ -106,9 +106,10 @@ class _SyncOff:
 SYNC_OFF = _SyncOff()
 
 
-def refuse_unsupported(ddp) -> None:
+def refuse_unsupported(ddp, at_install: bool = True) -> None:
     """What the bucket reduction cannot stand in for, refused before anything changes (See Note [DDP
-    features the bucket reduction replaces]); also at each forward, for a comm hook registered later."""
+    features the bucket reduction replaces]); also at each forward (at_install=False: only what is cheap to
+    read, a comm hook registered later through register_comm_hook)."""
     from memsched._C import MemschedError
 
     if getattr(ddp, "static_graph", False):
@@ -118,7 +119,7 @@ def refuse_unsupported(ddp) -> None:
             "Reducer does not allow. Build the DDP module with static_graph=False, or leave the model out of ooo "
             "(ooo=False, fuse_optimizer=False)")
     hooked = bool(getattr(ddp, "_comm_hooks", None))
-    if not hooked:
+    if not hooked and at_install:  # a built-in hook (_register_builtin_comm_hook) shows in the logging data only
         try:
             hooked = bool(ddp._get_ddp_logging_data().get("comm_hook"))
         except Exception:  # noqa: BLE001 -- no logger, an older DDP: only _comm_hooks tells
@@ -140,7 +141,7 @@ def check_forward(ddp, last_micro_step: bool, accumulation: int) -> None:
     """At a forward's start (See Note [DDP features the bucket reduction replaces])."""
     from memsched._C import MemschedError
 
-    refuse_unsupported(ddp)
+    refuse_unsupported(ddp, at_install=False)
     join = getattr(ddp, "_join_config", None)
     if join is not None and getattr(join, "enable", False):
         raise MemschedError(
