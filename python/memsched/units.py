@@ -46,6 +46,8 @@ def parse_bytes(value, *, name="budget"):
         if not math.isfinite(number) or number * _UNITS[unit] > MAX_BYTES:
             raise ValueError(f"{name}: {value!r} is out of range; a size must be at most 2**63 - 1 bytes "
                              f"(8 EiB)")
+        if _UNITS[unit] == 1 and number != int(number):  # "0.5" read as 0 bytes, where 0.5 may mean a fraction
+            raise ValueError(f"{name}: {value!r} is not a whole number of bytes; {forms}")
         result = int(number * _UNITS[unit])
     else:
         raise ValueError(f"{name}: expected bytes or a string like '6GiB', got {type(value).__name__}")

@@ -40,6 +40,12 @@ def test_parse_bytes_range_and_whole_bytes():
     for bad in (2**63, 1e30, "1e30", float("nan"), 1.5):
         with pytest.raises(ValueError, match="budget"):
             memsched.parse_bytes(bad)
+    # a fraction of a byte in a string was cut to whole bytes: host_memory_limit="0.5" meant 0 bytes (nothing
+    # offloaded, said only in the report), where the number 0.5 means half the host's memory
+    for bad in ("0.5", "1.5B", "2.25"):
+        with pytest.raises(ValueError, match="is not a whole number of bytes"):
+            memsched.parse_bytes(bad)
+    assert memsched.parse_bytes("1.5KiB") == 1536
 
 
 def test_a_fraction_means_the_same_in_plan_and_optimize(synthetic):

@@ -111,3 +111,21 @@ def test_a_batch_beyond_any_example_is_refused_by_argparse(command, capsys):
     with pytest.raises(SystemExit) as info:
         cli_main([command, "--batch", "99999999999999999999"])
     assert info.value.code == 2 and "--batch" in capsys.readouterr().err
+
+
+def test_a_trace_without_ops_is_refused_by_plan(tmp_path, capsys):
+    """plan exited 0 on a trace of no op, with "nanx" in every row, and wrote an empty timeline."""
+    path = tmp_path / "empty.json"
+    path.write_text('{"version": 1, "device": "cpu", "ops": [], "tensors": []}')
+    assert cli_main(["plan", str(path), "--budget", "50%", "--out", str(tmp_path / "t.png")]) == 2
+    assert "the trace has no ops" in capsys.readouterr().err
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_demo_below_the_least_budget_runs_at_the_least_budget(tmp_path, capsys):
+    """--budget 0.1 is below the least any plan reaches on the demo's model: the demo's retry at the least
+    budget of the trace alone, without the AdamW state the first step created, was refused again, and the
+    command ended in a MemschedError traceback after the plain and keep-all runs."""
+    assert cli_main(["demo", "--budget", "0.1", "--steps", "2", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "used that least budget" in out and "at the least budget" in out

@@ -39,3 +39,25 @@ def test_bad_cap_and_method_are_refused_before_work(tmp_path, capsys):
     assert "unknown method(s) magic" in capsys.readouterr().err
     assert main(["partition", str(tmp_path / "missing.json"), "--cap", "8GiB"]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_no_method_and_more_devices_than_ops_are_refused_before_work(tmp_path, capsys):
+    """--methods "" printed a TypeError traceback (a table of no row); --devices 10**9 built a list of that many
+    device names and filled the host's memory."""
+    path, t = _trace_file(tmp_path)
+    assert main(["partition", str(path), "--cap", "8GiB", "--methods", ""]) == 2
+    assert "--methods names no method" in capsys.readouterr().err
+    assert main(["partition", str(path), "--cap", "8GiB", "--devices", str(10**9)]) == 2
+    assert f"give at most {len(t.ops)}" in capsys.readouterr().err
+
+
+def test_the_api_refuses_no_method_and_more_devices_than_ops():
+    import pytest
+
+    import memsched
+
+    t = _C.synthetic_trace(num_layers=2, ops_per_layer=2, seed=5)
+    with pytest.raises(ValueError, match="methods names no method"):
+        memsched.partition.compare(t, 2, "50%", methods="")
+    with pytest.raises(ValueError, match=f"devices: {10**9} devices for a trace of {len(t.ops)} ops"):
+        memsched.partition(t, devices=10**9, cap="8GiB")

@@ -102,6 +102,10 @@ def run(args) -> int:
     if args.compare:  # issue 5: the same training plainly and under memsched.optimize (offload/compare.py)
         from memsched.offload.compare import compare
         print()
-        compare("transformer", "small", args.batch, args.steps, args.budget, args.device,
-                timeline_path=os.path.join(args.out_dir, "timeline.png"))
+        try:
+            compare("transformer", "small", args.batch, args.steps, args.budget, args.device,
+                    timeline_path=os.path.join(args.out_dir, "timeline.png"))
+        except memsched.MemschedError as e:  # a traceback before; the message names the least budget
+            print(f"memsched demo: {e}", file=sys.stderr)
+            return 1
     return 0

@@ -32,6 +32,10 @@ def run(args):
     from memsched.partition.table import best_row
 
     methods = "all" if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:  # --methods "" (a table of no row raised a TypeError)
+        print(f"memsched partition: --methods names no method; give all or some of {', '.join(METHODS)}",
+              file=sys.stderr)
+        return 2
     if methods != "all":
         unknown = [m for m in methods if m not in METHODS]
         if unknown:
@@ -47,6 +51,10 @@ def run(args):
         trace = memsched.Trace.from_json(args.trace)
     except memsched.MemschedError as e:
         print(f"memsched partition: cannot read {args.trace}: {e}", file=sys.stderr)
+        return 2
+    if args.devices > len(trace.ops):  # (before a list of that many names: 10**9 filled the host's memory)
+        print(f"memsched partition: --devices {args.devices} for a trace of {len(trace.ops)} ops; a device holds at "
+              f"least one op, so give at most {len(trace.ops)}", file=sys.stderr)
         return 2
     try:
         dset = resolve_devices([args.device] * args.devices, args.cap, trace.peak_bytes(), links=args.link_gbps,

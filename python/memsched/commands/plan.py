@@ -31,6 +31,9 @@ def run(args):
     except memsched.MemschedError as e:
         print(f"memsched plan: cannot read {args.trace}: {e}", file=sys.stderr)
         return 2
+    if not trace.ops:  # every row read "nanx" and a timeline of nothing was written
+        print(f"memsched plan: {args.trace}: the trace has no ops; profile a training step first", file=sys.stderr)
+        return 2
     error = output_file(args.out, "--out", "timeline.png")  # before the work (Note [Command-line input is checked ...])
     if error is None:
         from memsched._images import image_format

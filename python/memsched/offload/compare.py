@@ -98,7 +98,9 @@ def _compare(model_name, size, batch, steps, budget_fraction, device, planner, t
                     raise
                 # The planner cannot meet this budget on this (small) model. Say so and retry: first with
                 # greedy (which reaches the least budget any plan can), then at that least budget.
-                least = memsched._C.least_budget_bytes(run.trace)
+                # the least the refusal names: with the optimizer state the first step created, which
+                # least_budget_bytes(trace) alone leaves out (the retry at that was refused again)
+                least = memsched.planning.planner_least_bytes(e, run.trace)
                 if use_planner != "greedy" and run.budget_bytes is not None and run.budget_bytes >= least:
                     notes.append(f"note: {use_planner} cannot meet {format_bytes(run.budget_bytes)}; "
                                  "used greedy, which reaches the least budget")

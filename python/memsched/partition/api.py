@@ -148,6 +148,8 @@ def compare(source, devices=4, cap=None, methods="all", *, example_inputs=None, 
     if isinstance(methods, str) and methods != "all":  # "s3,even" as on the command line; was read letter by letter
         methods = [m.strip() for m in methods.split(",") if m.strip()]
     names = list(METHODS) if methods == "all" else list(methods)
+    if not names:
+        raise ValueError(f"partition: methods names no method; give 'all' or some of {', '.join(METHODS)}")
     for m in names:
         if m not in METHODS:
             raise ValueError(f"partition: unknown method {m!r}; known: {', '.join(METHODS)}")

@@ -39,12 +39,21 @@ class DeviceSet:
         return len(self.models)
 
 
+def _refuse_more_devices_than_ops(n, trace):
+    """A device beyond the op count holds nothing, and 10**9 of them filled the host's memory first."""
+    ops = len(trace.ops) if trace is not None else None
+    if ops is not None and n > ops:
+        raise ValueError(f"devices: {n} devices for a trace of {ops} ops; a device holds at least one op, so give at "
+                         f"most {ops}")
+
+
 def _models(devices, trace, durations):
     if isinstance(devices, bool) or devices is None:
         raise ValueError(f"devices: expected a device count (e.g. 4) or a list of presets/DeviceModels, got {devices!r}")
     if isinstance(devices, numbers.Integral):
         if devices < 1:
             raise ValueError(f"devices: need at least 1 device, got {devices}")
+        _refuse_more_devices_than_ops(int(devices), trace)
         devices = [DEFAULT_PRESET] * int(devices)
     if isinstance(devices, (str, os.PathLike, DeviceModel)):
         devices = [devices]
@@ -55,6 +64,7 @@ def _models(devices, trace, durations):
                          f"{devices!r}") from None
     if not devices:
         raise ValueError("devices: the list is empty; give a device count or at least one preset/DeviceModel")
+    _refuse_more_devices_than_ops(len(devices), trace)
     models, names = [], []
     for k, d in enumerate(devices):
         try:
