@@ -22,6 +22,11 @@ py::str text(const std::string& s) {
   return py::reinterpret_steal<py::str>(obj);
 }
 
+// A path given as a str or an os.PathLike, as open() takes it; anything else raises os.fspath's TypeError.
+std::string fspath(const py::object& path) {
+  return py::module_::import("os").attr("fspath")(path).cast<std::string>();
+}
+
 template <typename T>
 auto text_getter(std::string T::*member) {
   return [member](const T& self) { return text(self.*member); };
@@ -180,8 +185,9 @@ void bind_trace(py::module_& m) {
       .def("peak_op", &Trace::peak_op)
       .def("activation_bytes", &Trace::activation_bytes)
       .def("bytes_of_kind", [](const Trace& t, const std::string& kind) { return t.bytes_of_kind(tensor_kind_from_string(kind)); })
-      .def("to_json", [](const Trace& t, const std::string& path) { save_trace(t, path); }, py::arg("path"))
-      .def_static("from_json", &load_trace, py::arg("path"))
+      // a str or an os.PathLike (pathlib.Path: was pybind11's "incompatible function arguments")
+      .def("to_json", [](const Trace& t, const py::object& path) { save_trace(t, fspath(path)); }, py::arg("path"))
+      .def_static("from_json", [](const py::object& path) { return load_trace(fspath(path)); }, py::arg("path"))
       .def("to_json_string", [](const Trace& t) { return text(trace_to_json(t)); })
       .def_static("from_json_string", &trace_from_json, py::arg("text"))
       .def("__repr__", [](const Trace& t) {

@@ -74,3 +74,16 @@ def test_op_rng_is_derived_from_the_name_and_can_be_set(tmp_path):
     path = tmp_path / "t.json"
     t.to_json(str(path))
     assert [op.rng for op in memsched.Trace.from_json(str(path)).ops] == [True, False, True]
+
+
+def test_json_paths_may_be_pathlib_paths(tmp_path):
+    """Trace.from_json(pathlib.Path) raised pybind11's "incompatible function arguments"; open() takes both."""
+    import pathlib
+
+    t = memsched._C.synthetic_trace(num_layers=2, ops_per_layer=2, seed=1)
+    path = pathlib.Path(tmp_path) / "t.json"
+    t.to_json(path)
+    back = memsched.Trace.from_json(path)
+    assert back.to_json_string() == t.to_json_string()
+    with pytest.raises(TypeError, match="os.PathLike"):
+        memsched.Trace.from_json(3)
