@@ -61,3 +61,13 @@ def test_the_api_refuses_no_method_and_more_devices_than_ops():
         memsched.partition.compare(t, 2, "50%", methods="")
     with pytest.raises(ValueError, match=f"devices: {10**9} devices for a trace of {len(t.ops)} ops"):
         memsched.partition(t, devices=10**9, cap="8GiB")
+
+
+def test_methods_that_all_skip_say_so_not_that_the_caps_fail(tmp_path, capsys):
+    """milp alone on more ops than it takes: the message said no placement met the caps and to pass a cap the
+    given one already exceeded."""
+    path, t = _trace_file(tmp_path)
+    assert len(t.ops) > 24
+    assert main(["partition", str(path), "--devices", "2", "--cap", "8GiB", "--methods", "milp"]) == 1
+    err = capsys.readouterr().err
+    assert "no method produced a placement (milp: skipped" in err and "pass --cap" not in err

@@ -70,6 +70,12 @@ def run(args):
           f"{dset.link_bw_gbps:g} GB/s + {dset.link_latency_us:g} us")
     print(format_table(rows))
     best = best_row(rows)
+    if best is None and all(r["partition"] is None for r in rows):
+        # no method ran (milp alone on more ops than it takes): the caps were never tried
+        why = "; ".join(f"{r['method']}: {r['error']}" for r in rows)
+        print(f"memsched partition: no method produced a placement ({why}); choose others with --methods",
+              file=sys.stderr)
+        return 1
     if best is None:
         from memsched.partition.api import caps_error, _Source, _problem
         problem, _ = _problem(_Source(trace, None), [args.device] * args.devices, args.cap, args.link_gbps, 5.0,
