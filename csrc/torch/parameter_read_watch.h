@@ -22,7 +22,9 @@ namespace memsched {
 // the storage of a watched parameter whose gradient is already final in this iteration (mark_final),
 // is a hit: a node, a hook or a custom Function's backward reading it late. Only the outermost op's
 // arguments count (not those of ops its kernel calls).
-// Thread-safe: one process-wide mutex, never held while an op runs.
+// Thread-safe: one process-wide mutex, never held while an op runs. The storage map and final marks are
+// this watch's own copies of DwRuntime's: the observer runs inside ops DwRuntime itself runs while holding
+// its mutex (sums, casts), so it cannot take that mutex to read them.
 class ParameterReadWatch {
  public:
   ParameterReadWatch();

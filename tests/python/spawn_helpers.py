@@ -25,9 +25,11 @@ def spawn_and_wait(worker, args, nprocs, seconds=300):
             pytest.fail(f"the {nprocs} worker process(es) did not finish within {seconds} s")
 
 
-def init_gloo(rank, port, world_size):
-    """In a spawned worker: one intra-op thread and a gloo process group on 127.0.0.1:port."""
+def init_gloo(rank, port, world_size, timeout_s=None):
+    """In a spawned worker: one intra-op thread and a gloo process group on 127.0.0.1:port (timeout_s: the
+    group's collective timeout, torch's default when None)."""
     import os
+    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
@@ -35,4 +37,5 @@ def init_gloo(rank, port, world_size):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    extra = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, **extra)

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from spawn_helpers import free_port, spawn_and_wait
+from spawn_helpers import free_port, init_gloo, spawn_and_wait
 
 K_STEPS = 3
 ACCUMULATE = (2, 4)   # micro-steps per optimizer step
@@ -69,12 +69,7 @@ def _run(rank, mode, steps, accumulate=1):
 
 
 def _worker(rank, port, out_dir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    from datetime import timedelta
-
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    init_gloo(rank, port, WORLD, timeout_s=60)
     try:
         results = {mode: _run(rank, mode, K_STEPS) for mode in ("plain", "ooo", "fused")}
         for k in ACCUMULATE:

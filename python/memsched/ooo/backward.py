@@ -919,10 +919,8 @@ class OutOfOrderBackward:
             self._reducer = BucketReducer(ddp, self._params)
             self._ddp_saved_sync = ddp.require_backward_grad_sync
             ddp.require_backward_grad_sync = ddp_support.SYNC_OFF
-            mine = weakref.ref(self)
-
             def _after_ddp_forward(module, args, output):
-                me_ = mine()
+                me_ = ref()
                 if me_ is not None and me_._reducer is not None:
                     ddp_support.buffers_after_forward(
                         module, me_._last_micro_step() and not ddp_support.in_no_sync(module))

@@ -269,15 +269,12 @@ class EarlyReadDDP(nn.Module):
 
 
 def _ddp_worker(rank, port, out):
-    import os
-
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from spawn_helpers import init_gloo
+
+    init_gloo(rank, port, 2)
     try:
         results = {}
         for mode in ("plain", "fused"):

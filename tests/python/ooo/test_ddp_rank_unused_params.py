@@ -4,13 +4,12 @@ gradients], "Unused parameters"): plain DDP (find_unused_parameters=True) gives 
 gradient on every rank, so every replica steps it alike. gloo on CPU, two processes; after three
 AdamW steps with zero_grad(set_to_none=True), both ranks' parameters must equal each other and plain
 DDP's bit for bit -- for ooo alone and with the fused update."""
-import os
 
 import pytest
 import torch
 import torch.nn as nn
 
-from spawn_helpers import free_port, spawn_and_wait
+from spawn_helpers import free_port, init_gloo, spawn_and_wait
 
 STEPS = 3
 WORLD = 2
@@ -59,10 +58,7 @@ def _train(mode, rank):
 def _worker(rank, port, out):
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_gloo(rank, port, WORLD)
     try:
         torch.save({mode: _train(mode, rank) for mode in MODES}, f"{out}.{rank}")
     finally:

@@ -3,12 +3,11 @@ bucket reducer, ooo/ddp.py; Note [Gradients the fused update did not see] in ooo
 zero_grad(set_to_none=False) plain DDP (find_unused_parameters=True) reduces their zero gradient and
 optimizer.step() updates them. gloo on CPU, world size 1, in a subprocess; parameters and optimizer
 state after 4 steps bitwise equal to plain DDP's, with and without gradient accumulation."""
-import os
 
 import pytest
 import torch
 
-from spawn_helpers import free_port, spawn_and_wait
+from spawn_helpers import free_port, init_gloo, spawn_and_wait
 from test_fused_unreached_params import OPTIMIZERS, STEPS, ZEROING, Branchy, _batch
 
 CASES = [(z, o, k) for z in ("optimizer_keyword", "model", "zeros_like_by_hand") for o in sorted(OPTIMIZERS)
@@ -57,10 +56,7 @@ def _train(fused, zeroing, opt_name, accumulation):
 def _worker(rank, port, out):
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=1)
+    init_gloo(rank, port, 1)
     try:
         torch.save({case: (_train(False, *case), _train(True, *case)) for case in CASES}, out)
     finally:

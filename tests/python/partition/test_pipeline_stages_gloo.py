@@ -6,7 +6,7 @@ import os
 import torch
 from torch import nn
 
-from spawn_helpers import free_port, spawn_and_wait
+from spawn_helpers import free_port, init_gloo, spawn_and_wait
 
 STEPS = 3
 WORLD = 2
@@ -41,8 +41,6 @@ def _loss(out, y):
 
 
 def _worker(rank, port, partition_path, out_dir):
-    from datetime import timedelta
-
     import torch.distributed as dist
     from torch.distributed.pipelining import ScheduleGPipe
 
@@ -50,10 +48,7 @@ def _worker(rank, port, partition_path, out_dir):
     from memsched.partition.fx_graph import to_graph_module
     from memsched.partition.stages import pipeline_stage
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    init_gloo(rank, port, WORLD, timeout_s=60)
     try:
         gm = to_graph_module(_model())
         stage = pipeline_stage(gm, Partition.from_json(partition_path), rank, "cpu")
