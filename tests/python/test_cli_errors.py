@@ -71,6 +71,15 @@ def test_unwritable_out_is_refused_before_the_work(command, a_file, tmp_path, no
         assert rc == 2 and f"--out {out}" in err and why in err, err
 
 
+@pytest.mark.parametrize("name", ["trace.png", "t.SVG"])
+def test_profile_out_with_an_image_extension_is_refused_before_the_work(name, tmp_path, no_work, capsys):
+    out = tmp_path / name
+    assert cli_main(["profile", "--model", "mlp", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: the trace is JSON" in err and "give a .json path" in err and "memsched plan" in err, err
+    assert not out.exists()
+
+
 def test_demo_out_dir_that_is_a_file_is_refused_before_the_work(a_file, no_work, capsys):
     assert cli_main(["demo", "--out-dir", str(a_file), "--no-compare"]) == 2
     err = capsys.readouterr().err

@@ -22,6 +22,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="trace.json", help="where to write the trace (default trace.json)")
 
 
+def _not_an_image(path):
+    """A trace is JSON: an image extension (the timeline `plan --out` draws) is a mix-up, refused before
+    the work rather than writing JSON into a .png."""
+    import os
+
+    from memsched._images import SUPPORTED
+    ext = os.path.splitext(path)[1][1:].lower()
+    if ext in SUPPORTED:
+        return (f"--out {path}: the trace is JSON, not a '.{ext}' image; give a .json path (the timeline image "
+                f"comes from `python -m memsched plan TRACE.json --budget ... --out timeline.{ext}`)")
+    return None
+
+
 def run(args) -> int:
     import torch
 
@@ -29,6 +42,8 @@ def run(args) -> int:
     from memsched import models
 
     error = output_file(args.out, "--out", "trace.json")  # before the work (Note [Command-line input is checked ...])
+    if error is None:
+        error = _not_an_image(args.out)
     if error is not None:
         print(f"memsched profile: {error}", file=sys.stderr)
         return 2
