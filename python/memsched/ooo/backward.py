@@ -98,6 +98,17 @@ Note [A failed backward]
   update (plain PyTorch, whose step follows backward, updates none); a RuntimeWarning names how
   many when the iteration is abandoned.
 
+Note [A step the loop skipped after a fused update]
+  Rationale: with fuse_optimizer the update runs during the backward pass that completes a step's
+  accumulation, before the loop's step(). A loop that then skips step() -- an exception between
+  backward and step that it catches, a check of non-finite gradients -- and goes on finds every
+  later forward refused: the parameters already hold an update plain PyTorch would have skipped.
+  Approach: the refusal stands (a zero_grad() does not lift it: a GAN's generator pass through the
+  discriminator looks the same, and there the fix is to freeze the discriminator), and its message
+  names the skipped step and the two ways on: step() there, going on from the updated parameters,
+  or fuse_optimizer=False (found by a helper injecting failures mid-step, whose loop retried each
+  later step into the same refusal).
+
 Note [A parameter read after its gradient is final]
   Rationale: the fused update steps a parameter in place once its gradient is final. A backward
   node that reads the parameter but sends it no gradient can still run after that: the node of
@@ -1863,7 +1874,11 @@ class OutOfOrderBackward:
             f"(run.step() once per K backward passes under memsched.optimize). A backward pass that only goes "
             f"through this model (a GAN's generator loss through the discriminator) updated it too, with "
             f"gradients plain PyTorch's zero_grad() would discard: freeze its parameters "
-            f"(requires_grad_(False)) around such passes, or use fuse_optimizer=False.")
+            f"(requires_grad_(False)) around such passes, or use fuse_optimizer=False. If the loop skipped "
+            f"step() after that pass (an exception between backward and step that it caught, or a check of "
+            f"non-finite gradients): its update was already applied, where plain PyTorch would skip it; call "
+            f"step() (run.step()) there to go on from the updated parameters, or use fuse_optimizer=False for "
+            f"a loop that may skip steps (Note [A step the loop skipped after a fused update]).")
 
     def owns_parameter(self, p) -> bool:
         """Whether p is one of the parameters this object defers (and, fused, updates)."""
