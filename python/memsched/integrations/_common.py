@@ -118,8 +118,10 @@ def short_accumulation_refusal(batches, k, global_step, max_steps, setting, whic
         return None
     from memsched._C import MemschedError
 
+    # a step limit before the epoch's last step, where there is one (an epoch of fewer than k batches has none)
+    stop = f", stop within the epoch (max_steps < {epoch_end})" if epoch_end > 1 else ""
     return MemschedError(
         f"{setting}={k}: an epoch has {batches} batches, not a multiple of {k}, so its last optimizer step follows "
         f"{batches % k} backward pass(es); with {which} memsched's update follows exactly {k}. Make the batches per "
-        f"epoch a multiple of {k} ({fixes}), stop within the epoch (max_steps < {epoch_end}), or use "
+        f"epoch a multiple of {k} ({fixes}){stop}, or use "
         f"MemschedCallback(ooo=False, fuse_optimizer=False), which handles a short accumulation")
