@@ -53,6 +53,31 @@ def test_bad_options_are_named(model, kwargs, words):
         optimize(model, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(fuse_optimizer=True), "fuse_optimizer=True needs optimizer="),
+    (dict(fuse_optimizer=True, optimizer="adagrad"), "fuse_optimizer=True supports torch.optim.SGD, Adam and AdamW"),
+    (dict(ooo=True, executor="gpu"), "executor must be 'auto', 'inline', 'thread' or 'stream'"),
+    (dict(ooo=True, grad_accumulation_steps=0), "grad_accumulation_steps"),
+])
+@pytest.mark.parametrize("entry", ["optimize", "OutOfOrderBackward"])
+def test_ooo_argument_errors_are_value_errors_and_memsched_errors(model, kwargs, words, entry):
+    """optimize() promises a ValueError for a bad argument; OutOfOrderBackward's are MemschedErrors too
+    (Note [Argument errors of both kinds] in errors.py)."""
+    kwargs = dict(kwargs)
+    if kwargs.get("optimizer") == "adagrad":
+        kwargs["optimizer"] = torch.optim.Adagrad(model.parameters())
+    if entry == "optimize":
+        if "executor" in kwargs:
+            pytest.skip("optimize() has no executor option")
+        with pytest.raises(ValueError, match=words):
+            optimize(model, **kwargs)
+        return
+    kwargs.pop("ooo", None)
+    with pytest.raises(ValueError, match=words) as info:
+        memsched.OutOfOrderBackward(model, **kwargs)
+    assert isinstance(info.value, memsched.MemschedError)
+
+
 def test_unknown_option_is_a_type_error_naming_it(model):
     with pytest.raises(TypeError, match=r"optimize\(\): unknown option 'max_reprofile'; known options: "
                                         r"min_offload_bytes, max_reprofiles, device_model"):

@@ -478,6 +478,7 @@ from memsched._C import DwRuntime, MemschedError, deferred_conv, deferred_linear
 from memsched._C import autocast_cast as _autocast_cast
 from memsched._C import guard_retained_graph as _guard_retained_graph
 from memsched.copy_inert import PatchedForward, inert_on_copy
+from memsched.errors import MemschedArgumentError  # See Note [Argument errors of both kinds]
 from memsched.ooo import clip_guard, grad_scaler_guard
 from memsched.ooo import ddp as ddp_support
 from memsched.ooo.fused import SUPPORTED_OPTIMIZERS, ParamStepper, has_step_hooks
@@ -714,33 +715,33 @@ class OutOfOrderBackward:
                  fuse_optimizer: bool = False, max_deferred_bytes=None, grad_accumulation_steps: int = 1,
                  max_grad_norm: Optional[float] = None, executor: str = "auto"):
         if not isinstance(model, nn.Module):
-            raise MemschedError(f"model: expected a torch.nn.Module (or a DistributedDataParallel wrapping one), "
+            raise MemschedArgumentError(f"model: expected a torch.nn.Module (or a DistributedDataParallel wrapping one), "
                                 f"got {type(model).__name__}")
         lazy = next((n for n, p in model.named_parameters() if torch.nn.parameter.is_lazy(p)), None)
         if lazy is not None:
-            raise MemschedError(f"model: parameter {lazy} is not initialized yet (a LazyModule such as "
+            raise MemschedArgumentError(f"model: parameter {lazy} is not initialized yet (a LazyModule such as "
                                 f"nn.LazyLinear); run the model once on a batch before OutOfOrderBackward (under "
                                 f"torch.no_grad() is enough)")
         if not isinstance(fuse_optimizer, bool):
-            raise MemschedError(f"fuse_optimizer: expected True or False, got {fuse_optimizer!r}")
+            raise MemschedArgumentError(f"fuse_optimizer: expected True or False, got {fuse_optimizer!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             # was accepted without fusion and silently unused (a class, a list of optimizers)
             what = (f"the class {optimizer.__module__}.{optimizer.__qualname__}" if isinstance(optimizer, type)
                     else type(optimizer).__name__)
-            raise MemschedError(f"optimizer: expected a torch.optim.Optimizer instance (or None), got {what}; "
+            raise MemschedArgumentError(f"optimizer: expected a torch.optim.Optimizer instance (or None), got {what}; "
                                 f"pass the optimizer built from the model's parameters, e.g. "
                                 f"torch.optim.AdamW(model.parameters(), lr=...)")
         if fuse_optimizer and optimizer is None:
-            raise MemschedError("fuse_optimizer=True needs optimizer=...: the torch.optim optimizer whose "
+            raise MemschedArgumentError("fuse_optimizer=True needs optimizer=...: the torch.optim optimizer whose "
                                 "update runs per parameter during backward")
         if fuse_optimizer and type(optimizer) not in SUPPORTED_OPTIMIZERS:
             # checked here, so memsched.optimize(...) refuses it too, before the `with` block
-            raise MemschedError(
+            raise MemschedArgumentError(
                 f"optimizer: fuse_optimizer=True supports torch.optim.SGD, Adam and AdamW (per-parameter "
                 f"updates); got {type(optimizer).__module__}.{type(optimizer).__qualname__}. Use "
                 f"fuse_optimizer=False (ooo=True alone) and let optimizer.step() run after backward.")
         if fuse_optimizer and max_grad_norm is not None:
-            raise MemschedError(
+            raise MemschedArgumentError(
                 "max_grad_norm: global gradient-norm clipping cannot be fused with the optimizer update -- "
                 "the norm needs every gradient before the first parameter is updated, and the fused update "
                 "frees each gradient as soon as it is used. Use fuse_optimizer=False (ooo=True alone) with "
@@ -749,15 +750,15 @@ class OutOfOrderBackward:
                 "register_post_accumulate_grad_hook).")
         if isinstance(grad_accumulation_steps, bool) or not isinstance(grad_accumulation_steps, numbers.Integral) \
                 or grad_accumulation_steps < 1:
-            raise MemschedError(f"grad_accumulation_steps must be a whole number >= 1 (backward passes per "
+            raise MemschedArgumentError(f"grad_accumulation_steps must be a whole number >= 1 (backward passes per "
                                 f"optimizer step), got {grad_accumulation_steps!r}")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool)
                                           or not isinstance(max_grad_norm, numbers.Real)
                                           or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
-            raise MemschedError(f"max_grad_norm must be None or a finite number > 0 (the global gradient norm "
+            raise MemschedArgumentError(f"max_grad_norm must be None or a finite number > 0 (the global gradient norm "
                                 f"to clip to), got {max_grad_norm!r}")
         if executor not in ("auto", "inline", "thread", "stream"):
-            raise MemschedError(f"executor must be 'auto', 'inline', 'thread' or 'stream', got {executor!r}")
+            raise MemschedArgumentError(f"executor must be 'auto', 'inline', 'thread' or 'stream', got {executor!r}")
         self._limit_given = max_deferred_bytes is not None
         if max_deferred_bytes is None:
             max_deferred_bytes = DEFAULT_MAX_DEFERRED_BYTES  # resolved at install (See Note [Executors])
@@ -765,7 +766,7 @@ class OutOfOrderBackward:
             try:  # an int, a whole float or "64MiB"; the error names this argument, not "budget"
                 max_deferred_bytes = parse_bytes(max_deferred_bytes, name="max_deferred_bytes")
             except ValueError as e:
-                raise MemschedError(f"{e} (max_deferred_bytes >= 0; 0 = run every item at once)") from None
+                raise MemschedArgumentError(f"{e} (max_deferred_bytes >= 0; 0 = run every item at once)") from None
         self.model = model
         self.optimizer = optimizer
         self.fuse_optimizer = bool(fuse_optimizer)
