@@ -320,6 +320,12 @@ class Run:
         self.planner = planner
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
+        if self.budget_spec == 0:
+            # no step fits in 0 bytes: refused here, not after the profiled step (planning.plan takes 0 to ask
+            # for the least budget a trace needs)
+            raise ValueError(f"budget: 0 bytes holds no training step; give the device memory to plan within "
+                             f"(e.g. '6GiB'), a fraction of the activation memory (e.g. 0.5), or None (no limit); "
+                             f"got {budget!r}")
         # the bytes as the user wrote them ("6GiB"), for refusals to echo; None for every other form
         self.budget_written_ = budget.strip() if isinstance(budget, str) and isinstance(self.budget_spec, int) else None
         if not isinstance(profile, str) or profile not in PROFILE_MODES:

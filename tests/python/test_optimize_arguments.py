@@ -78,6 +78,13 @@ def test_ooo_argument_errors_are_value_errors_and_memsched_errors(model, kwargs,
     assert isinstance(info.value, memsched.MemschedError)
 
 
+@pytest.mark.parametrize("budget", [0, "0GiB", "0"])
+def test_a_budget_of_zero_bytes_is_refused_at_optimize(model, budget):
+    # was: accepted, and refused only after the profiled step
+    with pytest.raises(ValueError, match=r"budget: 0 bytes holds no training step"):
+        optimize(model, budget=budget)
+
+
 def test_unknown_option_is_a_type_error_naming_it(model):
     with pytest.raises(TypeError, match=r"optimize\(\): unknown option 'max_reprofile'; known options: "
                                         r"min_offload_bytes, max_reprofiles, device_model"):
