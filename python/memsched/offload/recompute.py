@@ -380,12 +380,19 @@ class Recipe:
         """Run the recorded ops; returns storage key -> replayed tensor (a tensor on each new storage)."""
         for t, version in self.externals():
             if t._version != version:
+                if t.is_leaf and t.requires_grad:  # a parameter edited under no_grad (weight clipping, EMA)
+                    what = (f"a parameter of shape {list(t.shape)}, read by the forward to make it, was modified in "
+                            f"place before backward")
+                    fix = ("Change parameters after backward (in the optimizer step, or between run.step() and the "
+                           "next forward)")
+                else:
+                    what = "an input of it was modified in place after the forward read it"
+                    fix = "Write the next batch into a new tensor rather than into the one this step's forward read"
                 raise MemschedError(
-                    f"memsched: an input of recomputed activation {self.label or self.ordinal} was modified "
-                    f"in place after the forward read it (version {version} -> {t._version}), so it cannot be "
-                    "recomputed exactly (plain PyTorch, which keeps the activation, need not read it again). "
-                    "Write the next batch into a new tensor rather than into the one this step's forward read, "
-                    "or plan with planner='dp' (no recompute)")
+                    f"memsched: recomputed activation {self.label or self.ordinal}: {what} (version {version} -> "
+                    f"{t._version}), so it cannot be recomputed exactly (plain PyTorch, which keeps the activation, "
+                    f"need not read it again). {fix}, or plan without recompute: planner='dp' (with a "
+                    f"host_memory_limit that holds its offloads: below that, memsched runs a plan that recomputes)")
         storage_of = {}
         grad = torch.is_grad_enabled()
         # At the level the forward's dispatch mode saw: below autograd and ADInplaceOrView, so

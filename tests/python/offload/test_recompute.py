@@ -182,7 +182,21 @@ def test_an_input_changed_after_the_forward_raises_at_replay():
     recipe = _recipe(log, h)
     with torch.no_grad():
         x.add_(1)  # outside any recorded forward
-    with pytest.raises(RuntimeError, match="modified in place after the forward read it"):
+    with pytest.raises(RuntimeError, match="modified in place after the forward read it.*Write the next batch"):
+        recipe.replay()
+
+
+def test_a_parameter_changed_before_backward_is_named_at_replay():
+    """A parameter edited under no_grad between forward and backward (weight clipping): the message names the
+    parameter and when to change it, not the next batch."""
+    w = nn.Parameter(torch.randn(10))
+    log, h = _record(lambda t: torch.sin(t + 1), w)
+    recipe = _recipe(log, h)
+    with torch.no_grad():
+        w.add_(1)
+    with pytest.raises(RuntimeError, match=r"a parameter of shape \[10\], read by the forward to make it, was "
+                                           r"modified in place before backward.*Change parameters after backward.*"
+                                           r"planner='dp' \(with a host_memory_limit"):
         recipe.replay()
 
 
