@@ -218,6 +218,7 @@ Note [Recompute decisions run]
   A save the executor cannot replay exactly keeps its tensor, and run.report()
   counts it with the reason; the budget may then be exceeded by its bytes.
 """
+import bisect
 import collections
 import re
 import sys
@@ -413,6 +414,7 @@ class Run:
         self.reprofiles = 0          # COUNT of re-profiles after a mismatch
         self.reprofile_why_ = ""     # the mismatch that armed the open re-profile (named if it is refused)
         self.cast_warmup_profiles_ = 0  # COUNT of profiles dropped as ooo began deferring under autocast
+        self.unused_forward_profiles_ = 0  # COUNT of profiles dropped for a forward no backward read
         self.mismatches = 0          # COUNT of steps that did not match the trace
         self.mismatch_run_ = 0       # consecutive mismatching steps (Note [A lone mismatching step])
         self.reprofiles_denied_ = 0  # COUNT of re-profiles due but past max_reprofiles
@@ -587,6 +589,11 @@ class Run:
                 # With gradient accumulation the deferral may begin inside this step, at its second micro-batch:
                 # the trace then mixes both (found by fuzzing).
                 self.cast_warmup_profiles_ += 1
+                self._start_profiling()
+                return None
+            if self.unused_forward_profiles_ < 2 and _a_forward_no_backward_read(trace, self.forward_starts_):
+                # See Note [A profiled forward that no backward read]: profile the next step instead
+                self.unused_forward_profiles_ += 1
                 self._start_profiling()
                 return None
             self.profile_eval_grad_ = self.eval_grad_forward_  # named if later steps do not match it
@@ -1400,6 +1407,10 @@ class Run:
                           "inputs and outputs) needs more; later steps follow the plan" if self.profile_offload
                           else ": pass the budget in bytes (or profile='offload') to keep the profiled step's "
                                "saved activations in host memory"))
+        if self.unused_forward_profiles_:
+            line += (f"; {counted(self.unused_forward_profiles_, 'profile')} dropped: its step had a forward no "
+                     f"backward read (a skipped batch), so the next step was profiled instead (Note [A profiled "
+                     f"forward that no backward read])")
         return line
 
     def save_timeline(self, path, torch_trace=None, offset_us=None):
@@ -1477,6 +1488,43 @@ class Run:
 _OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumulation_steps", "timeline", "history",
             "host_memory_limit", "profile")
 PROFILE_MODES = ("auto", "offload", "keep")
+
+
+# Note [A profiled forward that no backward read]
+#   Rationale: a loop that skips a batch after its forward (a non-finite loss: no backward, no step) in
+#   the first step had that forward recorded into the profile with the next one, which the backward
+#   followed. The trace then held two forwards' activations at once (the skipped graph dies only when
+#   the loop rebinds its loss) for every later step's one, and a fraction budget those steps meet was
+#   refused at the step boundary ("the least fraction that works is 0.58" for 0.5) and that step's
+#   update dropped (found by a helper injecting failures mid-step; 4.6e-3 off plain after four steps).
+#   Approach: at the profiled step's boundary, a forward (Note [Forwards that save nothing] in
+#   offload/recompute.py: where each forward with grad enabled began) that saved activations of which no
+#   backward op read one was dropped by the loop: the step's update runs as usual and the next step is
+#   profiled instead, at most twice per Run -- a loop that does this at every step (a forward whose graph
+#   it drops, each step) is then planned as it is.
+#   Limitations: a forward whose graph the loop keeps for a later step's backward looks the same here.
+
+
+def _a_forward_no_backward_read(trace, forward_starts):
+    """Whether one of the step's forwards (beginning at the op ids forward_starts) saved activations none of
+    which a backward op of the step read (See Note [A profiled forward that no backward read])."""
+    if not forward_starts or len(forward_starts) < 2:
+        return False  # one forward: the step's backward followed it (or there was none: refused elsewhere)
+    ops = trace.ops
+    starts = sorted(forward_starts)
+    saved = [False] * len(starts)
+    read = [False] * len(starts)
+    for t in trace.tensors:
+        if t.kind != "activation" or t.producer_op < 0 or not t.uses or ops[t.uses[0]].phase != "forward":
+            continue
+        # the forward of its first use: the loop's next batch, made before that forward began, is that one's
+        i = bisect.bisect_right(starts, t.uses[0]) - 1
+        if i < 0:
+            continue
+        saved[i] = True
+        if not read[i] and any(ops[u].phase == "backward" for u in t.uses):
+            read[i] = True
+    return any(s and not r for s, r in zip(saved, read))
 
 
 def _explain_profiled_oom(exc):
