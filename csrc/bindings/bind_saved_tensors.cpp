@@ -91,6 +91,9 @@ void bind_saved_tensors(py::module_& m) {
            py::arg("first_bwd_op"), py::arg("triggers"), py::arg("before_step") = py::tuple())
       .def("clear_schedule", &SavedTensorPath::clear_schedule)
       .def("observe", &SavedTensorPath::observe, py::arg("ordinal"))
+      .def_property_readonly("backward_open", &SavedTensorPath::backward_open,
+                             "A backward pass that unpacked a save of this step began and has not completed "
+                             "(Note [A step whose backward raised] in offload/executor.py).")
       .def("set_trigger_nodes", &SavedTensorPath::set_trigger_nodes, py::arg("node_to_op"))
       .def("hook_nodes", &SavedTensorPath::hook_nodes, py::arg("roots"),
            "Pre-hooks on the trigger nodes behind these tensors (Note [Backward node triggers]).")

@@ -11,7 +11,9 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>  // Node: node.h since torch 2.12, function.h in 2.11 (the GPU machine's)
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "core/check.h"
@@ -289,6 +291,7 @@ void SavedTensorPath::check_label(int64_t k, bool has_storage) {
 
 PyObject* SavedTensorPath::unpack(PyObject* packed) {
   HANDLE_TH_ERRORS
+  if (!backward_open_->load(std::memory_order_relaxed)) open_backward();  // Note [A step whose backward raised]
   if (THPVariable_Check(packed)) return Py_NewRef(packed);
   if (raise_copy_error()) return nullptr;  // See Note [Copies issued at the next op]
   if (has_queued) issue_copies();
@@ -472,6 +475,7 @@ void SavedTensorPath::begin_step(double t0_s) {
   need_poll = false;
   has_queued = false;
   fired_upto = -2;
+  backward_open_->store(false, std::memory_order_release);
   activations = 0;
   activation_bytes = 0;
   peak_bytes = 0;
@@ -545,6 +549,15 @@ void SavedTensorPath::observe(int64_t k) {
   auto next = std::upper_bound(triggers_.begin(), triggers_.end(), fired_upto);
   if (next != triggers_.end() && *next <= op) fire(op, fired_upto);
   fired_upto = op;
+}
+
+void SavedTensorPath::open_backward() {
+  // See Note [A step whose backward raised] (offload/executor.py): one callback per backward pass.
+  if (torch::autograd::get_current_graph_task_id() == -1) return;  // an unpack outside the engine
+  backward_open_->store(true, std::memory_order_release);
+  std::shared_ptr<std::atomic<bool>> open = backward_open_;
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [open] { open->store(false, std::memory_order_release); });
 }
 
 // Note [Backward node triggers]

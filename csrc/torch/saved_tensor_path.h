@@ -29,6 +29,7 @@
 #include <chrono>
 #include <cstdint>
 #include <limits>
+#include <atomic>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -97,6 +98,9 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
                     const pybind11::iterable& before_step);
   void clear_schedule();
   void observe(int64_t ordinal);                  // an unpack of `ordinal`: fire prefetch triggers
+  // A backward pass that unpacked a save of these hooks began and has not completed (it raised): See
+  // Note [A step whose backward raised] (offload/executor.py).
+  bool backward_open() const { return backward_open_->load(std::memory_order_acquire); }
   // Note [Backward node triggers]: trigger nodes by their sequence offset in the step -> trace op.
   void set_trigger_nodes(const pybind11::dict& node_to_op);
   // Hook the trigger nodes of the graph behind `roots` (a forward's outputs); returns how many.
@@ -172,6 +176,10 @@ class SavedTensorPath : public std::enable_shared_from_this<SavedTensorPath> {
   std::vector<std::pair<double, int64_t>> samples;  // timeline=True: (seconds since t0, bytes)
 
  private:
+  void open_backward();  // the first unpack of a backward pass: its completion closes it
+  // Set by open_backward, cleared by an engine callback that runs only when the pass completes (the
+  // engine's threads: atomic; shared so a callback outliving this path writes nothing freed).
+  std::shared_ptr<std::atomic<bool>> backward_open_ = std::make_shared<std::atomic<bool>>(false);
   pybind11::object owner() const;  // the executor, or None once it died
   template <typename... Args>
   pybind11::object call_owner(const char* method, Args&&... args);

@@ -24,6 +24,20 @@ Note [Executor hooks and their lifetime]
   pair at once and drops the step; what a step that raised later leaves is
   owned by its graph (See Note [A step that raises] in optimize.py).
 
+Note [A step whose backward raised]
+  Rationale: a backward pass that raised in a planned step (an out-of-memory error, a Function's
+  backward), caught by the loop, left the step open: the loop's next forward counted as that step's
+  second, saved activations the trace does not have, and ran plainly as a mismatch ("3 planned, 1
+  plain", found by a helper injecting failures mid-step) -- after a backward out of memory, the retry
+  ran without offloading.
+  Approach: the first unpack of a backward pass (SavedTensorPath::unpack, C++) marks it open and
+  queues an engine callback that closes it; the engine runs that callback only when the pass
+  completes. A forward outside the engine that finds a pass still open abandons the step, as after a
+  forward that raised, and starts a fresh one with the plan. A pass that completed (gradient
+  accumulation's next micro-batch) leaves the step as it is.
+  Limitations: a pass that raised before its first unpack of a save of this step's hooks is not seen
+  (the next forward then continues the step, and mismatches). One C++ callback per backward pass.
+
 Note [A plan with nothing to do]
   Rationale: budget=None on a step that fits the device keeps every activation: its plan moves
   nothing, yet the executor's hooks ran at every save and unpack (numbering, the identity check,
@@ -524,8 +538,8 @@ class OffloadExecutor:
         self.in_forward_ = True
         if not self.active:
             return
-        if self.in_step_ and self.forward_failed_:
-            self._abandon_step()
+        if self.in_step_ and (self.forward_failed_ or (self.path.backward_open and torch._C._current_graph_task_id() == -1)):
+            self._abandon_step()  # See Note [A step whose backward raised]
         if not self.in_step_:
             self._begin_step()
             if self.hookless and self.schedule is not None:
