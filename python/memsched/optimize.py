@@ -968,6 +968,7 @@ class Run:
             if self.ooo_ is not None:
                 self.ooo_.abandon_forward()
             _explain_hook_refusal(sys.exc_info()[1])
+            _explain_pass_through(sys.exc_info()[1])
 
 
     def _adopt_trace(self, trace):
@@ -1568,6 +1569,27 @@ def _explain_hook_refusal(exc):
                      "whole step, and torch.func transforms (or disable_saved_tensors_hooks) inside a forward "
                      "refuse any saved-tensor hooks. Apply the transform outside the module memsched wraps, or "
                      "train this model without memsched.optimize()")
+
+
+def _explain_pass_through(exc):
+    """An error of the model's forward (a dtype mismatch, a wrong shape) raised through memsched's dispatch
+    mode or hooks has memsched's files near the end of its traceback, which read as memsched's failure
+    (found by a helper trying the README as a new user): a note says those frames pass the op on unchanged."""
+    if exc is None or getattr(exc, "_memsched_noted", False) or not hasattr(exc, "add_note") \
+            or isinstance(exc, _C.MemschedError):
+        return
+    import os
+    ours = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    tb, through = exc.__traceback__, False
+    while tb is not None and not through:
+        through = os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(ours)
+        tb = tb.tb_next
+    if not through:
+        return
+    exc._memsched_noted = True
+    exc.add_note("memsched: raised by an op of the model's forward; the memsched frames in this traceback "
+                 "are its profiler or executor passing that op on to PyTorch unchanged. The same "
+                 "forward without memsched.optimize() raises it too")
 
 
 def _check_optimizer_owns_model(model, optimizer):

@@ -139,3 +139,21 @@ def test_run_step_right_after_the_loops_optimizer_step_warns_of_a_second_update(
 
     assert len(train(both)) == 1
     assert train(lambda o, run: run.step()) == [] and train(loop_steps) == [] and train(twice) == []
+
+
+@pytest.mark.parametrize("budget", [None, 0.5, "1GiB"])
+def test_an_error_of_the_model_in_the_profiled_step_says_it_is_the_models(budget):
+    """A float64 batch into a float32 model in the first step, whose ops memsched's profiler passes on: torch's
+    own error, with a note that the memsched frames in its traceback only passed the op on."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memsched.optimize(model, opt, budget=budget) as run:
+        with pytest.raises(RuntimeError, match="must have the same dtype") as info:
+            model(torch.randn(4, 8, dtype=torch.float64))
+        assert "passing that op on to PyTorch unchanged" in "".join(getattr(info.value, "__notes__", []))
+        model(torch.randn(4, 8)).sum().backward()  # the next step is profiled and trains
+        run.step()
+    assert run.steps_profiled == 1
+    with pytest.raises(RuntimeError, match="must have the same dtype") as info:
+        model(torch.randn(4, 8, dtype=torch.float64))  # no Run: no note
+    assert not getattr(info.value, "__notes__", [])
