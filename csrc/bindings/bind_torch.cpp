@@ -1,6 +1,7 @@
 // bind_torch.cpp -- bindings that take torch tensors; the only binding file that
 // includes torch headers (See Note [One module, several binding files]).
 #include <torch/python.h>
+#include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
 #include "torch/device_memory.h"
@@ -30,6 +31,15 @@ void bind_torch(pybind11::module_& m) {
   m.def("version_counter_key", &version_counter_key, pybind11::arg("tensor"),
         "Identity of the tensor's autograd version counter (0 if disabled): detach() and views share "
         "it, unsafe_chunk outputs and .data do not. See Note [Version counter identity].");
+
+  // See Note [Version counter aliases in C++] (csrc/torch/tensor_adapter.h).
+  m.def("counter_alias", &counter_alias, pybind11::arg("tensor"),
+        "A tensor with no storage on `tensor`'s version counter (its dtype and conj/neg bits), made without "
+        "dispatch; None for a tensor subclass. See Note [Version counter aliases in C++].");
+  m.def("on_counter", &on_counter, pybind11::arg("counter"), pybind11::arg("base"), pybind11::arg("size"),
+        pybind11::arg("stride"), pybind11::arg("offset"),
+        "A tensor of counter's dtype, bits and version counter on base's storage with this geometry, made "
+        "without dispatch; None for a tensor subclass. See Note [Version counter aliases in C++].");
 
   // See csrc/torch/device_memory.h: the allocator's counters without building torch's statistics dict.
   m.def("device_allocated_bytes", [](const std::string& d) { return device_allocated_bytes(c10::Device(d)); },

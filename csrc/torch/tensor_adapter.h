@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include <ATen/core/Tensor.h>
 
@@ -41,5 +42,21 @@ StorageRef storage_ref(const at::Tensor& tensor);
 //   a key may be reused after every tensor using the counter died, so callers
 //   hold the tensor (or a weak reference to it) while they compare keys.
 uintptr_t version_counter_key(const at::Tensor& tensor);
+
+// Note [Version counter aliases in C++]
+//   Rationale: a save the plan recomputes holds its tensor's version counter without its storage, and
+//   its unpack returns the recomputed bytes on that counter (Note [Version counter of a saved tensor]
+//   in saved_tensors.py). Done in Python with detach() and set_(), each dispatch went through the
+//   recording dispatch mode of the forward it ran in: about 30 us per recomputed save on CPU, six
+//   times the same ops without the mode.
+//   Approach: the empty tensor and the set_ run with the Python dispatch keys excluded and below
+//   ADInplaceOrView (no version bump, no mode sees them), and the counter is set on the TensorImpl,
+//   as unpack_offloaded does. Tensor subclasses (Python dispatch) are left to Python: nullopt.
+//   counter_alias(t): dtype, conj and neg bits and version counter of t, no storage.
+//   on_counter(counter, base, ...): a tensor of counter's dtype, bits and version counter, on base's
+//   storage with the given geometry.
+std::optional<at::Tensor> counter_alias(const at::Tensor& t);
+std::optional<at::Tensor> on_counter(const at::Tensor& counter, const at::Tensor& base, at::IntArrayRef size,
+                                     at::IntArrayRef stride, int64_t offset);
 
 }  // namespace memsched

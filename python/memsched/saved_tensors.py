@@ -69,9 +69,12 @@ def storage_free(alias: torch.Tensor) -> torch.Tensor:
 
 def version_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor sharing `t`'s version counter but not its storage (Note [Version counter of a saved
-    tensor]). WARNING: only where autograd runs (a saved-tensor hook): inside a dispatch mode, below
-    ADInplaceOrView, detach() makes a new counter -- use storage_free() on an alias made earlier."""
-    return storage_free(t.detach())
+    tensor]), made in C++ without dispatch (Note [Version counter aliases in C++] in
+    csrc/torch/tensor_adapter.h). WARNING: for a tensor subclass, only where autograd runs (a
+    saved-tensor hook): inside a dispatch mode, below ADInplaceOrView, detach() makes a new counter --
+    use storage_free() on an alias made earlier."""
+    alias = _C.counter_alias(t)
+    return alias if alias is not None else storage_free(t.detach())
 
 
 def on_counter(counter: torch.Tensor, base: torch.Tensor, geometry) -> torch.Tensor:
@@ -80,7 +83,10 @@ def on_counter(counter: torch.Tensor, base: torch.Tensor, geometry) -> torch.Ten
     bytes were copied or recomputed (Note [Version counter of a saved tensor]). Where autograd runs
     only, as version_alias."""
     size, stride, offset = geometry
-    out = counter.detach()
+    out = _C.on_counter(counter, base, size, stride, offset)  # Note [Version counter aliases in C++]
+    if out is not None:
+        return out
+    out = counter.detach()  # a tensor subclass
     with torch._C._AutoDispatchBelowADInplaceOrView():
         out.set_(base.untyped_storage(), offset, size, stride)
     return out

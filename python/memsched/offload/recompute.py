@@ -72,6 +72,9 @@ Note [Unpack-time recompute]
   (found by fuzzing). A larger argument is read as it is, and a change to it between the forward
   and the replay raises a MemschedError at unpack, naming the fix (copying it would cost the plan a
   batch's memory).
+  The save's version counter is held, and its unpack's result set on it, in C++ without dispatch
+  (Note [Version counter aliases in C++] in csrc/torch/tensor_adapter.h): through the mode, each
+  recomputed save cost ~30 us more.
   Limitations: the mode is Python per aten op of the forward (only in steps whose plan
   recomputes something); the replay is the slow path's Python; an op that is nondeterministic
   on the device (atomics) may replay to different bits, as in torch.utils.checkpoint; an external
