@@ -128,6 +128,16 @@ void bind_trace(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("version", &Trace::version)
       .def_property("device", text_getter(&Trace::device), text_setter(&Trace::device))
+      .def_property(
+          "min_offload_bytes", [](const Trace& t) { return t.min_offload_bytes; },
+          [](Trace& t, py::object v) {
+            // See Note [Builder arguments name the field].
+            MEMSCHED_CHECK(py::isinstance<py::int_>(v) && !py::isinstance<py::bool_>(v) && v.cast<int64_t>() >= 0,
+                           "Trace.min_offload_bytes: expected an int >= 0 (bytes), got ", py::str(v).cast<std::string>());
+            t.min_offload_bytes = v.cast<int64_t>();
+          },
+          "Activations below this many bytes are neither offloaded nor recomputed by any planner (the "
+          "executor's min_offload_bytes); 0: none. See Note [The executor's size floor].")
       .def_readwrite("ops", &Trace::ops, "list of Op (a copy; use add_op to append)")
       .def_readwrite("tensors", &Trace::tensors, "list of TensorRecord (a copy; use add_tensor)")
       .def("add_op",

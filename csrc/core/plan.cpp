@@ -80,6 +80,8 @@ OffloadAnalysis analyze_offload(const Trace& trace) {
   }
   for (const auto& t : trace.tensors) {
     if (t.kind != TensorKind::kActivation || n_ops == 0) continue;
+    // See Note [The executor's size floor]: the executor keeps these on the device.
+    if (t.bytes < trace.min_offload_bytes) continue;
     // Held past the step (the caller's batch, a retained output): someone else keeps the device
     // copy alive, so an offload would free nothing and its fetch would add a second copy. The
     // executor keeps these on the device too (held_past_step in offload/schedule.py).

@@ -115,6 +115,8 @@ void Trace::validate() const {
   MEMSCHED_CHECK(version == kTraceVersion, "trace: field 'version' is ", version,
                  " but this memsched reads version ", kTraceVersion, "; re-profile the step");
   check_utf8(device, "the top level", "device");
+  MEMSCHED_CHECK(min_offload_bytes >= 0, "trace: field 'min_offload_bytes' is ", min_offload_bytes,
+                 "; it must be >= 0 (0: every activation may be offloaded)");
   const auto n_ops = static_cast<int64_t>(ops.size());
   for (int64_t i = 0; i < n_ops; ++i) {
     const Op& op = ops[i];

@@ -33,6 +33,20 @@
 //   device anyway); a save dropped during the forward (a discarded branch)
 //   can make a storage look released early.
 //
+// Note [The executor's size floor]
+//   Rationale: the executor never offloads a storage below memsched.optimize's
+//   min_offload_bytes (1 MiB on CUDA by default: a copy that small costs its
+//   latency and frees little), but the planners did not know: a plan counted
+//   such activations as offloaded, and the measured peak passed the planned one
+//   and the budget with no word (min_offload_bytes="64KiB" on the small
+//   transformer at its least budget: 499332 measured saved-activation bytes
+//   against 218372 planned; found by a helper probing budgets).
+//   Approach: Trace::min_offload_bytes, set by optimize() on the trace it plans
+//   (0 by default), makes analyze_offload() leave smaller activations out of
+//   the candidates, so every planner, the simulator and the least budget keep
+//   them on the device. It is written to the trace's JSON when not 0.
+//   Limitations: the hybrid planner cannot recompute them either.
+//
 // Note [Trace value bounds]
 //   Rationale: the derived views sum bytes (the memory curve, the peak, the
 //   bytes of a kind), the planners add and subtract those sums, and the
@@ -123,6 +137,9 @@ struct TensorRecord {
 struct Trace {
   int version = kTraceVersion;
   std::string device;                  // "cpu", "cuda:0", ... (informational)
+  // Activations below this many bytes are neither offloaded nor recomputed: kept on the device, as the
+  // executor keeps them (optimize's min_offload_bytes). See Note [The executor's size floor].
+  int64_t min_offload_bytes = 0;
   std::vector<Op> ops;
   std::vector<TensorRecord> tensors;
 

@@ -187,6 +187,7 @@ std::string trace_to_json(const Trace& trace, int indent) {
   json j;
   j["version"] = trace.version;
   j["device"] = trace.device;
+  if (trace.min_offload_bytes != 0) j["min_offload_bytes"] = trace.min_offload_bytes;  // optional, default 0
   json ops = json::array();
   for (const Op& op : trace.ops) {
     ops.push_back({{"id", op.id},
@@ -226,6 +227,7 @@ Trace trace_from_json(const std::string& text) {
                  " but this memsched reads version ", kTraceVersion, "; re-profile the step");
   trace.version = kTraceVersion;
   if (j.contains("device")) trace.device = get_string(j, "the top level", "device");
+  if (j.contains("min_offload_bytes")) trace.min_offload_bytes = get_int(j, "the top level", "min_offload_bytes");
   const json& ops = field(j, "the top level", "ops");
   MEMSCHED_CHECK(ops.is_array(), "trace: field 'ops' must be an array, got ", type_name(ops));
   for (size_t i = 0; i < ops.size(); ++i) trace.ops.push_back(op_from_json(ops[i], i));

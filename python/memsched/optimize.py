@@ -972,6 +972,7 @@ class Run:
 
 
     def _adopt_trace(self, trace):
+        trace.min_offload_bytes = self.min_offload_bytes  # See Note [The executor's size floor] (csrc/core/trace.h)
         budget_bytes, planner = self._resolve_budget(trace)
         if planner is not None and not any(op.phase == "backward" for op in trace.ops):
             if any(p.grad is not None for p in self.model.parameters()):
