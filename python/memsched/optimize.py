@@ -1353,7 +1353,11 @@ class Run:
             notes.append(self._ooo_note())
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
-        r = build_report(info, self.planned_figures(), self.step_stats, notes,
+        mine = [s for s in self.step_stats if s.plan_index == self.steps_profiled]
+        if len(mine) < len(self.step_stats) and self.steps_profiled > 1:
+            notes.append(f"measured: the {counted(len(mine), 'step')} of the current plan (profile "
+                         f"{self.steps_profiled}); earlier plans' steps are left out of the medians")
+        r = build_report(info, self.planned_figures(), mine, notes,
                          counts=(self.steps_planned,
                                  self.steps_plain + self.steps_not_profiled + self.compiled_steps_),
                          largest=largest_planned(self.schedule if self.plan is not None else None),
@@ -1438,7 +1442,7 @@ class Run:
                                "memsched.optimize(..., timeline=True) to record memory samples and copies per "
                                "step (off by default: it costs a sample per saved tensor); a '.json' path "
                                "writes the planned step as a Chrome trace without it")
-        executed = [s for s in self.step_stats if s.mode == "planned"] or self.step_stats
+        executed = self._steps_of_this_plan()
         last = executed[-1] if executed else None
         planned, planned_copies = self._planned_timeline()
         title = (f"memsched {self.planner if self.plan is not None else 'keep_all'} on {self.device}: "
@@ -1446,9 +1450,17 @@ class Run:
         return save_timeline(path, title, planned, last.samples if last else [], last.copies if last else [],
                              planned_copies)
 
+    def _steps_of_this_plan(self):
+        """The executed steps measured against the current plan: a re-profile makes a new plan, and a step
+        of the one before it is no measurement of this one (found by a helper: after a smaller batch's
+        re-profile, the report and the timeline set the new plan beside the old plan's steps, with a note
+        of a gap that was not there). The planned ones; else every step of this plan; else none."""
+        mine = [s for s in self.step_stats if s.plan_index == self.steps_profiled]
+        return [s for s in mine if s.mode == "planned"] or mine
+
     def _save_timeline_json(self, path, torch_trace, offset_us):
         from memsched.offload import chrome_trace
-        executed = [s for s in self.step_stats if s.mode == "planned"] or self.step_stats
+        executed = self._steps_of_this_plan()
         last = executed[-1] if executed and self.timeline else None
         planned, _ = self._planned_timeline()
         memory_name = "device memory" if self.device.type == "cuda" else "saved activations"
