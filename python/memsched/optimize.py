@@ -1425,8 +1425,14 @@ class Run:
         A path ending in ".json" gets a Chrome trace event file (Perfetto): simulated ops, copies,
         stalls and memory, plus the measured step with timeline=True; torch_trace= merges it into
         torch.profiler's exported trace (Note [Timeline as a Chrome trace] in
-        offload/chrome_trace.py). Any other path gets an image (PNG by default; needs timeline=True)."""
-        is_json = str(path).lower().endswith(".json")
+        offload/chrome_trace.py). Any other path gets an image (PNG by default; needs timeline=True).
+        Missing folders on the way to `path` are created, as the command line does."""
+        import os
+        for name, value in (("path", path), ("torch_trace", torch_trace)):
+            if not isinstance(value, (str, os.PathLike)) and not (name == "torch_trace" and value is None):
+                raise TypeError(f"run.save_timeline: {name}: expected a file path (a str or os.PathLike), got "
+                                f"{type(value).__name__}")
+        is_json = os.fspath(path).lower().endswith(".json")
         if not is_json:  # the path's form first: a wrong one is wrong at any time
             from memsched._images import image_format
             image_format(path, "run.save_timeline: path", other="or .json for a Chrome trace (Perfetto)")
@@ -1435,6 +1441,10 @@ class Run:
                                  f"path (a Chrome trace), got {str(path)!r}")
         if self.trace is None:
             raise RuntimeError("run.save_timeline(): no step has been profiled yet; call it after a few run.step()")
+        from memsched.commands.args import output_file
+        error = output_file(path, "run.save_timeline: path", "step.json" if is_json else "step.png")
+        if error is not None:  # a file in place of a folder on the way, an unwritable folder
+            raise ValueError(error)
         if is_json:
             return self._save_timeline_json(path, torch_trace, offset_us)
         if not self.timeline:

@@ -92,3 +92,33 @@ def test_run_save_timeline_names_a_wrong_extension_before_any_step(tmp_path):
             run.save_timeline(str(tmp_path / "x.txt"))
         with pytest.raises(RuntimeError, match="no step has been profiled yet"):
             run.save_timeline(str(tmp_path / "x.json"))
+
+
+@pytest.mark.parametrize("name", ["step.json", "step.png"])
+def test_run_save_timeline_creates_missing_folders_as_the_cli_does(name, tmp_path):
+    # was: a bare FileNotFoundError from json's open or from PIL
+    run = _run(True)
+    out = tmp_path / "new" / "deeper" / name
+    assert run.save_timeline(out) == out and out.stat().st_size > 0
+
+
+def test_run_save_timeline_refuses_what_is_no_path(tmp_path):
+    run = _run(True)
+    with pytest.raises(TypeError, match=r"run.save_timeline: path: expected a file path \(a str or os.PathLike\), got int"):
+        run.save_timeline(5)
+    with pytest.raises(TypeError, match=r"run.save_timeline: torch_trace: expected a file path.*got dict"):
+        run.save_timeline(tmp_path / "x.json", torch_trace={"traceEvents": []})
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match=r"run.save_timeline: path .*cannot create this folder"):
+        run.save_timeline(blocker / "x.json")
+
+
+def test_a_negative_offset_is_refused(tmp_path):
+    import json
+    run = _run(True)
+    torch_trace = tmp_path / "torch.json"
+    torch_trace.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 10.0, "dur": 5.0,
+                                                        "pid": 1, "tid": 1}]}))
+    with pytest.raises(ValueError, match=r"offset_us: expected a finite number of microseconds >= 0"):
+        run.save_timeline(tmp_path / "m.json", torch_trace=torch_trace, offset_us=-1e6)

@@ -173,9 +173,10 @@ def merge_with_torch_trace(obj, torch_trace_path, offset_us=None):
         stamps = [e["ts"] for e in theirs if isinstance(e, dict) and isinstance(e.get("ts"), (int, float))
                   and e.get("ph") != "M"]
         offset_us = max(steps, key=lambda e: e["ts"])["ts"] if steps else (min(stamps) if stamps else 0.0)
-    elif isinstance(offset_us, bool) or not isinstance(offset_us, (int, float)) or not math.isfinite(offset_us):
-        raise ValueError(f"offset_us: expected a finite number of microseconds (where our step starts on the "
-                         f"torch trace's clock) or None, got {offset_us!r}")
+    elif isinstance(offset_us, bool) or not isinstance(offset_us, (int, float)) or not math.isfinite(offset_us) \
+            or offset_us < 0:
+        raise ValueError(f"offset_us: expected a finite number of microseconds >= 0 (where our step starts on the "
+                         f"torch trace's clock; a Chrome trace has no negative time stamps) or None, got {offset_us!r}")
     pids = [e["pid"] for e in theirs if isinstance(e, dict) and isinstance(e.get("pid"), int)
             and not isinstance(e.get("pid"), bool)]
     shift = max(pids, default=0)
