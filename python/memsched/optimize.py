@@ -1202,10 +1202,12 @@ class Run:
                     "under torch.no_grad() (or torch.inference_mode()) and the plan matches them")
         if not self.warned_:
             self.warned_ = True
+            again = (f"two such steps in a row get the next one profiled again (at most {self.max_reprofiles} "
+                     f"times)" if self.max_reprofiles > 0 else
+                     "the plan is never profiled again (max_reprofiles=0)")
             warnings.warn(f"memsched.optimize: a step does not match the profiled trace ({why}); it runs "
-                          f"without offloading from there, the next step runs the plan, and two such steps in a "
-                          f"row get the next one profiled again (at most {self.max_reprofiles} times; this "
-                          f"warning is shown once)", RuntimeWarning,
+                          f"without offloading from there, the next step runs the plan, and {again}; this "
+                          f"warning is shown once", RuntimeWarning,
                           stacklevel=_user_stacklevel())
 
     def _make_ooo(self, fuse_optimizer):
