@@ -135,8 +135,9 @@ class RunReport:
         return self.table
 
     def __repr__(self):
+        key = "peak_bytes" if self.device.startswith("cuda") else "activation_peak_bytes"
         return (f"RunReport(device={self.device!r}, planner={self.planner!r}, steps_planned={self.steps_planned}, "
-                f"measured_peak={self.measured.get('peak_bytes')})")
+                f"measured_{key}={self.measured.get(key)})")
 
 
 def build_report(run_info, planned, step_stats, notes=(), counts=None, largest=(), peak_gap=None):
@@ -158,7 +159,9 @@ def build_report(run_info, planned, step_stats, notes=(), counts=None, largest=(
         med = lambda key: statistics.median(getattr(s, key) for s in executed)
         r.measured = {
             "step_time_s": med("duration_s"),
-            "peak_bytes": max(s.peak_bytes for s in executed),
+            # the allocator's peak: measured on an accelerator only (on CPU the executor counts saved
+            # activations, in activation_peak_bytes; the planned peak_bytes is the whole step's)
+            "peak_bytes": max(s.peak_bytes for s in executed) if r.device.startswith("cuda") else None,
             # CPU counts saved storages in the hooks: none in a keep-all plan's steps (Note [A plan with nothing to do])
             "activation_peak_bytes": (max((s.peak_bytes for s in executed if s.hooked), default=None)
                                       if not r.device.startswith("cuda") else None),
