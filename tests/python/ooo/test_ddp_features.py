@@ -3,7 +3,8 @@ off to all-reduce buckets itself (Note [DDP features the bucket reduction replac
 buffers are broadcast at every forward as plain DDP does (BatchNorm running statistics drifted apart across
 ranks, 4.6e-2 off plain); static_graph, a comm hook, ddp.no_sync() around a step's last micro-step and
 ddp.join() are refused by name before anything changes (they failed inside torch's Reducer, were skipped
-silently, 1.1e-4 and 7e-2 off plain, or aborted the process). gloo on CPU, two ranks with their own data."""
+silently, 1.1e-4 and 7e-2 off plain, or aborted the process); the optimizer's parameters outside the model are
+stepped as plain DDP steps them. gloo on CPU, two ranks with their own data."""
 import contextlib
 import re
 
@@ -44,6 +45,28 @@ def _bn_state(rank, ooo):
                 opt.step()
             opt.zero_grad()
     return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def _outside_state(rank, ooo):
+    """A learned temperature in the optimizer, outside the DDP model: plain DDP steps it with its local
+    gradient (it reduces only the model's); the fused update did not step it at all."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import memsched
+
+    model = _model()
+    ddp = DDP(model)
+    temp = nn.Parameter(torch.tensor(1.5))
+    opt = torch.optim.AdamW(list(ddp.parameters()) + [temp], lr=1e-2)
+    with (memsched.OutOfOrderBackward(ddp, optimizer=opt, fuse_optimizer=True) if ooo
+          else contextlib.nullcontext()) as o:
+        for k in range(STEPS):
+            x, y = _batch(rank, k)
+            F.mse_loss(ddp(x) * temp, y).backward()
+            if o is None or o.step():
+                opt.step()
+            opt.zero_grad()
+    return {"temp": temp.detach().clone(), **{n: t.detach().clone() for n, t in model.state_dict().items()}}
 
 
 def _refusal(rank, case):
@@ -94,7 +117,8 @@ def _worker(rank, port, out):
 
     init_gloo(rank, port, 2)
     try:
-        results = {"bn": (_bn_state(rank, False), _bn_state(rank, True))}
+        results = {"bn": (_bn_state(rank, False), _bn_state(rank, True)),
+                   "outside": (_outside_state(rank, False), _outside_state(rank, True))}
         for case in REFUSALS:
             results[case] = _refusal(rank, case)
             dist.barrier()
@@ -113,6 +137,13 @@ def results(tmp_path_factory):
 def test_module_buffers_are_broadcast_at_every_forward_as_plain_ddp(results):
     for rank, r in enumerate(results):
         plain, ooo = r["bn"]
+        for name, t in plain.items():
+            assert torch.equal(t, ooo[name]), f"rank {rank} {name}: max |diff| {(t - ooo[name]).abs().max().item():.3g}"
+
+
+def test_an_optimizer_parameter_outside_the_model_is_stepped_as_plain_ddp(results):
+    for rank, r in enumerate(results):
+        plain, ooo = r["outside"]
         for name, t in plain.items():
             assert torch.equal(t, ooo[name]), f"rank {rank} {name}: max |diff| {(t - ooo[name]).abs().max().item():.3g}"
 
