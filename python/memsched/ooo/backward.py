@@ -1912,6 +1912,11 @@ class OutOfOrderBackward:
         return self._stepper is not None and self._stepper.stepping > 0
 
     @property
+    def micro_steps(self) -> int:
+        """Backward passes that ended since install (the accumulation position is micro_steps % K)."""
+        return self._micro_step
+
+    @property
     def backward_passes_since_step(self) -> int:
         """Backward passes that ended since the last step()."""
         return self._backwards_since_step
