@@ -830,6 +830,7 @@ class OutOfOrderBackward:
         self._hypers_at_update = []      # See Note [Edits between backward and the step boundary]
         self._warned_late_edit = False
         self._warned_step_hooks = False
+        self._warned_sync_each = False  # See ddp.py's Note [DDP features the bucket reduction replaces]
         self._iterations = 0
         self._fused_steps = 0
         self._native_seen = 0  # the runtime's native_updates at the end of the last backward
@@ -937,8 +938,9 @@ class OutOfOrderBackward:
             def _after_ddp_forward(module, args, output):
                 me_ = ref()
                 if me_ is not None and me_._reducer is not None:
-                    ddp_support.buffers_after_forward(
-                        module, me_._last_micro_step() and not ddp_support.in_no_sync(module))
+                    # as DDP's own post-forward: buffers are broadcast at the next forward unless the
+                    # caller's no_sync() is on (also between micro-steps of an accumulation)
+                    ddp_support.buffers_after_forward(module, not ddp_support.in_no_sync(module))
 
             self._handles.append(ddp.register_forward_hook(inert_on_copy(_after_ddp_forward)))
         executor = self.executor_name
@@ -1157,6 +1159,9 @@ class OutOfOrderBackward:
         if self._phase == "idle":
             if self._reducer is not None:  # See Note [DDP features the bucket reduction replaces] (ddp.py)
                 ddp_support.check_forward(self.model, self._last_micro_step(), self.grad_accumulation_steps)
+                if not self._last_micro_step() and not self._warned_sync_each \
+                        and not ddp_support.in_no_sync(self.model):
+                    self._warn_sync_each_micro_step()
             if self._updated_since_step:
                 self._refuse_extra_backward()
             self._failed_backward = False
@@ -1610,6 +1615,19 @@ class OutOfOrderBackward:
             "each seeing a one-layer view of its param group, not once per step: a hook that counts steps "
             "counts layers, and one that changes hyper-parameters changes only that view. Use "
             "fuse_optimizer=False for such hooks. Warned once.", RuntimeWarning, stacklevel=2)
+
+    def _warn_sync_each_micro_step(self) -> None:
+        """A micro-step before the last of an accumulation, not under ddp.no_sync(): plain DDP all-reduces the
+        accumulated gradients at every micro-step, memsched once per optimizer step (See Note [DDP features
+        the bucket reduction replaces] in ddp.py). Said once."""
+        self._warned_sync_each = True
+        warnings.warn(
+            f"memsched: under DistributedDataParallel with grad_accumulation_steps={self.grad_accumulation_steps}, "
+            f"a micro-step before the last runs outside ddp.no_sync(): plain DDP then all-reduces the accumulated "
+            f"gradients at every micro-step, where memsched's out-of-order backward reduces once per optimizer step "
+            f"(as plain DDP does under no_sync()). The gradients are equal up to float rounding, not bitwise. Wrap "
+            f"the micro-steps before the last in ddp.no_sync() -- plain DDP's way to accumulate, and fewer "
+            f"all-reduces -- for results bitwise equal to plain DDP. Warned once.", RuntimeWarning, stacklevel=4)
 
     def _refuse_hook_after_forward(self, i: int) -> None:
         raise MemschedError(

@@ -45,9 +45,14 @@ Note [DDP features the bucket reduction replaces]
   -- which sets a real False and puts SYNC_OFF back -- shows at the forward (in_no_sync): a forward of
   the step's last micro-step under it, and a forward under join(), are refused there, before anything
   changes; after each forward, buffers_after_forward sets require_forward_param_sync as DDP's own
-  post-forward would have (grad enabled and the step syncs), so DDP broadcasts buffers at the next
-  forward as it does without memsched.
-  Limitations: a buffer comm hook (register_buffer_comm_hook) is left to DDP's own path.
+  post-forward would have (grad enabled and the caller's no_sync() off -- at every micro-step of an
+  accumulation too: it was only the last one's, and BatchNorm statistics on rank 1 were 7e-3 off plain DDP
+  for a loop accumulating without no_sync(), found by a helper probing compositions), so DDP broadcasts
+  buffers at the next forward as it does without memsched.
+  Limitations: a buffer comm hook (register_buffer_comm_hook) is left to DDP's own path. A loop that
+  accumulates without no_sync() gets gradients equal to plain DDP's only up to float rounding: plain DDP
+  all-reduces the accumulated gradients at every micro-step, memsched once per optimizer step (as plain
+  DDP under no_sync()); a warning says so once and names no_sync().
 
 Note [Collectives that gloo's threads release]
   Rationale: a spawned gloo rank aborted now and then at exit ("terminate called without an active

@@ -69,6 +69,36 @@ def _outside_state(rank, ooo):
     return {"temp": temp.detach().clone(), **{n: t.detach().clone() for n, t in model.state_dict().items()}}
 
 
+def _accumulated_bn_state(rank, ooo):
+    """Two micro-steps per step without ddp.no_sync(): plain DDP broadcasts rank 0's buffers at every forward
+    (memsched did so only after the last micro-step: BatchNorm statistics 7e-3 off on rank 1). lr=0 keeps the
+    parameters (the accumulated gradients differ from plain DDP's by float rounding, which a warning names),
+    so the running statistics compare bitwise. (the statistics, the warnings memsched gave)"""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import memsched
+
+    model = _model(bn=True)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with (memsched.OutOfOrderBackward(ddp, optimizer=opt, grad_accumulation_steps=2) if ooo
+              else contextlib.nullcontext()) as o:
+            for k in range(STEPS):
+                for micro in range(2):
+                    x, y = _batch(rank, 10 * k + micro)
+                    F.mse_loss(ddp(x), y).backward()
+                    if o is not None:
+                        o.step()
+                opt.step()
+                opt.zero_grad()
+    said = [str(w.message) for w in caught if "outside ddp.no_sync()" in str(w.message)]
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}, said
+
+
 def _refusal(rank, case):
     """(the MemschedError's message or None, whether the parameters are unchanged)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -118,7 +148,8 @@ def _worker(rank, port, out):
     init_gloo(rank, port, 2)
     try:
         results = {"bn": (_bn_state(rank, False), _bn_state(rank, True)),
-                   "outside": (_outside_state(rank, False), _outside_state(rank, True))}
+                   "outside": (_outside_state(rank, False), _outside_state(rank, True)),
+                   "accumulated_bn": (_accumulated_bn_state(rank, False), _accumulated_bn_state(rank, True))}
         for case in REFUSALS:
             results[case] = _refusal(rank, case)
             dist.barrier()
@@ -146,6 +177,14 @@ def test_an_optimizer_parameter_outside_the_model_is_stepped_as_plain_ddp(result
         plain, ooo = r["outside"]
         for name, t in plain.items():
             assert torch.equal(t, ooo[name]), f"rank {rank} {name}: max |diff| {(t - ooo[name]).abs().max().item():.3g}"
+
+
+def test_buffers_are_broadcast_at_every_micro_step_and_accumulating_without_no_sync_is_named(results):
+    for rank, r in enumerate(results):
+        (plain, _), (ooo, said) = r["accumulated_bn"]
+        for name, t in plain.items():
+            assert torch.equal(t, ooo[name]), f"rank {rank} {name}: max |diff| {(t - ooo[name]).abs().max().item():.3g}"
+        assert len(said) == 1 and "Wrap the micro-steps before the last in ddp.no_sync()" in said[0], said
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))
