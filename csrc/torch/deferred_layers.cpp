@@ -69,7 +69,9 @@ c10::intrusive_ptr<LayerConf> make_conf(const std::shared_ptr<DwRuntime>& rt, in
 // (a tied embedding) began a new iteration in this pass before any deferred node ran.
 constexpr const char* kSecondBackward =
     "a second backward pass over a graph whose backward already ran (retain_graph=True, or backward(inputs=...) "
-    "first) is not supported by out-of-order backward: each backward pass needs its own forward, and with "
+    "first), or the backward of a forward made before the last backward pass ran (two forwards, then a backward "
+    "of each), is not supported by out-of-order backward: each backward pass needs its own forward, run after "
+    "the last backward pass, and with "
     "fuse_optimizer=True the first pass already updated, in place, the parameters this graph saved. Run forward "
     "again for each backward pass (grad_accumulation_steps=K for K passes per step), or use ooo=False / "
     "fuse_optimizer=False.";

@@ -1654,9 +1654,11 @@ class OutOfOrderBackward:
                     "gradient_checkpointing_enable()), or leave the model out of ooo (ooo=False, fuse_optimizer=False).")
             raise MemschedError(
                 "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
-                "backward(inputs=...) first) is not supported by OutOfOrderBackward: each backward pass needs "
-                "its own forward, and with fuse_optimizer the parameters it read were already updated. Run "
-                "forward again, or use grad_accumulation_steps with one forward per backward.")
+                "backward(inputs=...) first), or the backward of a forward made before the last backward pass ran "
+                "(two forwards, then a backward of each), is not supported by OutOfOrderBackward: each backward "
+                "pass needs its own forward, run after the last backward pass, and with fuse_optimizer the "
+                "parameters it read were already updated. Run forward again right before each backward, or use "
+                "grad_accumulation_steps with one forward per backward.")
         self._backward_started()
 
     def _last_micro_step(self) -> bool:

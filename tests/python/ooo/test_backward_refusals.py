@@ -94,6 +94,22 @@ def test_fused_second_backward_through_a_tied_head_under_optimize_names_its_caus
             loss.backward()
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_two_forwards_then_a_backward_of_each_names_that_pattern(fuse):
+    """l1 = m(x); l2 = m(2x); l1.backward(); l2.backward(): l2's graph never ran a backward, and the refusal
+    spoke only of a retained graph (found by a helper probing module patterns)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    with memsched.OutOfOrderBackward(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), fuse_optimizer=fuse,
+                                     grad_accumulation_steps=2):
+        l1, l2 = m(x).sum(), m(2 * x).sum()
+        l1.backward()
+        with pytest.raises(MemschedError, match=r"or the backward of a forward made before the last backward pass "
+                                                r"ran \(two forwards, then a backward of each\)"):
+            l2.backward()
+
+
 def test_a_retained_graph_without_a_second_pass_over_it_trains_as_plain():
     """retain_graph=True where no later pass reuses the graph (code that always passes it): the guard of a
     retained graph refuses nothing that plain PyTorch runs."""
