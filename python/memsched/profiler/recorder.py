@@ -23,6 +23,17 @@ Note [Free detection]
   Limitations: a storage freed while no op has begun yet is dropped (it was
   never live during an op).
 
+Note [Inputs an op lets go of]
+  Rationale: an op can free the storage of one of its own inputs while it runs: set_ swaps a
+  tensor's storage (unpickling builds every tensor as torch.empty(0).set_(storage): a DataLoader
+  worker's batch, torch.load, deepcopy of a module's buffers), so the empty storage died inside
+  the op, its free was recorded before the op itself, and the op's use of it failed in the
+  builder ("storage ... is not live"): the profiled step raised where plain PyTorch trains
+  (found by a helper checkpointing inside the first step; 4 of 6 runs of a two-worker DataLoader
+  with two micro-batches a step).
+  Approach: on_op holds its inputs' storage objects until the op is recorded, so such a storage
+  dies after it: used by the op, freed after it.
+
 Note [Backward formulas under the recording mode]
   With any TorchDispatchMode active, ATen's isTensorSubclassLike() is true for every tensor, and a
   few backward formulas then take their subclass-safe branch: prod and cumprod compute without
@@ -316,14 +327,17 @@ class Recorder:
             stack = self._stack_list
             path = stack[-1] if stack else ""
         used = []
+        inputs = []  # their storages, held until the op is recorded (See Note [Inputs an op lets go of])
         bytes_read = 0
         is_cuda = False
         param_keys = self._param_keys
         for t in _tensors(args, kwargs):
             try:
-                key = t.untyped_storage()._cdata
+                st = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
                 continue  # no storage: not counted
+            key = st._cdata
+            inputs.append(st)
             if key in param_keys and phase is BACKWARD:  # See Note [A parameter read after its gradient is final]
                 _C.note_backward_parameter_read(t)  # (ooo/backward.py; Note [The profiled step updates after backward])
             if key not in watch:
