@@ -851,9 +851,10 @@ class Run:
         if not stats.hooked:
             return self._outgrew_device(stats)
         if stats.activations != len(self.schedule.labels):
-            self._on_mismatch(f"the step saved {counted(stats.activations, 'activation')}, the trace "
-                              f"{len(self.schedule.labels)}")
+            why = f"the step saved {counted(stats.activations, 'activation')}, the trace {len(self.schedule.labels)}"
+            self._on_mismatch(why)
             stats.mode = "diverged"
+            stats.mismatch = stats.mismatch or why  # the warning says it once; the step's stats each time
             return True
         return False
 
@@ -866,10 +867,11 @@ class Run:
         limit = _DEVICE_MEMORY_FRACTION * torch.cuda.get_device_properties(self.device).total_memory
         if stats.peak_bytes <= limit:
             return False
-        self._on_mismatch(f"the step's peak ({format_bytes(stats.peak_bytes)}, max_memory_allocated) is above "
-                          f"{_DEVICE_MEMORY_FRACTION:.0%} of the device's memory, within which budget=None keeps "
-                          "every activation")
+        why = (f"the step's peak ({format_bytes(stats.peak_bytes)}, max_memory_allocated) is above "
+               f"{_DEVICE_MEMORY_FRACTION:.0%} of the device's memory, within which budget=None keeps every activation")
+        self._on_mismatch(why)
         stats.mode = "diverged"
+        stats.mismatch = stats.mismatch or why
         return True
 
     # -- profiling and planning ----------------------------------------------------------------------

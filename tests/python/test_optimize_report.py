@@ -52,3 +52,24 @@ def test_after_a_reprofile_the_report_measures_the_current_plans_steps_only(caps
     assert r.measured["peak_bytes"] is None and "measured_activation_peak_bytes=225412" in repr(r)
     assert any("of the current plan (profile 2)" in n for n in r.notes), r.notes
     assert not any("above the plan" in n for n in r.notes), r.notes
+
+
+def test_a_step_that_saved_fewer_activations_says_why_in_its_stats():
+    """The reason of a count mismatch was only in the once-per-Run warning; StepStats.mismatch was ''."""
+    import memsched
+    from memsched import models
+    torch.manual_seed(0)
+    model = models.build_model("transformer")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = models.example_batch("transformer", 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with memsched.optimize(model, opt, budget=0.5) as run:
+            for i in range(3):
+                out = model(x)
+                if i != 2:  # the last step's forward has no backward: its saves are fewer than the trace's
+                    models.loss_fn("transformer", out, y).backward()
+                del out
+                run.step()
+    last = run.step_stats[-1]
+    assert last.mode == "diverged" and last.mismatch.startswith("the step saved"), (last.mode, last.mismatch)
