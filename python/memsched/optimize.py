@@ -752,7 +752,7 @@ class Run:
             return None
         planned = self.planned_figures().get("peak_bytes")
         # the last `history` steps of this plan: those of a plan before a re-profile are not held to it
-        steps = [s for s in self.step_stats if s.mode == "planned" and s.plan_index == self.steps_profiled]
+        steps = [s for s in self._this_plans_steps() if s.mode == "planned"]
         if not planned or not steps:
             return None
         return explain_peak_gap(planned, max(steps, key=lambda s: s.peak_bytes))
@@ -1375,7 +1375,7 @@ class Run:
             notes.append(self._ooo_note())
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
-        mine = [s for s in self.step_stats if s.plan_index == self.steps_profiled]
+        mine = self._this_plans_steps()
         if len(mine) < len(self.step_stats) and self.steps_profiled > 1:
             notes.append(f"measured: the {counted(len(mine), 'step')} of the current plan (profile "
                          f"{self.steps_profiled}); earlier plans' steps are left out of the medians")
@@ -1482,12 +1482,16 @@ class Run:
         return save_timeline(path, title, planned, last.samples if last else [], last.copies if last else [],
                              planned_copies)
 
+    def _this_plans_steps(self):
+        """The executed steps of the current plan: a re-profile makes a new plan, and a step of the one
+        before it is no measurement of this one (found by a helper: after a smaller batch's re-profile, the
+        report and the timeline set the new plan beside the old plan's steps, with a note of a gap that was
+        not there)."""
+        return [s for s in self.step_stats if s.plan_index == self.steps_profiled]
+
     def _steps_of_this_plan(self):
-        """The executed steps measured against the current plan: a re-profile makes a new plan, and a step
-        of the one before it is no measurement of this one (found by a helper: after a smaller batch's
-        re-profile, the report and the timeline set the new plan beside the old plan's steps, with a note
-        of a gap that was not there). The planned ones; else every step of this plan; else none."""
-        mine = [s for s in self.step_stats if s.plan_index == self.steps_profiled]
+        """The timeline's measured step comes from these: the current plan's planned steps, else any of its."""
+        mine = self._this_plans_steps()
         return [s for s in mine if s.mode == "planned"] or mine
 
     def _save_timeline_json(self, path, torch_trace, offset_us):

@@ -165,25 +165,25 @@ def results(tmp_path_factory):
     return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
 
 
+def _assert_states_equal(rank, plain, ooo):
+    for name, t in plain.items():
+        assert torch.equal(t, ooo[name]), f"rank {rank} {name}: max |diff| {(t - ooo[name]).abs().max().item():.3g}"
+
+
 def test_module_buffers_are_broadcast_at_every_forward_as_plain_ddp(results):
     for rank, r in enumerate(results):
-        plain, ooo = r["bn"]
-        for name, t in plain.items():
-            assert torch.equal(t, ooo[name]), f"rank {rank} {name}: max |diff| {(t - ooo[name]).abs().max().item():.3g}"
+        _assert_states_equal(rank, *r["bn"])
 
 
 def test_an_optimizer_parameter_outside_the_model_is_stepped_as_plain_ddp(results):
     for rank, r in enumerate(results):
-        plain, ooo = r["outside"]
-        for name, t in plain.items():
-            assert torch.equal(t, ooo[name]), f"rank {rank} {name}: max |diff| {(t - ooo[name]).abs().max().item():.3g}"
+        _assert_states_equal(rank, *r["outside"])
 
 
 def test_buffers_are_broadcast_at_every_micro_step_and_accumulating_without_no_sync_is_named(results):
     for rank, r in enumerate(results):
         (plain, _), (ooo, said) = r["accumulated_bn"]
-        for name, t in plain.items():
-            assert torch.equal(t, ooo[name]), f"rank {rank} {name}: max |diff| {(t - ooo[name]).abs().max().item():.3g}"
+        _assert_states_equal(rank, plain, ooo)
         assert len(said) == 1 and "Wrap the micro-steps before the last in ddp.no_sync()" in said[0], said
 
 
