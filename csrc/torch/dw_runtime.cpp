@@ -973,8 +973,9 @@ void DwRuntime::on_autograd_grad(int32_t i, const at::Tensor& grad) {
   if (captured) return;  // torch.autograd.grad() asking for this parameter: plain, .grad untouched
   if (phase == 0) {
     // A forward that called no module owning a parameter (ParameterList entries read directly)
-    // counted no use and so never began the iteration: begin it now.
-    call_owner("_begin_if_idle");
+    // counted no use and so never began the iteration: begin it now -- unless no forward ran since
+    // the last iteration ended, which the owner refuses before any gradient changed.
+    call_owner("_begin_at_gradient");
   }
   at::Tensor& g = params_[i].mutable_grad();
   bool hook_gate = false;

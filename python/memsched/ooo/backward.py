@@ -823,6 +823,7 @@ class OutOfOrderBackward:
         self._acc: List = []  # each parameter's AccumulateGrad node
         self._phase = "idle"
         self._callback_queued = False
+        self._forward_since_end = False  # See Note [A backward over an ended iteration's graph]
         self._micro_step = 0
         self._backwards_since_step = 0   # backward passes since the last step()
         self._updated_since_step = False # a fused update ran since the last step()
@@ -893,6 +894,13 @@ class OutOfOrderBackward:
 
         self._handles.append(torch.nn.modules.module.register_module_parameter_registration_hook(_changed))
         self._handles.append(torch.nn.modules.module.register_module_module_registration_hook(_changed))
+
+        def _root_forward(module, args):  # See Note [A backward over an ended iteration's graph]
+            me_ = ref()
+            if me_ is not None:
+                me_._forward_since_end = True
+
+        self._handles.append(root.register_forward_pre_hook(inert_on_copy(_root_forward)))
         # One OutOfOrderBackward per model: a second one would patch the first's forward, and removing
         # them out of order would leave a dead patch behind (every later forward: ReferenceError).
         for name, m in root.named_modules():
@@ -1652,14 +1660,35 @@ class OutOfOrderBackward:
                     "use_reentrant=False (PyTorch's recommended checkpoint; a Hugging Face model: "
                     "{'use_reentrant': False} as TrainingArguments' gradient_checkpointing_kwargs, or to "
                     "gradient_checkpointing_enable()), or leave the model out of ooo (ooo=False, fuse_optimizer=False).")
-            raise MemschedError(
-                "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
-                "backward(inputs=...) first), or the backward of a forward made before the last backward pass ran "
-                "(two forwards, then a backward of each), is not supported by OutOfOrderBackward: each backward "
-                "pass needs its own forward, run after the last backward pass, and with fuse_optimizer the "
-                "parameters it read were already updated. Run forward again right before each backward, or use "
-                "grad_accumulation_steps with one forward per backward.")
+            self._refuse_ended_graph()
         self._backward_started()
+
+    def _begin_at_gradient(self) -> None:
+        """Called by the runtime (C++, the engine's thread) at a gradient of a parameter while no iteration
+        runs. See Note [A backward over an ended iteration's graph]."""
+        if not self._forward_since_end:
+            self._refuse_ended_graph()
+        self._begin_if_idle()
+
+    def _refuse_ended_graph(self) -> None:
+        # Note [A backward over an ended iteration's graph]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        # A backward pass that arrives while no iteration runs is over the graph of one that ended:
+        # retain_graph=True and a second backward, or two forwards and a backward of each. It is
+        # refused at its first gradient of a model parameter, before that gradient or any other
+        # changed: at the first deferred item (_first_deferred), or, when a parameter autograd
+        # accumulates comes first (a LayerNorm after the last Linear), at its tensor hook
+        # (_begin_at_gradient). That hook also begins the iteration of a forward that called no
+        # module owning a parameter (nn.ParameterList entries read directly): the root module's
+        # forward pre-hook tells the two apart. Refused there only from the first deferred item,
+        # the LayerNorm's gradient was already doubled (2G where the caller kept G).
+        raise MemschedError(
+            "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
+            "backward(inputs=...) first), or the backward of a forward made before the last backward pass ran "
+            "(two forwards, then a backward of each), is not supported by OutOfOrderBackward: each backward "
+            "pass needs its own forward, run after the last backward pass, and with fuse_optimizer the "
+            "parameters it read were already updated. Nothing was changed. Run forward again right before "
+            "each backward, or use grad_accumulation_steps with one forward per backward.")
 
     def _last_micro_step(self) -> bool:
         return self._micro_step % self.grad_accumulation_steps == self.grad_accumulation_steps - 1
@@ -1870,6 +1899,7 @@ class OutOfOrderBackward:
             raise
         finally:
             self._phase = "idle"
+            self._forward_since_end = False
             rt.backward_started = False
             self._note_native_steps()
             native = rt.native_updates  # parameters stepped in C++: See Note [Adam plan for the C++ update] in fused.py
