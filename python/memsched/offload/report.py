@@ -202,7 +202,8 @@ def build_report(run_info, planned, step_stats, notes=(), counts=None, largest=(
         budget = r.budget_text or "none (keep all)"
     head = (f"memsched.optimize: device {r.device}, planner {r.planner}, budget {budget}; steps: "
             f"{r.steps_profiled} profiled, {r.steps_planned} planned, {r.steps_plain} plain")
-    lines = [head, format_table(["", "planned (simulated)", "measured (median)"], rows)]
+    # the peaks are the highest of the planned steps (a budget is a promise for each), the rest medians
+    lines = [head, format_table(["", "planned (simulated)", "measured (median; peaks: max)"], rows)]
     if r.memory_source:
         lines.append(f"measured memory: {r.memory_source}; host buffers: {r.host_source}")
     lines.extend(format_largest(r.largest, p.get("offloaded", 0), p.get("recomputed", 0)))
@@ -257,7 +258,8 @@ def save_timeline(path, title, planned_curve, measured, copies, planned_copies=N
         ax.step([t * 1e3 for t, _ in planned_curve], [b / mib for _, b in planned_curve], where="post",
                 label="planned", color="tab:blue", alpha=0.8)
     if measured:
-        ax.plot([t * 1e3 for t, _ in measured], [b / mib for _, b in measured], label="measured",
+        # each sample holds until the next one (as the planned curve): no slope between them
+        ax.step([t * 1e3 for t, _ in measured], [b / mib for _, b in measured], where="post", label="measured",
                 color="tab:red", marker=".", markersize=3, linewidth=1)
     ax.set_ylabel("memory (MiB)")
     ax.set_title(title)

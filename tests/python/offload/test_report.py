@@ -22,6 +22,12 @@ def test_cpu_activation_peak_above_the_plan_gets_a_note():
     assert "saved-activation peak is 2.93 KiB (3.0%) above the plan's" in r.table
 
 
+def test_the_measured_column_says_its_peaks_are_the_highest_step():
+    r = _report("cpu", {"activation_peak_bytes": 100_000}, [90_000, 99_000, 91_000])
+    assert "measured (median; peaks: max)" in r.table
+    assert r.measured["activation_peak_bytes"] == 99_000  # the highest step, not the median (91_000)
+
+
 def test_within_two_percent_no_note():
     r = _report("cpu", {"activation_peak_bytes": 100_000}, [101_500])
     assert "above the plan's" not in r.table
