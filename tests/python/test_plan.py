@@ -162,7 +162,7 @@ def test_cli_plan_table_and_png(synthetic, tmp_path, capsys):
     assert rc == 0
     for name in planning.planner_names():
         assert name in out
-    assert "vs keep_all" in out and "best:" in out
+    assert "vs no budget" in out and "best:" in out
     assert png.exists() and png.stat().st_size > 1000
     rc = cli_main(["plan", str(path), "--budget", "1KiB", "--planner", "dp", "--out", str(png)])
     assert rc == 1
