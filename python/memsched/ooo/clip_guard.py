@@ -29,9 +29,15 @@ Note [Clipping and fused updates]
   none was left. Inside backward, before the update (the per-parameter clipping in a
   post-accumulate-grad hook that the refusal recommends), and on the micro-steps of gradient
   accumulation before the last, clip_grad_value_ clips as usual.
-  Limitations: a function bound before install (``from torch.nn.utils import
-  clip_grad_norm_``) and hand-written norms are invisible; the patch is process-wide while
-  installed, restored after the last fused owner is removed.
+  clip_grad_norm_ bound by name before install (``from torch.nn.utils import clip_grad_norm_``,
+  the common import) is torch's own function, which memsched's patch of the module attribute
+  does not reach: it clipped nothing, silently (7.6e-2 off plain after 5 SGD steps). It calls
+  its second half through the module global torch.nn.utils.clip_grad._clip_grads_with_norm_
+  (torch >= 2.6) at every call, so that global is guarded too and the refusal comes from there.
+  Limitations: clip_grads_with_norm_ and clip_grad_value_ bound by name before install, and
+  hand-written norms, are invisible (clip_grad_value_ over freed gradients alone raises torch's
+  own "Expected !nested_tensorlist[0].empty()"); the patch is process-wide while installed,
+  restored after the last fused owner is removed.
 """
 import math
 import weakref
@@ -47,9 +53,10 @@ _original = None
 _original_with_norm = None  # torch.nn.utils.clip_grads_with_norm_ before guard()
 _original_value = None      # torch.nn.utils.clip_grad_value_ before guard()
 
-_FIX = ("For global-norm clipping use fuse_optimizer=False with max_grad_norm=... (step() clips, then you call "
-        "optimizer.step()), or clip per parameter (torch.nn.utils.clip_grad_value_ in a "
-        "register_post_accumulate_grad_hook).")
+_FIX = ("For global-norm clipping use fuse_optimizer=False: memsched.optimize(..., ooo=True) keeps the gradients "
+        "until the step, so clip_grad_norm_ between backward and step clips as usual (a bare OutOfOrderBackward "
+        "also takes max_grad_norm=...: its step() clips, then you call optimizer.step()); or clip per parameter "
+        "(torch.nn.utils.clip_grad_value_ in a register_post_accumulate_grad_hook).")
 
 
 def _norm_clip_refused(name, freed_note=""):
@@ -81,6 +88,15 @@ def _guarded_clip_grads_with_norm_(parameters, max_norm, *args, **kwargs):
     return _original_with_norm(params, max_norm, *args, **kwargs)
 
 
+def _guarded_clip_grad_norm_second_half(parameters, max_norm, *args, **kwargs):
+    """torch.nn.utils.clip_grad._clip_grads_with_norm_, which torch's clip_grad_norm_ calls: reached here
+    from a clip_grad_norm_ bound by name before install (the guarded one refuses before calling it)."""
+    params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+    if math.isfinite(float(max_norm)) and any(o.owns_parameter(p) for o in list(_fused_owners) for p in params):
+        raise _norm_clip_refused("clip_grad_norm_")
+    return _original_with_norm(params, max_norm, *args, **kwargs)
+
+
 def _guarded_clip_grad_value_(parameters, clip_value, *args, **kwargs):
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
     for owner in list(_fused_owners):
@@ -109,6 +125,8 @@ def guard(owner) -> None:
         _original_with_norm = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
         if _original_with_norm is not None:  # torch >= 2.6
             torch.nn.utils.clip_grads_with_norm_ = _guarded_clip_grads_with_norm_
+            # the module global torch's own clip_grad_norm_ calls, also when bound by name before install
+            torch.nn.utils.clip_grad._clip_grads_with_norm_ = _guarded_clip_grad_norm_second_half
 
 
 def unguard(owner) -> None:
@@ -124,4 +142,5 @@ def unguard(owner) -> None:
         _original_value = None
         if _original_with_norm is not None:
             torch.nn.utils.clip_grads_with_norm_ = _original_with_norm
+            torch.nn.utils.clip_grad._clip_grads_with_norm_ = _original_with_norm
             _original_with_norm = None

@@ -50,6 +50,30 @@ def test_clip_grads_with_norm_after_the_fused_update_is_refused():
     assert torch.nn.utils.clip_grads_with_norm_ is original
 
 
+def test_clip_grad_norm_bound_by_name_before_install_is_refused_not_silently_skipped():
+    """`from torch.nn.utils import clip_grad_norm_` binds torch's own function before memsched patches the
+    module attribute: it clipped the freed gradients, nothing, and trained unclipped (7.6e-2 off plain
+    after 5 SGD steps). Its second half, a module global, refuses now; after remove() it clips again."""
+    from torch.nn.utils import clip_grad_norm_  # as a script's imports bind it, before any install
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with memsched.optimize(model, opt, ooo=True, fuse_optimizer=True) as run:
+        for i in range(2):  # the profiled step, then a fused one
+            model(_batch(i)).square().mean().backward()
+            if i == 0:
+                run.step()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(memsched.MemschedError, match=r"clip_grad_norm_ on parameters.*fuse_optimizer=False"):
+            clip_grad_norm_(model.parameters(), 0.05)
+        assert clip_grad_norm_(model.parameters(), float("inf")) == 0  # measuring only is not refused
+        run.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # the refusal changed nothing
+    model(_batch(3)).square().mean().backward()
+    assert clip_grad_norm_(model.parameters(), 0.05) > 0.05  # torch's own again, outside the `with`
+    assert torch.nn.utils.clip_grad._clip_grads_with_norm_ is torch.nn.utils.clip_grads_with_norm_
+
+
 def test_clip_grad_value_before_the_last_micro_step_clips_as_plain():
     """With accumulation the gradients of the micro-steps before the last are still there: clipped as in
     plain PyTorch, bitwise."""
