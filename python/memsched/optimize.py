@@ -294,6 +294,20 @@ def simulate(trace, plan, device):
     return fn(trace, plan, device=device) if fn is not None else None
 
 
+
+def _storages_of(t: torch.Tensor):
+    """The storages holding t's data: a sparse tensor has none of its own, its index and value tensors
+    do (SGD's momentum buffer of an nn.Embedding(sparse=True) is sparse; untyped_storage() raised)."""
+    if t.layout == torch.strided and not t.is_nested:
+        return (t.untyped_storage(),)
+    if t.layout == torch.sparse_coo:
+        return (t._indices().untyped_storage(), t._values().untyped_storage())
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tuple(x.untyped_storage() for x in (t.crow_indices(), t.col_indices(), t.values()))
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return tuple(x.untyped_storage() for x in (t.ccol_indices(), t.row_indices(), t.values()))
+    return ()  # a nested tensor: not counted
+
 class Run:
     """A memsched.optimize() session; see the module docstring."""
 
@@ -1153,10 +1167,10 @@ class Run:
                 continue
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.device == self.device:
-                    st = v.untyped_storage()
-                    if st.data_ptr() not in seen:
-                        seen.add(st.data_ptr())
-                        total += st.nbytes()
+                    for st in _storages_of(v):
+                        if st.data_ptr() not in seen:
+                            seen.add(st.data_ptr())
+                            total += st.nbytes()
         return total
 
     def _account_optimizer_state(self):

@@ -177,3 +177,34 @@ def test_the_state_is_predicted_before_the_first_update(make):
         popt.step()
         popt.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+@pytest.mark.parametrize("ooo", [False, True])
+def test_sparse_optimizer_state_is_counted_and_trains_as_plain(ooo):
+    """SGD's momentum buffer of an nn.Embedding(sparse=True) is a sparse tensor, which has no storage of its
+    own: counting the state raised 'Cannot access storage of SparseTensorImpl' at the first run.step(),
+    after that step's update."""
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(32, 16, sparse=True), nn.Linear(16, 32)
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 32, (4, 6), generator=g), torch.randint(0, 32, (24,), generator=g)) for _ in range(3)]
+    plain, m = Tagger(), Tagger()
+    popt, mopt = (torch.optim.SGD(x.parameters(), lr=0.1, momentum=0.9) for x in (plain, m))
+    for x, y in data:
+        nn.functional.cross_entropy(plain(x).reshape(-1, 32), y).backward()
+        popt.step()
+        popt.zero_grad()
+    with memsched.optimize(m, mopt, budget=0.7, ooo=ooo) as run:
+        for x, y in data:
+            nn.functional.cross_entropy(m(x).reshape(-1, 32), y).backward()
+            run.step()
+    assert run._optimizer_state_bytes() > 0  # the sparse momentum buffer, counted
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q)
