@@ -160,7 +160,8 @@ void ActivationNumbering::start_step() {
 
 ActivationNumbering::Result ActivationNumbering::number(const at::Tensor& tensor, const StorageIdentity& id,
                                                         std::string_view module_path) {
-  if (is_parameter(id.key)) return {};
+  // See Note [Nested tensors are not planned] (activation_numbering.h)
+  if (is_parameter(id.key) || tensor.is_nested()) return {};
   if (id.key != 0) {
     auto hit = seen_.find(id.key);
     // Holding the weak reference means the address cannot have been reused (Note [Storage keys

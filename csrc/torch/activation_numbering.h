@@ -60,8 +60,19 @@ struct LabelShape {
 std::string activation_label(int64_t ordinal, std::string_view module_path, const at::Tensor& tensor);
 
 // Numbers the saved activations of one step. number() returns ordinal -1 for a storage of the
-// model's parameters or buffers, else the storage's ordinal (views of one storage share it) and
-// whether this is its first pack; the label is fixed at the first pack.
+// model's parameters or buffers, and for a nested tensor, else the storage's ordinal (views of one
+// storage share it) and whether this is its first pack; the label is fixed at the first pack.
+//
+// Note [Nested tensors are not planned]
+//   Rationale: a nested tensor (torch.nested, strided or jagged layout) has no sizes: labelling one
+//   raised "NestedTensorImpl doesn't support sizes" in the profiled step where plain PyTorch trains,
+//   and a jagged one's ragged size is a new symbol (j1, j2, ...) at every forward, so its label
+//   never matched the trace and no step ran the plan.
+//   Approach: a saved nested tensor is left as autograd saved it, like a parameter: never numbered,
+//   offloaded or recomputed, in the profiled and the planned steps alike, so the other activations
+//   of the step are planned as usual.
+//   Limitations: its bytes are not an activation of the trace; the plan counts them as memory it
+//   does not move.
 class ActivationNumbering {
  public:
   struct Result {
