@@ -1643,11 +1643,14 @@ def _explain_pass_through(exc):
         return
     import os
     ours = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    tb, through = exc.__traceback__, False
-    while tb is not None and not through:
-        through = os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(ours)
+    tb, through, last_ours = exc.__traceback__, False, False
+    while tb is not None:
+        last_ours = os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(ours)
+        through = through or last_ours
         tb = tb.tb_next
-    if not through:
+    if not through or last_ours:
+        # raised in memsched's own code (its innermost frame is ours: a call into _C), not by an op it
+        # passed on: plain PyTorch need not raise it, and the note would say it does
         return
     exc._memsched_noted = True
     exc.add_note("memsched: raised by an op of the model's forward; the memsched frames in this traceback "

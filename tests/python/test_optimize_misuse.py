@@ -157,3 +157,27 @@ def test_an_error_of_the_model_in_the_profiled_step_says_it_is_the_models(budget
     with pytest.raises(RuntimeError, match="must have the same dtype") as info:
         model(torch.randn(4, 8, dtype=torch.float64))  # no Run: no note
     assert not getattr(info.value, "__notes__", [])
+
+
+def test_an_error_raised_in_memscheds_own_code_is_not_blamed_on_the_model():
+    """The pass-through note (the op 'raises without memsched.optimize() too') is for errors of ops memsched
+    passes on; one raised in memsched's own code (a call into _C: the innermost frame is memsched's) got it
+    too, and the note claimed plain PyTorch raises it (a saved nested tensor, which plain PyTorch trains)."""
+    import memsched.optimize as _  # noqa: F401 (the module, not the function)
+    import sys
+    mod = sys.modules["memsched.optimize"]
+    ours = compile("def ours():\n    raise RuntimeError('inside memsched')\n", mod.__file__, "exec")
+    scope = {}
+    exec(ours, scope)
+
+    def model_op():  # a frame outside memsched, under one of memsched's, as torch's op call is
+        raise RuntimeError("an op of the model")
+
+    through = compile("def through(f):\n    f()\n", mod.__file__, "exec")
+    exec(through, scope)
+    for call, noted in ((lambda: scope["ours"](), False), (lambda: scope["through"](model_op), True)):
+        try:
+            call()
+        except RuntimeError as e:
+            mod._explain_pass_through(e)
+            assert ("passing that op on" in "".join(getattr(e, "__notes__", []))) == noted, str(e)
