@@ -163,7 +163,6 @@ def test_an_error_raised_in_memscheds_own_code_is_not_blamed_on_the_model():
     """The pass-through note (the op 'raises without memsched.optimize() too') is for errors of ops memsched
     passes on; one raised in memsched's own code (a call into _C: the innermost frame is memsched's) got it
     too, and the note claimed plain PyTorch raises it (a saved nested tensor, which plain PyTorch trains)."""
-    import memsched.optimize as _  # noqa: F401 (the module, not the function)
     import sys
     mod = sys.modules["memsched.optimize"]
     ours = compile("def ours():\n    raise RuntimeError('inside memsched')\n", mod.__file__, "exec")
