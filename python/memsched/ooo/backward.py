@@ -831,6 +831,7 @@ class OutOfOrderBackward:
         self._hypers_at_update = []      # See Note [Edits between backward and the step boundary]
         self._warned_late_edit = False
         self._warned_step_hooks = False
+        self._warned_read_updated = False  # See _warn_read_updated
         self._warned_sync_each = False  # See ddp.py's Note [DDP features the bucket reduction replaces]
         self._iterations = 0
         self._fused_steps = 0
@@ -899,6 +900,8 @@ class OutOfOrderBackward:
             me_ = ref()
             if me_ is not None:
                 me_._forward_since_end = True
+                if me_._updated_since_step and not me_._warned_read_updated and not torch.is_grad_enabled():
+                    me_._warn_read_updated()
 
         self._handles.append(root.register_forward_pre_hook(inert_on_copy(_root_forward)))
         # One OutOfOrderBackward per model: a second one would patch the first's forward, and removing
@@ -1624,6 +1627,20 @@ class OutOfOrderBackward:
             "counts layers, and one that changes hyper-parameters changes only that view. Use "
             "fuse_optimizer=False for such hooks. Warned once.", RuntimeWarning, stacklevel=2)
 
+    def _warn_read_updated(self) -> None:
+        """A forward without gradients (a metric, an evaluation) after the fused update and before step():
+        it reads the updated parameters, where plain PyTorch's loop reads those of before its
+        optimizer.step() (found by a helper logging a held-out loss there: 1.553 where plain logged
+        1.610). With gradients enabled such a forward is refused (_refuse_extra_backward). Said once."""
+        self._warned_read_updated = True
+        warnings.warn(
+            "memsched: a forward pass ran after the backward pass that applied the fused optimizer update "
+            "(fuse_optimizer=True) and before step(): it reads the updated parameters, as PyTorch's "
+            "optimizer-in-backward recipe does, where a plain loop (backward, forward, optimizer.step()) reads "
+            "the old ones. Training is unchanged; a metric computed there differs. Run such forwards before "
+            "backward or after step() to see the values plain PyTorch sees, or use fuse_optimizer=False. Warned "
+            "once.", RuntimeWarning, stacklevel=7)
+
     def _warn_sync_each_micro_step(self) -> None:
         """A micro-step before the last of an accumulation, not under ddp.no_sync(): plain DDP all-reduces the
         accumulated gradients at every micro-step, memsched once per optimizer step (See Note [DDP features
@@ -1925,10 +1942,14 @@ class OutOfOrderBackward:
         # See Note [Fused update and gradient accumulation].
         n = self._backwards_since_step
         raise MemschedError(
-            f"a backward pass began after {n} backward pass(es) since the last step(), the last of which "
-            f"already applied the fused optimizer update (grad_accumulation_steps={self.grad_accumulation_steps}): "
-            f"with fuse_optimizer each parameter is stepped during the backward that completes its "
-            f"accumulation. To accumulate gradients over K backward passes per optimizer step, pass "
+            f"a forward pass with gradients enabled began after {n} backward pass(es) since the last step(), the "
+            f"last of which already applied the fused optimizer update (grad_accumulation_steps="
+            f"{self.grad_accumulation_steps}): with fuse_optimizer each parameter is stepped during the backward "
+            f"that completes its accumulation, so this forward reads the updated parameters and its backward "
+            f"would be one more than the update allows. Nothing was changed. A forward only for a metric or an "
+            f"evaluation: run it under torch.no_grad() (it then reads the updated parameters, as PyTorch's "
+            f"optimizer-in-backward recipe does; plain PyTorch reads the old ones), before backward, or after "
+            f"step(). To accumulate gradients over K backward passes per optimizer step, pass "
             f"grad_accumulation_steps=K (memsched.optimize(..., grad_accumulation_steps=K) or "
             f"OutOfOrderBackward(..., grad_accumulation_steps=K)) and call step() after every backward pass "
             f"(run.step() once per K backward passes under memsched.optimize). A backward pass that only goes "
