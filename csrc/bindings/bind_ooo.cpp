@@ -158,7 +158,7 @@ void bind_ooo(py::module_& m) {
                     "reads; set False, the parameters it saw read are held from then on.")
       .def_readonly("holds", &DwRuntime::holds)
       .def("snapshot_versions", &DwRuntime::snapshot_versions)
-      .def("first_changed_version", &DwRuntime::first_changed_version)
+      .def("first_changed_version", &DwRuntime::first_changed_version, py::arg("start") = 0)
       .def_readwrite("poll_after_defer", &DwRuntime::poll_after_defer)
       .def_readwrite("backward_started", &DwRuntime::backward_started)
       .def_readonly("grad_bytes", &DwRuntime::grad_bytes)

@@ -221,9 +221,9 @@ void DwRuntime::snapshot_versions() {
   for (size_t i = 0; i < params_.size(); ++i) versions_[i] = params_[i]._version();
 }
 
-int32_t DwRuntime::first_changed_version() {
+int32_t DwRuntime::first_changed_version(int32_t from) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (size_t i = 0; i < versions_.size() && i < params_.size(); ++i) {
+  for (size_t i = static_cast<size_t>(std::max<int32_t>(from, 0)); i < versions_.size() && i < params_.size(); ++i) {
     if (params_[i]._version() != versions_[i]) return static_cast<int32_t>(i);
   }
   return -1;

@@ -209,9 +209,9 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void set_watch(bool on);
   bool watching();
   // See Note [Edits between backward and the step boundary] (backward.py): every parameter's
-  // version now; then the first parameter whose version changed since (-1: none).
+  // version now; then the first parameter from index `from` on whose version changed since (-1: none).
   void snapshot_versions();
-  int32_t first_changed_version();
+  int32_t first_changed_version(int32_t from = 0);
   std::vector<int32_t> held_params();      // held this iteration, in index order
 
   // -- forward: use counting (See Note [AccumulateGrad gate] in backward.py) --------------------

@@ -2042,6 +2042,9 @@ class OutOfOrderBackward:
             what = "the optimizer's hyper-parameters changed (" + ("; ".join(changed[:3]) or "param groups") + ")"
         else:
             i = self._rt.first_changed_version()
+            while i >= 0 and not self._stepper.owns(self._params[i]):
+                # not the fused update's (another optimizer steps it after backward, as in plain PyTorch)
+                i = self._rt.first_changed_version(i + 1)
             if i >= 0:
                 what = f"parameter {self._name(i)} was modified in place"
         if not what:
