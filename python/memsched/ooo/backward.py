@@ -832,6 +832,8 @@ class OutOfOrderBackward:
         self._warned_late_edit = False
         self._warned_step_hooks = False
         self._warned_read_updated = False  # See _warn_read_updated
+        self._zeroed_after_update = False  # zero_grad() after a fused update, before step()
+        self._step_called = False  # the caller's step() ran at least once
         self._warned_sync_each = False  # See ddp.py's Note [DDP features the bucket reduction replaces]
         self._iterations = 0
         self._fused_steps = 0
@@ -1190,7 +1192,8 @@ class OutOfOrderBackward:
                     raise MemschedError(
                         f"parameter {n} requires grad but had requires_grad=False when OutOfOrderBackward was "
                         f"installed, so memsched neither defers nor (fuse_optimizer) updates it. Unfreeze "
-                        f"parameters before install(), or remove() and install() again after unfreezing.")
+                        f"parameters before install() (before entering memsched.optimize), or remove() and "
+                        f"install() again (leave the `with` block and enter it again) after unfreezing.")
                 raise MemschedError(
                     f"parameter {n} was added to the model (or replaced one) after OutOfOrderBackward was installed, "
                     f"so memsched neither defers nor (fuse_optimizer) updates it. Change the model before install() "
@@ -1801,6 +1804,8 @@ class OutOfOrderBackward:
             # skipped it on inf/NaN): the caller's next optimizer.step() follows the passes after this
             self._backwards_since_step = 0
         self._note_native_steps()  # frees of the C++ update come before this call (a failed backward's too)
+        if self._updated_since_step:
+            self._zeroed_after_update = True  # names the likely cause in _refuse_extra_backward
         if not self._undeclared and (not set_to_none or not self._zeroed):
             return  # nothing freed since: nothing to learn (the common case)
         index = self._index
@@ -1941,6 +1946,17 @@ class OutOfOrderBackward:
     def _refuse_extra_backward(self) -> None:
         # See Note [Fused update and gradient accumulation].
         n = self._backwards_since_step
+        if self._zeroed_after_update and self.fusion_paused is None and not self._step_called:
+            # the usual loop (backward, optimizer.step(), zero_grad()) around a bare OutOfOrderBackward, which
+            # never called its step() (memsched.optimize sets fusion_paused and routes optimizer.step())
+            raise MemschedError(
+                "a forward pass with gradients enabled began after the backward pass that applied the fused "
+                "optimizer update, and after optimizer.zero_grad(), but without OutOfOrderBackward.step(): with "
+                "a bare OutOfOrderBackward(fuse_optimizer=True) the step boundary is its step(), not "
+                "optimizer.step() (the update already ran during backward). Nothing was changed. Call "
+                "ooo.step() after each backward pass in place of optimizer.step() and zero_grad(), or use "
+                "memsched.optimize(model, optimizer, fuse_optimizer=True), where optimizer.step() marks the "
+                "boundary.")
         raise MemschedError(
             f"a forward pass with gradients enabled began after {n} backward pass(es) since the last step(), the "
             f"last of which already applied the fused optimizer update (grad_accumulation_steps="
@@ -2002,6 +2018,7 @@ class OutOfOrderBackward:
         ``optimizer.zero_grad(set_to_none=True)`` for the gradients the update freed, unless a
         later zero_grad(set_to_none=False) says otherwise (Note [Gradients the fused update did
         not see])."""
+        self._step_called = True
         return self._end_micro_step(True)
 
     def _end_micro_step(self, declares_zeroing: bool) -> bool:
@@ -2019,6 +2036,7 @@ class OutOfOrderBackward:
             self._check_late_edits()
         self._backwards_since_step = 0
         self._updated_since_step = False
+        self._zeroed_after_update = False
         if declares_zeroing:
             self._step_declared = True
         # No backward pass since the last step(): gradients (if any) came from torch.autograd.grad and

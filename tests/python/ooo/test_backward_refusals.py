@@ -298,3 +298,18 @@ def test_a_metric_forward_between_the_fused_update_and_step_is_refused_with_grad
             ooo.step()
     for p, q in zip(plain.parameters(), m.parameters()):
         assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
+
+
+def test_the_usual_loop_around_a_bare_fused_out_of_order_backward_is_told_to_call_its_step():
+    """backward(); optimizer.step(); optimizer.zero_grad() around a bare OutOfOrderBackward(fuse_optimizer=
+    True): the next forward was refused with talk of accumulation, GANs and skipped steps; it never said that
+    the bare object's step boundary is its own step()."""
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with memsched.OutOfOrderBackward(m, optimizer=opt, fuse_optimizer=True):
+        m(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with pytest.raises(MemschedError, match=r"the step boundary is its step\(\), not optimizer.step\(\).*"
+                                                r"Call ooo.step\(\) after each backward pass"):
+            m(torch.randn(4, 16))
