@@ -441,6 +441,7 @@ class Run:
         self.profile_armed_ = False  # the next forward starts a profiler session
         self.profile_iterations_ = 0  # ooo's completed backward passes when the open profile began
         self.forwards_since_boundary_ = 0  # root forwards since the last run.step() / optimizer.step()
+        self.boundary_was_framework_step_ = False  # the last boundary was the loop's optimizer.step()
         self.eval_grad_forward_ = False    # this step ran a forward in eval mode with gradients enabled
         self.profile_eval_grad_ = False    # ... and so did the step the plan was profiled from
         self.warned_second_update_ = False
@@ -527,12 +528,23 @@ class Run:
         there) runs optimizer.step() again: a second update with the same gradients, as plain PyTorch
         would do for `opt.step(); opt.step()`. Almost always a loop that calls both; said once."""
         forwards, self.forwards_since_boundary_ = self.forwards_since_boundary_, 0
+        after_framework_step, self.boundary_was_framework_step_ = self.boundary_was_framework_step_, False
         if (forwards or self.warned_second_update_ or self.optimizer is None or self.fuse_optimizer
                 or self.compiled_why_):  # a compiled model runs plainly: no hook counts its forwards
             return
         if not any(p.grad is not None for g in self.optimizer.param_groups for p in g["params"]):
             return
         self.warned_second_update_ = True
+        if not after_framework_step:
+            # gradients, no forward of the model and no optimizer.step() since the last boundary: the loop
+            # called the model's submodules itself (found by a helper: `for layer in model: x = layer(x)`)
+            warnings.warn("memsched.optimize: run.step() found gradients, but the wrapped model's forward did not "
+                          "run since the last step boundary: the loop called its submodules (or its parameters) "
+                          "directly, as `for layer in model: x = layer(x)` or `model.encoder(x)` do, so memsched "
+                          "saw no forward pass and profiles, plans and offloads nothing; the steps run plainly. "
+                          "Call the model itself, or wrap in memsched.optimize the module the loop calls. Warned "
+                          "once", RuntimeWarning, stacklevel=3)
+            return
         warnings.warn("memsched.optimize: run.step() was called with no forward pass since the last step boundary "
                       "(an optimizer.step() of the loop, which memsched routes as one): run.step() runs "
                       "optimizer.step() and zero_grad() itself, so this is a second update with the same "
@@ -553,6 +565,7 @@ class Run:
         if self.ooo_ is not None:
             self._check_framework_accumulation()
         self.forwards_since_boundary_ = 0
+        self.boundary_was_framework_step_ = True
         stats = self._finish_step()
         self._check_budget_held(stats)
 

@@ -141,6 +141,29 @@ def test_run_step_right_after_the_loops_optimizer_step_warns_of_a_second_update(
     assert train(lambda o, run: run.step()) == [] and train(loop_steps) == [] and train(twice) == []
 
 
+def test_a_loop_calling_the_models_layers_itself_is_told_memsched_saw_no_forward():
+    """`for layer in model: x = layer(x)` never calls the wrapped module: nothing is profiled or planned, and
+    the only word was that run.step() 'is a second update with the same gradients', which was false (one
+    update per step, parameters equal plain's)."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with memsched.optimize(m, torch.optim.AdamW(m.parameters()), budget=0.5) as run:
+            for _ in range(3):
+                h = x
+                for layer in m:
+                    h = layer(h)
+                h.sum().backward()
+                run.step()
+    said = [str(w.message) for w in caught if "memsched" in str(w.message)]
+    assert not [w for w in said if "second update" in w], said
+    assert len([w for w in said if "the wrapped model's forward did not run" in w and "Call the model itself" in w]) == 1
+
+
 @pytest.mark.parametrize("budget", [None, 0.5, "1GiB"])
 def test_an_error_of_the_model_in_the_profiled_step_says_it_is_the_models(budget):
     """A float64 batch into a float32 model in the first step, whose ops memsched's profiler passes on: torch's
