@@ -1241,12 +1241,16 @@ class Run:
     def _on_mismatch(self, why):
         if self.eval_grad_forward_:
             why += ("; this step ran the model in eval mode (model.eval()) with gradients enabled, and that "
-                    "forward's saves count as the step's: run evaluation under torch.no_grad() (or "
-                    "torch.inference_mode()) and it stays out of the training steps")
+                    "forward's saves count as the step's: an evaluation forward belongs under torch.no_grad() (or "
+                    "torch.inference_mode()), where it stays out of the training steps; a step that trains in "
+                    "eval mode saves other activations than the profiled train-mode step, so train every step "
+                    "in one mode for the plan to hold")
         elif self.profile_eval_grad_:
             why += ("; the profiled step ran the model in eval mode (model.eval()) with gradients enabled, so the "
-                    "trace holds that forward's saves, which the training steps do not repeat: run evaluation "
-                    "under torch.no_grad() (or torch.inference_mode()) and the plan matches them")
+                    "trace holds that forward's saves, which the training steps do not repeat: an evaluation "
+                    "forward belongs under torch.no_grad() (or torch.inference_mode()), and then the plan matches "
+                    "them; a step that trains in eval mode saves other activations than a train-mode step, so "
+                    "train every step in one mode")
         if not self.warned_:
             self.warned_ = True
             again = (f"two such steps in a row get the next one profiled again (at most {self.max_reprofiles} "
