@@ -443,7 +443,10 @@ class Run:
         self.forwards_since_boundary_ = 0  # root forwards since the last run.step() / optimizer.step()
         self.boundary_was_framework_step_ = False  # the last boundary was the loop's optimizer.step()
         self.eval_grad_forward_ = False    # this step ran a forward in eval mode with gradients enabled
+        self.forward_in_backward_ = False  # a forward of the model ran inside a backward pass (a reentrant
+                                           # checkpoint around the whole model recomputes it there)
         self.profile_eval_grad_ = False    # ... and so did the step the plan was profiled from
+        self.profile_forward_in_backward_ = False  # the profiled step's forward_in_backward_
         self.warned_second_update_ = False
         self.profile_failed_ = False # the profiled forward raised: restart at the next forward
         self.profile_forwards_ = 0   # COUNT forwards recorded by the open profile (Note [A step with no end])
@@ -642,6 +645,7 @@ class Run:
                 self._start_profiling()
                 return None
             self.profile_eval_grad_ = self.eval_grad_forward_  # named if later steps do not match it
+            self.profile_forward_in_backward_ = self.forward_in_backward_  # likewise
             # this trace holds the state that existed at its start; what the update will add is
             # predicted for the optimizers we know (Note [Optimizer state the profiled step did not see])
             self.optimizer_state_extra_ = self._predicted_state_bytes()
@@ -930,10 +934,12 @@ class Run:
 
     def _root_pre(self, module, args):
         if self.forwards_since_boundary_ == 0:
-            self.eval_grad_forward_ = False
+            self.eval_grad_forward_ = self.forward_in_backward_ = False
         self.forwards_since_boundary_ += 1
         if not module.training and torch.is_grad_enabled():
             self.eval_grad_forward_ = True  # part of this step's saves: named if the step mismatches
+        if torch._C._current_graph_task_id() != -1:
+            self.forward_in_backward_ = True  # named if the step mismatches
         if self.step_thread_ is None:
             self.step_thread_ = threading.get_ident()
         if self.in_forward_ or (self.profile_ is not None and (
@@ -1239,7 +1245,14 @@ class Run:
                 f"({format_bytes(act_peak)}) where that does not raise the step's peak")
 
     def _on_mismatch(self, why):
-        if self.eval_grad_forward_:
+        if self.forward_in_backward_ or self.profile_forward_in_backward_:
+            why += ("; the model's forward ran inside a backward pass, as torch.utils.checkpoint(model, ..., "
+                    "use_reentrant=True) around the whole model recomputes it: memsched profiles what the step "
+                    "saves in its forward, and this step saves it in backward, so no plan matches it and the "
+                    "steps run plainly. Checkpoint inside the model (its blocks), use use_reentrant=False (then "
+                    "the steps run plainly from the start, with a warning), or drop the checkpoint and let the "
+                    "budget decide what to keep")
+        elif self.eval_grad_forward_:
             why += ("; this step ran the model in eval mode (model.eval()) with gradients enabled, and that "
                     "forward's saves count as the step's: an evaluation forward belongs under torch.no_grad() (or "
                     "torch.inference_mode()), where it stays out of the training steps; a step that trains in "

@@ -203,3 +203,20 @@ def test_an_error_raised_in_memscheds_own_code_is_not_blamed_on_the_model():
         except RuntimeError as e:
             mod._explain_pass_through(e)
             assert ("passing that op on" in "".join(getattr(e, "__notes__", []))) == noted, str(e)
+
+
+def test_a_reentrant_checkpoint_around_the_whole_model_is_named_when_its_steps_do_not_match():
+    """checkpoint(model, x, use_reentrant=True) recomputes the whole forward inside backward, where the step
+    saves what memsched profiled in forward: every step mismatched with only 'the trace has [..], this step
+    has [..]'. Gradients stay plain's; the warning now names the checkpoint and the ways on."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+    with pytest.warns(RuntimeWarning, match=r"the model's forward ran inside a backward pass, as "
+                                            r"torch.utils.checkpoint\(model, ..., use_reentrant=True\)"):
+        with memsched.optimize(m, torch.optim.AdamW(m.parameters()), budget=1.0, planner="dp") as run:
+            for _ in range(3):
+                out = checkpoint(m, torch.randn(512, 32, requires_grad=True), use_reentrant=True)
+                nn.functional.cross_entropy(out, torch.randint(0, 10, (512,))).backward()
+                run.step()
