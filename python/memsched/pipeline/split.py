@@ -11,7 +11,8 @@ copies), so training a stage trains the user's model in place on that rank.
 
 Tied parameters across stages (an embedding shared with the output layer) are
 refused: each stage is updated by its own process, and a parameter owned by two
-processes would get two different updates.
+processes would get two different updates. A module called more than once (See
+Note [A module used twice in the Sequential]) keeps every call.
 """
 from __future__ import annotations
 
@@ -23,8 +24,19 @@ import torch.nn as nn
 from memsched._C import MemschedError
 
 
+# Note [A module used twice in the Sequential]
+#   Rationale: nn.Sequential(l, act, l, act, head) calls `l` twice, legal PyTorch (its forward iterates
+#   _modules, one call per entry). named_children() and named_modules() de-duplicate by identity, so a
+#   split built from them silently dropped the second call and the pipeline trained another function.
+#   Approach: _flatten walks _modules, so every call is an entry in model order. Repeats inside one
+#   stage run as in the model (nn.Sequential(*mods) keeps duplicates; parameters() counts them once).
+#   A module with parameters or buffers whose calls land in two stages is refused, naming both
+#   positions: each stage lives in its own process, which would train (or update the statistics of)
+#   its own copy. A stateless repeat (a shared nn.ReLU) holds nothing and may span stages.
 def _flatten(prefix: str, seq: nn.Sequential, out: List[Tuple[str, nn.Module]]) -> None:
-    for name, child in seq.named_children():
+    for name, child in seq._modules.items():  # not named_children(): See Note [A module used twice in the Sequential]
+        if child is None:
+            continue
         full = f"{prefix}{name}"
         if isinstance(child, nn.Sequential) and len(child) > 0:
             out.append((full, None))  # marker: the container begins at its first leaf
@@ -72,6 +84,7 @@ def split_stages(model: nn.Module, split_points: Sequence) -> List[nn.Sequential
     for lo, hi in zip(bounds, bounds[1:]):
         mods = [entries[j][1] for j in range(lo, hi) if entries[j][1] is not None]
         stages.append(nn.Sequential(*mods))
+    _refuse_state_across_stages(entries, bounds, cuts)
     owner = {}
     for k, st in enumerate(stages):
         for p in st.parameters():
@@ -81,3 +94,25 @@ def split_stages(model: nn.Module, split_points: Sequence) -> List[nn.Sequential
                     f"split_points: parameter {name} is used by stage {owner[id(p)]} and stage {k} (tied weights). "
                     f"Each stage is updated by its own process; untie it or keep its users in one stage")
     return stages
+
+
+def _refuse_state_across_stages(entries, bounds, cuts) -> None:
+    """Refuses a module with parameters or buffers whose calls fall in two stages, naming both positions
+    (See Note [A module used twice in the Sequential])."""
+    first = {}  # id(state tensor) -> (stage, entry name, module)
+    for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        for j in range(lo, hi):
+            name, mod = entries[j]
+            if mod is None:
+                continue
+            for t in list(mod.parameters()) + list(mod.buffers()):
+                k0, name0, mod0 = first.setdefault(id(t), (k, name, mod))
+                if k0 == k:
+                    continue
+                if mod0 is mod:
+                    raise MemschedError(
+                        f"split_points: module '{name0}' ({type(mod).__name__}) is called again as '{name}', and "
+                        f"split point {cuts[k0][1]!r} puts the first call in stage {k0} and the second in stage "
+                        f"{k}. Each stage is trained by its own process, which would update its own copy; move the "
+                        f"split point so both calls are in one stage, or use two separate modules")
+                # a tensor shared by two different modules: the tied-parameter check below names it
