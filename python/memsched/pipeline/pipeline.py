@@ -160,7 +160,9 @@ class Pipeline:
     # ------------------------------------------------------------------ training
     def step(self, batch):
         """One update per stage. batch = (inputs, target), the same on every process (stage 0 reads the
-        inputs, the last stage the target). Returns the loss (a 0-dim tensor) on the process of the last
+        inputs, the last stage the target; every process checks the batch size from its copy). Synchronous
+        schedules take one batch size throughout, a multiple of n_microbatches (See Note [Batch sizes under
+        synchronous schedules] in sync_schedule.py). Returns the loss (a 0-dim tensor) on the process of the last
         stage -- for async-1f1b the loss of this batch at the weights its forward used -- and None elsewhere."""
         if self._runner is None:
             raise MemschedError("step(): use the Pipeline as a context manager (`with Pipeline(...) as pipe:`)")

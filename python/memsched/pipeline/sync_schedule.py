@@ -13,6 +13,25 @@ Zero-bubble schedules split each backward into input and weight gradients
 (torch's own dX-first); ``zbv`` places two stages per rank in a V
 (rank r holds stages r and 2W - 1 - r), ``interleaved-*`` place stage r + i*W
 on rank r.
+
+Note [Batch sizes under synchronous schedules]
+  Rationale: torch.distributed.pipelining cuts the batch (inputs on the first
+  stage, target on the last) into n_microbatches along dim 0 and fixes every
+  stage's receive buffers from the first step's micro-batch. A batch size not
+  divisible by n_microbatches, or one that differs from the first step's,
+  failed deep inside torch: a batch-size mismatch in the loss on the last
+  rank, 'Connection closed by peer' on the others, or gloo aborting the
+  process (SIGABRT) when a larger batch followed a smaller one. Equal
+  micro-batches are also what makes the mean of per-micro-batch mean losses
+  (scale_grads) the whole batch's mean.
+  Approach: run_step refuses such a batch before any communication, naming
+  n_microbatches and the fix. Every process is given the same batch
+  (Pipeline.step's contract), so every process reaches the same decision
+  from its own copy, with no message exchanged, and none is left waiting on
+  a peer that refused. A process given no batch tensor at all (neither inputs
+  nor target; the middle stages read neither) cannot check; it learns of a
+  peer's refusal as of any peer's error (the connection closes when that
+  process ends).
 """
 from __future__ import annotations
 
@@ -99,8 +118,35 @@ class SyncRunner:
         arg = self.stages[0] if layout == "single" else self.stages
         self.schedule = cls(arg, n_microbatches, loss_fn=loss_fn, scale_grads=True)
         self.steps = 0
+        self.batch_size = None  # the first step's; See Note [Batch sizes under synchronous schedules]
+
+    def _check_batch(self, inputs, target) -> None:
+        """See Note [Batch sizes under synchronous schedules]."""
+        rows = {name: t.shape[0] for name, t in (("inputs", inputs), ("target", target))
+                if isinstance(t, torch.Tensor) and t.dim() > 0}
+        if not rows:
+            return
+        if len(set(rows.values())) > 1:
+            raise MemschedError(f"step(batch): inputs have {rows['inputs']} rows but target has {rows['target']}; "
+                                f"the schedule cuts both into n_microbatches along dim 0, so give them the same "
+                                f"batch size")
+        b, m = next(iter(rows.values())), self.n_microbatches
+        if self.batch_size is None:
+            if b < m or b % m:
+                raise MemschedError(f"step(batch): batch size {b} is not divisible by n_microbatches={m}; a "
+                                    f"synchronous schedule cuts the batch into {m} equal micro-batches. Use a "
+                                    f"batch size that is a multiple of {m}, or set n_microbatches to a divisor "
+                                    f"of {b}")
+            self.batch_size = b
+        elif b != self.batch_size:
+            raise MemschedError(f"step(batch): batch size {b} differs from the first step's {self.batch_size}; "
+                                f"torch.distributed.pipelining fixes each stage's buffers at the first step, so "
+                                f"synchronous schedules need one batch size throughout. Drop the short last batch "
+                                f"(DataLoader(..., drop_last=True)), or use schedule='async-1f1b', which takes "
+                                f"any batch size")
 
     def run_step(self, inputs, target):
+        self._check_batch(inputs, target)  # before any communication
         args = (inputs.to(self.device),) if self.is_first else ()
         kwargs = {}
         losses: List[torch.Tensor] = []
