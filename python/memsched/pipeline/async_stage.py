@@ -17,7 +17,10 @@ Note [Asynchronous 1F1B schedule]
   the backward at once. So stage k updates once per call after a warm-up of s
   calls, and between a micro-batch's forward and backward there are exactly s
   updates of this stage (See Note [Weight versions in asynchronous 1F1B]).
-  Pipeline.flush()/exit runs the remaining backwards (cool-down).
+  Pipeline.flush()/exit runs the remaining backwards (cool-down). After a
+  flush the pipeline fills again: the j-th micro-batch after it (j < s) has
+  only j updates between its forward and backward (the micro-batches in
+  flight here when it enters), which is what predict extrapolates over.
   Sends are non-blocking (Link.send); a stage only waits for the data it needs.
 
 Note [dX before dW in a pipeline stage]
@@ -98,7 +101,10 @@ class AsyncStage:
         rep = self.replicas[self._turn]
         self._turn = (self._turn + 1) % len(self.replicas)
         if not rep.aliased:
-            self.policy.load(self.params, rep.params, self.versions_ahead)
+            # the updates of this stage between this forward and its backward: one per micro-batch already
+            # in flight here; s in steady state, fewer after a flush (See Note [Weight versions in
+            # asynchronous 1F1B])
+            self.policy.load(self.params, rep.params, min(self.versions_ahead, len(self.pending)))
         if self.prev is None:
             x = inputs.to(self.device) if isinstance(inputs, torch.Tensor) else inputs
         else:

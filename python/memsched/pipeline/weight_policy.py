@@ -6,7 +6,7 @@ Entry points: ``make_policy(name, optimizer) -> WeightPolicy``;
 
 Note [Weight versions in asynchronous 1F1B]
   Rationale: without a flush, stage k of K runs the forward of a micro-batch,
-  then s = K - 1 - k updates of its own weights (the backwards of earlier
+  then (in steady state) s = K - 1 - k updates of its own weights (the backwards of earlier
   micro-batches), then that micro-batch's backward. Its gradient is then
   computed against other weights than its forward used.
   Approach: each micro-batch in flight has its own replica of the stage
@@ -19,7 +19,12 @@ Note [Weight versions in asynchronous 1F1B]
                forward and backward agree, the gradient (of version v) is
                applied to version v + s.
     predict -- S2: the replica holds W_hat = W - lr * s * d, the weights
-               predicted s updates ahead from the optimizer's own smoothed
+               predicted s updates ahead (s: the updates between this
+               micro-batch's forward and its backward; K - 1 - k in steady
+               state, the micro-batches in flight on the stage when it enters
+               while the pipeline fills, after Pipeline.flush(); predicting
+               K - 1 - k there forwarded the first micro-batch after a flush at
+               weights no update would reach) from the optimizer's own smoothed
                update direction d: SGD's momentum buffer (momentum > 0), or
                Adam's bias-corrected m_hat / (sqrt(v_hat) + eps) (AdamW adds
                weight_decay * W, as its update does). Forward and backward

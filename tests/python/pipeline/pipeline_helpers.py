@@ -99,8 +99,9 @@ def single_process(model, opt, data):
     return losses
 
 
-def reference_async(num_stages, opt_factory, data, policy):
-    """Asynchronous 1F1B (stash or predict) in one process, from its definition."""
+def reference_async(num_stages, opt_factory, data, policy, flush_after=()):
+    """Asynchronous 1F1B (stash or predict) in one process, from its definition. After step t in
+    flush_after, every micro-batch in flight is applied (Pipeline.flush())."""
     from torch.func import functional_call
 
     from memsched.pipeline import split_stages
@@ -125,8 +126,9 @@ def reference_async(num_stages, opt_factory, data, policy):
         for k, st in enumerate(stages):
             params = list(st.parameters())
             w = [p.detach().clone() for p in params]
-            if K - 1 - k > 0:
-                pols[k].load(params, w, K - 1 - k)  # stash: a no-op on the clone; predict: W - lr*s*d
+            s = len(queues[k])  # the updates of stage k before this micro-batch's backward (K-1-k, or fewer
+            if s > 0:           # after a flush)
+                pols[k].load(params, w, s)  # stash: a no-op on the clone; predict: W - lr*s*d
             weights.append([t_.requires_grad_() for t_ in w])
         h = x
         for st, w in zip(stages, weights):
@@ -141,6 +143,10 @@ def reference_async(num_stages, opt_factory, data, policy):
         for k in range(K):
             if len(queues[k]) > K - 1 - k:
                 apply(k, queues[k].popleft())
+        if t in flush_after:
+            for k in range(K):
+                while queues[k]:
+                    apply(k, queues[k].popleft())
     for k in range(K):
         while queues[k]:
             apply(k, queues[k].popleft())

@@ -101,3 +101,35 @@ def _check(world, results):
 @pytest.mark.parametrize("world", [2, 4])
 def test_schedules_match_single_process_and_reference(world, tmp_path):
     _check(world, spawn(_worker, world, tmp_path))
+
+
+FLUSH_AFTER = (1, 2, 3)  # the micro-batch after each flush is forwarded at the current weights
+
+
+def _flush_worker(rank, world):
+    from memsched.pipeline import Pipeline
+
+    with Pipeline(build_model(), split_points(world), optimizer=sgd, loss_fn=loss_fn, schedule="async-1f1b",
+                  policy="predict") as pipe:
+        losses = []
+        for t, b in enumerate(batches(STEPS, batch=16)):
+            losses.append(pipe.step(b))
+            if t in FLUSH_AFTER:
+                pipe.flush()  # as before an evaluation in mid-training
+    return losses, _stage_params(pipe)
+
+
+def test_predict_after_a_flush_predicts_only_the_updates_still_to_come(tmp_path):
+    """After pipe.flush() nothing is in flight: the next micro-batch's gradient goes into the weights its
+    forward sees, so predict must not extrapolate s updates ahead there (the reference predicts the
+    updates between each micro-batch's forward and its backward)."""
+    world = 2
+    results = spawn(_flush_worker, world, tmp_path)
+    data = batches(STEPS, batch=16)
+    ref_l, ref_p = reference_async(world, sgd, data, "predict", flush_after=FLUSH_AFTER)
+    sizes = [len(list(st.parameters())) for st in split_stages(build_model(), split_points(world))]
+    got = [p for _, params in results for p in params]
+    assert len(got) == sum(sizes)
+    for a, b in zip(got, ref_p):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(results[-1][0]), torch.stack(ref_l), rtol=1e-5, atol=1e-6)
