@@ -48,7 +48,8 @@ class Pipeline:
       schedule: one of SCHEDULES (default "async-1f1b").
       policy: "predict" (default for async-1f1b), "stash" or "none"; async-1f1b only.
       n_microbatches: synchronous schedules only (default: the number of stages).
-      device: this process's device (default cuda:LOCAL_RANK with a GPU, else CPU); NCCL on CUDA, gloo on CPU.
+      device: this process's device (default cuda:LOCAL_RANK with a GPU, else CPU; "cuda" without an index
+        means cuda:LOCAL_RANK); NCCL on CUDA, gloo on CPU.
       max_deferred_bytes, executor: passed to each stage's OutOfOrderBackward (async-1f1b; default: every
         dW is deferred until the stage's dX has been sent).
     """

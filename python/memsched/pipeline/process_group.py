@@ -23,14 +23,28 @@ def select_backend(device: torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def _local_cuda_index() -> int:
+    """This process's GPU: LOCAL_RANK (torchrun), else the current CUDA device (a process group set up
+    by hand after torch.cuda.set_device)."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
 def stage_device(device=None) -> torch.device:
-    """The device this process's stage runs on: ``device`` if given, else cuda:LOCAL_RANK when a GPU is
-    present, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """The device this process's stage runs on: ``device`` if given ("cuda" without an index meaning
+    this process's GPU, cuda:LOCAL_RANK), else cuda:LOCAL_RANK when a GPU is present, else the CPU."""
+    if device is None:
+        return torch.device("cuda", _local_cuda_index()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MemschedError(f"device: {str(device)!r} asks for a GPU, but torch sees no CUDA device here; "
+                                f"leave device unset (the CPU with gloo) or run where a GPU is visible")
+        if dev.index is None:
+            # torch.cuda.set_device (and NCCL) need an index; one process per GPU under torchrun
+            dev = torch.device("cuda", _local_cuda_index())
+    return dev
 
 
 def ensure_process_group(device: torch.device) -> Tuple[bool, str]:

@@ -48,3 +48,23 @@ def test_without_torchrun_entering_names_torchrun(monkeypatch):
 def test_backend_follows_the_device():
     assert select_backend(torch.device("cuda", 0)) == "nccl"
     assert select_backend(torch.device("cpu")) == "gloo"
+
+
+def test_cuda_without_an_index_means_this_process_gpu(monkeypatch):
+    from memsched.pipeline.process_group import stage_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert stage_device("cuda") == torch.device("cuda", 3)
+    assert stage_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert stage_device(None) == torch.device("cuda", 3)
+    assert stage_device("cuda:1") == torch.device("cuda", 1)  # an explicit index is kept
+    assert stage_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no GPU")
+def test_cuda_without_a_gpu_is_refused_naming_the_device():
+    from memsched.pipeline.process_group import stage_device
+
+    with pytest.raises(MemschedError, match="device: 'cuda' asks for a GPU.*no CUDA device"):
+        stage_device("cuda")
