@@ -19,6 +19,7 @@ Note [A graph module as a trace]
   Limitations: a model of a training step, not a profile: autograd's actual saved tensors and
   temporaries differ; profile the real step (memsched.profile) for figures you will quote.
 """
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -89,6 +90,33 @@ def _storages(value, out):
     return out
 
 
+# Note [Measuring leaves the model as it was]
+#   Rationale: graph_trace runs the user's own modules (to_graph_module shares them) once, in the mode
+#   they are in: train mode measures the ops training runs (eval would swap BatchNorm's batch
+#   statistics for its running ones and skip Dropout). That run updated BatchNorm's running_mean,
+#   running_var and num_batches_tracked and advanced the global RNG (Dropout), so partitioning a model
+#   and then training it trained differently from the same loop without the call.
+#   Approach: every buffer (the tensor each module holds, and a copy of its values) and the RNG state
+#   of the CPU and of the CUDA devices the model or inputs use are saved before the run and restored
+#   after it, also when the run raises. Parameters are not saved: the run is under no_grad and
+#   changes no parameter unless the forward writes one itself.
+@contextlib.contextmanager
+def _model_state_kept(gm, example_inputs):
+    held = [(m, name, b, b.detach().clone()) for m in gm.modules() for name, b in m._buffers.items()
+            if b is not None]
+    tensors = [t for t in list(gm.parameters()) + list(gm.buffers()) + list(example_inputs)
+               if isinstance(t, torch.Tensor)]
+    cuda = sorted({t.device.index for t in tensors if t.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        with torch.no_grad():
+            for m, name, b, values in held:
+                m._buffers[name] = b  # the tensor the module held (a forward may have rebound it)
+                b.copy_(values)
+
+
 def graph_trace(gm, example_inputs, optimizer_state_factor=2.0):
     """The Trace of Note [A graph module as a trace] for `gm` run on `example_inputs` (a tuple)."""
     if not isinstance(example_inputs, (tuple, list)):
@@ -109,7 +137,7 @@ def graph_trace(gm, example_inputs, optimizer_state_factor=2.0):
             info[n.name] = (sum(_storages(out, {}).values()), dt * 1e6, float(fc.get_total_flops()))
             return out
 
-    with torch.no_grad():
+    with torch.no_grad(), _model_state_kept(gm, example_inputs):
         _Recorder(gm).run(*example_inputs)
 
     compute = [n for n in nodes if n.op in _COMPUTE]

@@ -66,3 +66,21 @@ def test_partition_of_a_module_places_every_node():
 def test_example_inputs_are_required_for_a_module():
     with pytest.raises(ValueError, match="example_inputs"):
         memsched.partition(Chain(), devices=2, cap="70%")
+
+
+def test_partitioning_a_model_leaves_its_batchnorm_statistics_and_the_rng_as_they_were():
+    """Training after memsched.partition(model) is the training of the same loop without the call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.5),
+                          nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    x = torch.randn(4, 3, 8, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = [b for b in model.buffers()]
+    rng = torch.get_rng_state()
+    memsched.partition(model, devices=2, example_inputs=(x,), method="even")
+    memsched.partition.compare(model, devices=2, methods="even", example_inputs=(x,))
+    after = model.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    assert all(a is b for a, b in zip(model.buffers(), buffers))  # the tensors the model held, not copies
+    assert torch.equal(rng, torch.get_rng_state())
+    assert model.training
