@@ -51,7 +51,9 @@ def split_stages(model: nn.Module, split_points: Sequence) -> List[nn.Sequential
         raise MemschedError(
             f"model: memsched.pipeline splits an nn.Sequential (nested Sequentials allowed), got "
             f"{type(model).__name__}. Write the model as nn.Sequential(embedding, *blocks, head) with one "
-            f"tensor flowing between children, or pass stages=[module, ...] built yourself.")
+            f"tensor flowing between children. For another model, memsched.partition(model, example_inputs=...) "
+            f"places its fx graph and memsched.partition.stages.pipeline_stage(model, partition, rank) turns a "
+            f"contiguous partition into torch.distributed.pipelining stages.")
     if isinstance(split_points, (str, bytes)) or not isinstance(split_points, Sequence):
         raise MemschedError(f"split_points: expected a list of module names or indices, got {split_points!r}")
     entries: List[Tuple[str, nn.Module]] = []

@@ -80,3 +80,17 @@ def test_a_stateless_module_shared_across_stages_is_allowed():
     x = torch.randn(3, 4)
     stages = split_stages(m, ["2"])
     torch.testing.assert_close(stages[1](stages[0](x)), m(x), rtol=0, atol=0)
+
+
+def test_the_refusal_of_a_non_sequential_model_offers_only_what_exists():
+    import inspect
+
+    import memsched.partition.stages
+    from memsched.pipeline import Pipeline
+
+    with pytest.raises(MemschedError) as e:
+        split_stages(nn.Linear(2, 2), [])
+    msg = str(e.value)
+    assert "nn.Sequential(embedding, *blocks, head)" in msg
+    assert "memsched.partition.stages.pipeline_stage" in msg and hasattr(memsched.partition.stages, "pipeline_stage")
+    assert "stages" not in inspect.signature(Pipeline).parameters and "stages=" not in msg
