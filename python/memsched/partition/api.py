@@ -9,6 +9,8 @@ module as a trace] in fx_graph.py). Methods: "s3" (C++, Note [S3 partitioner]), 
 evenly by count), "flops" (contiguous FLOP-balanced split), "metis" (pymetis min-cut), "milp" (exact,
 HiGHS; small graphs only).
 """
+import math
+import numbers
 import os
 import time
 
@@ -121,6 +123,19 @@ def caps_error(problem, dset, trace, method, why="", flag="cap="):
     return CapsError(msg, least)
 
 
+def _check_options(time_limit_s, milp_time_limit_s, milp_max_ops, seed):
+    """Refuses a bad search option by name, before the model is traced or any method runs."""
+    for name, v in (("time_limit_s", time_limit_s), ("milp_time_limit_s", milp_time_limit_s)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0):
+            raise ValueError(f"partition: {name} must be a number of seconds > 0, got {v!r}")
+    if isinstance(milp_max_ops, bool) or not isinstance(milp_max_ops, numbers.Integral) or milp_max_ops < 0:
+        raise ValueError(f"partition: milp_max_ops must be a whole number >= 0 (the most ops the exact MILP "
+                         f"takes; default {MILP_MAX_OPS}), got {milp_max_ops!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 64:
+        raise ValueError(f"partition: seed must be a whole number from 0 to 2**64 - 1 (S3's random starts), "
+                         f"got {seed!r}")
+
+
 def partition(source, devices=4, cap=None, *, method="s3", example_inputs=None, links=None, link_latency_us=5.0,
               durations="auto", time_limit_s=40.0, milp_time_limit_s=60.0, milp_max_ops=MILP_MAX_OPS, seed=1):
     """A Partition of `source`'s ops over `devices` under `cap` (module docstring; Note [Partition devices
@@ -128,6 +143,7 @@ def partition(source, devices=4, cap=None, *, method="s3", example_inputs=None, 
     method's placement breaks a cap."""
     if method not in METHODS:
         raise ValueError(f"partition: unknown method {method!r}; known: {', '.join(METHODS)}")
+    _check_options(time_limit_s, milp_time_limit_s, milp_max_ops, seed)
     src = _Source(source, example_inputs)
     problem, dset = _problem(src, devices, cap, links, link_latency_us, durations)
     t0 = time.perf_counter()
@@ -153,6 +169,7 @@ def compare(source, devices=4, cap=None, methods="all", *, example_inputs=None, 
     for m in names:
         if m not in METHODS:
             raise ValueError(f"partition: unknown method {m!r}; known: {', '.join(METHODS)}")
+    _check_options(time_limit_s, milp_time_limit_s, milp_max_ops, seed)
     src = _Source(source, example_inputs)
     problem, dset = _problem(src, devices, cap, links, link_latency_us, durations)
     rows = []

@@ -117,3 +117,21 @@ def test_a_device_count_that_is_not_a_whole_number_is_named(devices):
     # was: TypeError "'float' object is not iterable"
     with pytest.raises(ValueError, match=r"devices: expected a device count \(e.g. 4\) or a list"):
         memsched.partition(_trace(), devices=devices, cap="100%")
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"time_limit_s": 0}, "time_limit_s must be a number of seconds > 0, got 0"),
+    ({"time_limit_s": -1}, "time_limit_s must be .* got -1"),
+    ({"time_limit_s": float("nan")}, "time_limit_s"),
+    ({"milp_time_limit_s": 0.0}, "milp_time_limit_s must be"),
+    ({"seed": "x"}, "seed must be a whole number from 0 .* got 'x'"),
+    ({"seed": -1}, "seed must be"),
+    ({"seed": 1.5}, "seed must be"),
+    ({"milp_max_ops": -3}, "milp_max_ops must be a whole number >= 0 .* got -3"),
+    ({"milp_max_ops": True}, "milp_max_ops"),
+])
+def test_bad_search_options_are_refused_by_name_before_any_work(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        memsched.partition(_trace(), devices=2, **kwargs)
+    with pytest.raises(ValueError, match=words):  # not a row saying 'skipped' or a raw pybind TypeError
+        compare(_trace(), 2, methods="s3,milp", **kwargs)
