@@ -103,8 +103,14 @@ def _partition_of(problem, dset, method, device_of_op, seconds, note, graph):
     return Partition(method=method, device_of_op=list(device_of_op), devices=list(dset.names), caps=list(dset.caps),
                      makespan_us=ev["makespan_us"], peak_bytes=list(ev["peak_bytes"]), busy_us=list(ev["busy_us"]),
                      bytes_moved=ev["bytes_moved"], transfers=transfers, fits=ev["fits"],
-                     link_bw_gbps=dset.link_bw_gbps, link_latency_us=dset.link_latency_us, seconds=seconds,
-                     node_device=node_device, node_ops=node_ops, note=note)
+                     link_bw_gbps=None if dset.links else dset.link_bw_gbps, link_latency_us=dset.link_latency_us,
+                     seconds=seconds, node_device=node_device, node_ops=node_ops, note=note, links=_matrix(dset))
+
+
+def _matrix(dset):
+    """The per-pair link matrix the problem was simulated with (rows of GB/s), or [] for one bandwidth."""
+    n = len(dset)
+    return [dset.links[a * n:(a + 1) * n] for a in range(n)] if dset.links else []
 
 
 def caps_error(problem, dset, trace, method, why="", flag="cap="):

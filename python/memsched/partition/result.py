@@ -26,12 +26,14 @@ class Partition:
     bytes_moved: int                 # sum over transfers
     transfers: List[Dict] = field(default_factory=list)   # {tensor, from, to, bytes, ready_us, arrive_us}
     fits: bool = True
-    link_bw_gbps: float = 0.0
+    link_bw_gbps: Optional[float] = 0.0   # GB/s of every link; None when `links` gives one per pair
     link_latency_us: float = 0.0
     seconds: float = 0.0             # time the method took
     node_device: Optional[Dict[str, int]] = None  # fx node name -> device (partitions of a GraphModule)
     node_ops: Optional[Dict[str, List[int]]] = None  # fx node name -> its forward, backward, optimizer op ids
     note: str = ""                   # e.g. S3's winning start
+    links: List[List[float]] = field(default_factory=list)  # links=[[...]] as simulated: row a, column b, a -> b
+                                                            # GB/s; empty when every link is link_bw_gbps
 
     @property
     def num_devices(self):

@@ -135,3 +135,14 @@ def test_bad_search_options_are_refused_by_name_before_any_work(kwargs, words):
         memsched.partition(_trace(), devices=2, **kwargs)
     with pytest.raises(ValueError, match=words):  # not a row saying 'skipped' or a raw pybind TypeError
         compare(_trace(), 2, methods="s3,milp", **kwargs)
+
+
+def test_a_saved_partition_states_the_link_matrix_it_was_simulated_with(tmp_path):
+    t = _trace()
+    slow = [[0, 1.0], [2.0, 0]]
+    p = memsched.partition(t, devices=2, links=slow)
+    assert p.links == [[0.0, 1.0], [2.0, 0.0]] and p.link_bw_gbps is None  # not the NVLink default it never used
+    p.to_json(tmp_path / "p.json")
+    assert Partition.from_json(tmp_path / "p.json") == p
+    q = memsched.partition(t, devices=2)
+    assert q.links == [] and q.link_bw_gbps == 450.0
