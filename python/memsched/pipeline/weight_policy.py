@@ -37,8 +37,11 @@ Note [Weight versions in asynchronous 1F1B]
   Limitations: the prediction reads lr and the optimizer state when the
   forward runs; an LR schedule that changes lr within the next s updates is
   not foreseen. Nesterov SGD predicts with the momentum buffer alone.
-  Copies (stash, predict) cost one copy of the stage's parameters per
-  micro-batch in flight (s of them); counted in the stage's memory report.
+  Copies (stash, predict) cost s + 1 copies of the stage's parameters: one
+  per micro-batch in flight (s of them) plus the one the next forward fills
+  while they are still in flight (its forward runs before the oldest one's
+  backward frees a replica); counted in the stage's memory report, predict's
+  with the largest transient direction tensor beside them.
 """
 from __future__ import annotations
 
