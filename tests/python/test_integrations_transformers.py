@@ -2,6 +2,7 @@
 trained 3 steps by the Hugging Face Trainer with the callback ends with parameters bitwise equal to the
 same Trainer run without memsched; unsupported settings are refused at the start."""
 import copy
+import warnings
 import logging
 
 import pytest
@@ -176,3 +177,54 @@ def test_a_failed_train_is_left_by_the_next_trainers_callback(tmp_path):
     assert retry.run.steps_profiled == 1 and retry.run.steps_planned == 2, retry.run.report()
     ref, _ = _train(tmp_path, None)
     _assert_same(model, ref)
+
+
+def _llama():
+    """A tiny Llama: its nn.Linear layers are ones the fused update steps inside backward (GPT-2's Conv1D is not)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class _Interrupt(transformers.TrainerCallback):
+    """Ctrl-C in a notebook: a KeyboardInterrupt out of train() at the end of step 2 (no on_train_end)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            raise KeyboardInterrupt
+
+
+def test_after_an_interrupted_train_a_plain_backward_only_fills_grads(tmp_path):
+    """fuse_optimizer=True: the interrupted train() left memsched on, and a later plain forward/backward ran the
+    Trainer's AdamW update inside backward (every weight changed, .grad None), silently."""
+    model = _llama()
+    cb = MemschedCallback(budget=0.7, planner="dp", fuse_optimizer=True)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, use_cpu=True, report_to=[],
+                                          per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True,
+                                          max_grad_norm=0.0, logging_steps=100)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb, _Interrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert cb.run.entered_  # the Trainer has no exception event
+    ids = Tokens(4).ids
+    before = [p.detach().clone() for p in model.parameters()]
+    ref = copy.deepcopy(model)  # a copy runs plainly (Note [Copies of a model under memsched])
+    ref(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(RuntimeWarning, match=r"ran outside Trainer.train\(\).*turned off.*callback.close\(\)"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert not cb.run.entered_ and not model._forward_pre_hooks and not model._forward_hooks
+    for (name, p), q, r in zip(model.named_parameters(), before, ref.parameters()):
+        assert torch.equal(p, q), f"{name} was updated by a plain backward"
+        assert p.grad is not None and torch.equal(p.grad, r.grad), name
+    # evaluation inside a later train() runs under memsched as before: the guard does not fire there
+    cb2 = MemschedCallback(budget=0.7, planner="dp")
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, use_cpu=True, report_to=[], per_device_train_batch_size=4,
+        save_strategy="no", disable_tqdm=True, eval_strategy="steps", eval_steps=1), train_dataset=Tokens(),
+        eval_dataset=Tokens(8), callbacks=[cb2])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*ran outside Trainer.train")
+        trainer.train()
+    assert cb2.run.steps_profiled == 1 and cb2.run.steps_planned == 1, cb2.run.report()

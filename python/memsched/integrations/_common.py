@@ -3,7 +3,7 @@ torch optimizer behind a framework's wrapper, and the figures they log.
 
 Entry points: check_callback_args(budget, planner, ooo, fuse_optimizer, options),
 torch_optimizer(optimizer, where), step_figures(run), enter_run(run), leave_stale_runs(),
-short_accumulation_refusal(...).
+quiet_root_hooks(module), short_accumulation_refusal(...).
 
 Note [A Run a raised training left behind]
   Rationale: a training that raised (a refused budget, an error of the caller's) never reaches the
@@ -21,6 +21,7 @@ import weakref
 import torch
 
 from memsched import step_hook
+from memsched.copy_inert import _InertOnCopy
 from memsched.optimize import _OPTIONS
 from memsched.planning import parse_budget, planner_names
 
@@ -103,6 +104,21 @@ def leave_stale_runs():
                           RuntimeWarning, stacklevel=3)
             run.__exit__(None, None, None)
         _ENTERED.discard(run)
+
+
+def quiet_root_hooks(module):
+    """Make memsched's forward hooks on `module` do nothing, for a Run left inside one of its forward
+    pre-hooks: torch calls the hooks it listed when the forward began, removed or not (See Note [A
+    forward after an unfinished train()] in transformers.py). Every memsched module hook is an
+    _InertOnCopy (copy_inert.py); leaving the Run removes them."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for hook in hooks.values():
+            if isinstance(hook, _InertOnCopy):
+                hook.fn = _nothing
+
+
+def _nothing(*args, **kwargs):
+    return None
 
 
 def short_accumulation_refusal(batches, k, global_step, max_steps, setting, which, fixes):

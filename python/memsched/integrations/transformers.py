@@ -17,7 +17,8 @@ Note [memsched inside the Trainer]
   grad_accumulation_steps is the Trainer's. on_log adds memsched/* figures to the Trainer's logs
   (so they reach its log history and the reporters listed after this callback); on_train_end
   leaves the Run and logs run.report() through transformers' logger; `callback.run` stays
-  readable. A train() that raised never reaches on_train_end: the next on_train_begin (a retry,
+  readable. A train() that raised never reaches on_train_end: the model's next forward outside
+  that train() (Note [A forward after an unfinished train()]), the next on_train_begin (a retry,
   auto_find_batch_size, another Trainer's callback) or callback.close() leaves that Run first (Note [A
   Run a raised training left behind] in _common.py).
   Refused at on_train_begin, before the first step, naming the TrainingArguments field:
@@ -33,11 +34,16 @@ Note [memsched inside the Trainer]
   matching (tested with an evaluation after every step); they count in the next step's measured
   time, and when a re-profile is pending they are recorded into that step's trace.
 """
+import sys
+import threading
+import warnings
+
 import transformers
-from transformers import TrainerCallback
+from transformers import TrainerCallback, trainer_callback
 
 from memsched._C import MemschedError
-from memsched.integrations._common import (check_callback_args, enter_run, leave_stale_runs,
+from memsched.copy_inert import inert_on_copy
+from memsched.integrations._common import (check_callback_args, enter_run, leave_stale_runs, quiet_root_hooks,
                                           short_accumulation_refusal, step_figures, torch_optimizer)
 from memsched.optimize import optimize
 
@@ -62,6 +68,9 @@ class MemschedCallback(TrainerCallback):
         self.fuse_optimizer = fuse_optimizer
         self.options = options
         self.run = None
+        self._train_frame = None   # the frame of the Trainer's training loop that entered self.run
+        self._train_thread = None  # ... and its thread (Note [A forward after an unfinished train()])
+        self._guard = None         # handle of the forward pre-hook that checks for that frame
 
     # -- the Trainer's events --------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
@@ -77,6 +86,7 @@ class MemschedCallback(TrainerCallback):
                        fuse_optimizer=self.fuse_optimizer, grad_accumulation_steps=accumulate, **self.options)
         enter_run(run)
         self.run = run
+        self._watch_train(model)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.run is not None and logs is not None and "loss" in logs:  # training logs only
@@ -95,8 +105,61 @@ class MemschedCallback(TrainerCallback):
 
     def close(self):
         """Leave the Run (remove every memsched hook); safe to call twice. `self.run` stays readable."""
+        if self._guard is not None:
+            self._guard.remove()
+        self._guard = self._train_frame = self._train_thread = None
         if self.run is not None and self.run.entered_:
             self.run.__exit__(None, None, None)
+
+    # -- Note [A forward after an unfinished train()] -------------------------------------------------
+    #   Rationale: the Trainer has no exception event, so a train() that raised (Ctrl-C in a notebook, an
+    #   error of a callback or of the data) left the Run entered; the model then still ran under memsched
+    #   outside any training: with fuse_optimizer=True a plain `model(...).loss.backward()` ran the
+    #   Trainer's optimizer update inside backward -- every weight changed, no .grad -- silently (found by
+    #   a helper probing the integrations).
+    #   Approach: on_train_begin is called from the Trainer's training loop (_inner_training_loop, or a
+    #   subclass's), through CallbackHandler; the callback keeps that loop's frame and its thread. While
+    #   that train() runs, every forward of the model (training, evaluation, generation in a callback)
+    #   has the frame on its thread's stack; once train() returned or raised, no forward has. A forward
+    #   pre-hook (prepended, so it runs before memsched's own) walks the stack and, when the frame is not
+    #   on it, warns once and closes the callback: that forward and everything after it run plainly.
+    #   Closing inside a pre-hook: torch has already taken the list of the model's hooks for this call,
+    #   so memsched's root hooks would still run after their Run ended; quiet_root_hooks (_common.py)
+    #   makes them do nothing first. The walk costs a few microseconds per forward of the whole model,
+    #   not per layer. Wrapping Trainer.train in try/finally is not possible from a callback (no event
+    #   receives the Trainer, and on_train_begin comes after train() started). A forward from another
+    #   thread is checked against the training thread's stack (sys._current_frames()).
+    def _watch_train(self, model):
+        handler_file = trainer_callback.__file__
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_filename != handler_file:  # up to CallbackHandler (through a
+            f = f.f_back                                                # subclass's on_train_begin)
+        while f is not None and f.f_code.co_filename == handler_file:  # ... and to the loop that called it
+            f = f.f_back
+        if f is None:
+            return  # on_train_begin called by hand, not from a training loop: nothing to watch
+        self._train_frame, self._train_thread = f, threading.get_ident()
+        self._guard = model.register_forward_pre_hook(inert_on_copy(self._check_in_train), prepend=True)
+
+    def _in_train(self):
+        f = sys._getframe(2) if threading.get_ident() == self._train_thread \
+            else sys._current_frames().get(self._train_thread)
+        while f is not None:
+            if f is self._train_frame:
+                return True
+            f = f.f_back
+        return False
+
+    def _check_in_train(self, module, args):
+        if self._train_frame is None or self._in_train():
+            return
+        warnings.warn("memsched: the model ran outside Trainer.train() while the MemschedCallback of a train() that "
+                      "did not finish (it raised or was interrupted) was still on; memsched is now turned off for "
+                      "this model (as callback.close() does) and it runs as plain PyTorch. Call callback.close() "
+                      "after an interrupted train() to turn memsched off before using the model",
+                      RuntimeWarning, stacklevel=3)
+        quiet_root_hooks(module)
+        self.close()
 
     # -- checks -------------------------------------------------------------------------------------
     def _refuse_unsupported(self, args):
