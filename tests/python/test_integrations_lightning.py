@@ -72,14 +72,15 @@ class WithValidation(Decoder):
         self.log("val_loss", F.cross_entropy(self(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1)))
 
 
-def _fit(callback=None, module=None, **kw):
+def _fit(callback=None, module=None, callbacks_extra=(), ckpt_path=None, **kw):
     module = module if module is not None else _module()
     args = dict(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     args.update(kw)
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(callbacks=[callback] if callback is not None else None, **args)
-    trainer.fit(module, _loader(), _loader() if isinstance(module, WithValidation) else None)
+    callbacks = ([callback] if callback is not None else []) + list(callbacks_extra)
+    trainer = pl.Trainer(callbacks=callbacks or None, **args)
+    trainer.fit(module, _loader(), _loader() if isinstance(module, WithValidation) else None, ckpt_path=ckpt_path)
     return module, trainer
 
 
@@ -219,3 +220,39 @@ def test_a_compiled_module_runs_plainly_with_a_warning():
         module = fit(cb)
     _assert_same(module, ref)
     assert cb.run.steps_profiled == 0 and cb.run.steps_planned == 0
+
+
+def test_resuming_from_a_checkpoint_with_accumulation_trains_as_plain_lightning(tmp_path):
+    """fit(ckpt_path=...) starts at global_step 2: its first micro-batch (no step ended yet) was refused with
+    "forward was never called", though the module calls self(...)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    kw = dict(accumulate_grad_batches=2, max_steps=3)
+    _fit(None, enable_checkpointing=True, default_root_dir=str(tmp_path),
+         callbacks_extra=[ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=-1)], **kw)
+    ckpt = str(tmp_path / "epoch=0-step=2.ckpt")
+    cb = MemschedCallback(**ACCUMULATE)
+    module, _ = _fit(cb, ckpt_path=ckpt, **kw)
+    ref, _ = _fit(None, ckpt_path=ckpt, **kw)
+    _assert_same(module, ref)
+    assert cb.run.steps_profiled == 1, cb.run.report()
+
+
+class SkipsTheFirstBatch(Decoder):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:  # Lightning's way to skip a batch
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_skipped_first_batch_trains_as_plain_lightning():
+    """A training_step returning None for batch 0 still bumps global_step: that was refused as a module whose
+    forward memsched never saw."""
+    torch.manual_seed(0)
+    module = SkipsTheFirstBatch()
+    ref = copy.deepcopy(module)
+    cb = MemschedCallback(budget=0.7, planner="dp")
+    _fit(cb, module=module, max_steps=4)
+    _fit(None, module=ref, max_steps=4)
+    _assert_same(module, ref)
+    assert cb.run.steps_profiled == 1 and cb.run.steps_planned == 2, cb.run.report()

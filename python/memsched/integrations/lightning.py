@@ -19,7 +19,8 @@ Note [memsched inside Lightning]
   teardown leave the Run; `callback.run` stays readable.
   memsched hooks the forward of the module it is given: a training_step that calls a submodule
   (self.model(x)) and never self(x) gives memsched nothing to profile -- refused after the first
-  step (whose update was plain PyTorch's), naming `module=`.
+  step (whose update was plain PyTorch's), naming `module=`. That first step is the first
+  optimizer step of this fit that a training_step with a loss fed (Note [The first step with a loss]).
   Refused at on_train_start, before the first step: a precision plugin with a GradScaler
   ("16-mixed": it skips optimizer.step() on overflow, so the step would have no end), more than one
   process, manual optimization, more than one optimizer, with fuse_optimizer gradient_clip_val
@@ -61,6 +62,8 @@ class MemschedCallback(pl.Callback):
         self.options = options
         self.run = None
         self.logged_steps_ = 0
+        self.batch_start_step_ = 0  # trainer.global_step when the current batch began
+        self.loss_step_ = None      # trainer.global_step before the first batch of this fit with a loss
 
     # -- Lightning's events ----------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module):
@@ -75,13 +78,28 @@ class MemschedCallback(pl.Callback):
         enter_run(run)
         self.run = run
         self.logged_steps_ = 0
+        self.loss_step_ = None
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batch_start_step_ = trainer.global_step
+
+    # Note [The first step with a loss]
+    #   Rationale: "the module's forward was never called" was tested as trainer.global_step >= 1 with
+    #   nothing profiled. A fit resumed from a checkpoint (or a second fit) starts at global_step > 0,
+    #   so with accumulate_grad_batches >= 2 its first micro-batch, before any step ended, was refused;
+    #   a first batch whose training_step returned None (Lightning's way to skip one) still bumps
+    #   global_step with no forward, and was refused too, with advice (module=) that did not apply
+    #   (found by a helper probing the integrations).
+    #   Approach: remember the global_step at the start of the first batch of this fit whose
+    #   training_step returned a loss; the check runs once an optimizer step ended after it.
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         run = self.run
         if run is None or not run.entered_:
             return
-        if trainer.global_step >= 1 and run.steps_profiled == 0 and run.trace is None \
-                and not run.steps_not_profiled and not run.compiled_why_:
+        if self.loss_step_ is None and outputs is not None and outputs != {}:
+            self.loss_step_ = self.batch_start_step_
+        if self.loss_step_ is not None and trainer.global_step > self.loss_step_ and run.steps_profiled == 0 \
+                and run.trace is None and not run.steps_not_profiled and not run.compiled_why_:
             where = "the LightningModule" if self.module is None else f"submodule '{self.module}'"
             raise MemschedError(
                 f"MemschedCallback: an optimizer step ran but {where}'s forward was never called, so memsched had "
