@@ -256,3 +256,21 @@ def test_a_skipped_first_batch_trains_as_plain_lightning():
     _fit(None, module=ref, max_steps=4)
     _assert_same(module, ref)
     assert cb.run.steps_profiled == 1 and cb.run.steps_planned == 2, cb.run.report()
+
+
+def test_an_accumulation_scheduler_with_ooo_is_refused_before_the_first_step():
+    """GradientAccumulationScheduler({0: 1, 1: 2}) with ooo: epoch 0 trained, then the first step of epoch 1 was
+    refused by a message naming memsched's grad_accumulation_steps, not the scheduler."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    module = _module()
+    before = [p.detach().clone() for p in module.parameters()]
+    cb = MemschedCallback(budget=0.7, ooo=True)
+    with pytest.raises(memsched.MemschedError, match=r"GradientAccumulationScheduler\(scheduling=\{0: 1, 1: 2\}\).*"
+                                                     r"epoch 1: accumulate_grad_batches=2.*ooo=False"):
+        _fit(cb, module=module, max_steps=-1, max_epochs=2,
+             callbacks_extra=[GradientAccumulationScheduler({0: 1, 1: 2})])
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
+    # a schedule that changes only after the fit's last epoch is no change
+    _fit(MemschedCallback(budget=0.7, ooo=True), max_steps=-1, max_epochs=1,
+         callbacks_extra=[GradientAccumulationScheduler({0: 1, 1: 2})])

@@ -26,7 +26,8 @@ Note [memsched inside Lightning]
   process, manual optimization, more than one optimizer, with fuse_optimizer gradient_clip_val
   (global clipping needs every gradient before the first fused update), and with ooo/fuse_optimizer
   an epoch whose batch count is not a multiple of accumulate_grad_batches, when training reaches its
-  end (its last step accumulates fewer backward passes; short_accumulation_refusal in _common.py).
+  end (its last step accumulates fewer backward passes; short_accumulation_refusal in _common.py), and
+  a GradientAccumulationScheduler that changes the accumulation during the fit.
 """
 import lightning.pytorch as pl
 
@@ -134,6 +135,27 @@ class MemschedCallback(pl.Callback):
             raise ValueError(f"module: the LightningModule has no submodule '{self.module}'; its children: "
                              f"{', '.join(names) or 'none'}") from None
 
+    def _refuse_accumulation_schedule(self, trainer):
+        """With ooo/fuse_optimizer the update follows the accumulation passed when training starts; a
+        GradientAccumulationScheduler changes trainer.accumulate_grad_batches at later epochs' starts, and
+        was refused only at the first step after the change, by a message naming memsched's own setting."""
+        for cb in trainer.callbacks:
+            if not isinstance(cb, pl.callbacks.GradientAccumulationScheduler):
+                continue
+            last = trainer.max_epochs - 1 if trainer.max_epochs not in (None, -1) else max(cb.scheduling)
+            changes = {e: cb.get_accumulate_grad_batches(e) for e in range(trainer.current_epoch, last + 1)}
+            changes = {e: k for e, k in changes.items() if k != trainer.accumulate_grad_batches}
+            if changes:
+                e, k = next(iter(changes.items()))
+                raise MemschedError(
+                    f"GradientAccumulationScheduler(scheduling={cb.scheduling}): the gradient accumulation changes "
+                    f"during this fit (epoch {e}: accumulate_grad_batches={k}), and with "
+                    f"{'ooo=True' if self.ooo else 'fuse_optimizer=True'} memsched's update follows the one "
+                    f"accumulation fixed when training starts ({trainer.accumulate_grad_batches}). Drop the "
+                    "scheduler for a fixed Trainer(accumulate_grad_batches=N), or use "
+                    "MemschedCallback(ooo=False, fuse_optimizer=False), which follows the trainer's accumulation "
+                    "at every step")
+
     def _refuse_unsupported(self, trainer, pl_module):
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise MemschedError(
@@ -151,6 +173,7 @@ class MemschedCallback(pl.Callback):
             raise MemschedError(f"configure_optimizers: memsched's Lightning callback needs exactly one optimizer, "
                                 f"this module has {len(trainer.optimizers)}")
         if self.ooo or self.fuse_optimizer:
+            self._refuse_accumulation_schedule(trainer)
             batches = trainer.num_training_batches
             refusal = short_accumulation_refusal(
                 None if batches == float("inf") else int(batches), trainer.accumulate_grad_batches,
