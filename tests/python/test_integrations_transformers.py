@@ -123,6 +123,14 @@ def test_unsupported_settings_are_refused_before_the_first_step(args_kw, cb_kw, 
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
+def test_the_trainers_summary_stays_last_in_its_log_history(tmp_path):
+    """log_history[-1]["train_loss"] raised KeyError: on_train_end appended memsched's last figures after it."""
+    _, trainer = _train(tmp_path, MemschedCallback(budget=0.7, planner="dp"), steps=2)
+    last, before = trainer.state.log_history[-1], trainer.state.log_history[-2]
+    assert "train_loss" in last and "train_runtime" in last
+    assert before["memsched/steps_profiled"] == 1.0 and before["step"] == 2
+
+
 def test_callback_arguments_are_checked_when_built():
     with pytest.raises(ValueError, match="planner: unknown planner 'nope'"):
         MemschedCallback(planner="nope")

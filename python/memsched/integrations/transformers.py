@@ -16,7 +16,8 @@ Note [memsched inside the Trainer]
   step boundary (Note [optimizer.step() without run.step()] in step_hook.py);
   grad_accumulation_steps is the Trainer's. on_log adds memsched/* figures to the Trainer's logs
   (so they reach its log history and the reporters listed after this callback); on_train_end
-  leaves the Run and logs run.report() through transformers' logger; `callback.run` stays
+  leaves the Run, adds the last figures to the log history before the Trainer's summary (which
+  stays log_history[-1]) and logs run.report() through transformers' logger; `callback.run` stays
   readable. A train() that raised never reaches on_train_end: the model's next forward outside
   that train() (Note [A forward after an unfinished train()]), the next on_train_begin (a retry,
   auto_find_batch_size, another Trainer's callback) or callback.close() leaves that Run first (Note [A
@@ -100,7 +101,12 @@ class MemschedCallback(TrainerCallback):
         run = self.run
         self.close()
         if run is not None:
-            state.log_history.append(dict(step_figures(run), step=state.global_step))
+            # before the Trainer's summary (train_runtime, train_loss), which it logged just before this event:
+            # code reads that summary as log_history[-1]
+            at = len(state.log_history)
+            if at and "train_runtime" in state.log_history[-1]:
+                at -= 1
+            state.log_history.insert(at, dict(step_figures(run), step=state.global_step))
             logger.info("memsched:\n%s", run.report(file=_Discard()).table)
 
     def close(self):
