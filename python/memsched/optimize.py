@@ -308,6 +308,54 @@ def _storages_of(t: torch.Tensor):
         return tuple(x.untyped_storage() for x in (t.ccol_indices(), t.row_indices(), t.values()))
     return ()  # a nested tensor: not counted
 
+def check_options(budget=None, planner="dp", ooo=False, fuse_optimizer=False, min_offload_bytes=None,
+                  max_reprofiles=2, device_model=None, grad_accumulation_steps=1, timeline=False, history=100,
+                  host_memory_limit=None, profile="auto"):
+    """The checks of optimize()'s arguments that need no model or optimizer (Run.__init__ makes them first;
+    the framework callbacks when they are built, integrations/_common.py): a ValueError naming the argument
+    and what it accepts."""
+    known = planner_names()
+    if not isinstance(planner, str) or planner not in known:
+        raise ValueError(f"planner: unknown planner {planner!r}; known planners: {', '.join(known)}")
+    if parse_budget(budget) == 0:  # parse_budget: a ValueError naming budget and its forms
+        # no step fits in 0 bytes: refused here, not after the profiled step (planning.plan takes 0 to ask
+        # for the least budget a trace needs)
+        raise ValueError(f"budget: 0 bytes holds no training step; give the device memory to plan within "
+                         f"(e.g. '6GiB'), a fraction of the activation memory (e.g. 0.5), or None (no limit); "
+                         f"got {budget!r}")
+    if not isinstance(profile, str) or profile not in PROFILE_MODES:
+        raise ValueError(f"profile: expected one of {', '.join(repr(m) for m in PROFILE_MODES)} -- how the "
+                         f"first, profiled step holds its saved activations: 'offload' keeps them in host memory "
+                         f"(a step that does not fit can be profiled), 'keep' on the device as plain PyTorch "
+                         f"does, 'auto' offloads when the budget is given in bytes -- got {profile!r}")
+    if device_model is not None:
+        try:
+            resolve_device(device_model)  # a ValueError naming the preset, file or field, before any step
+        except ValueError as err:
+            raise ValueError("device_model: " + str(err).removeprefix("device: ")) from None
+    if min_offload_bytes is not None:
+        parse_bytes(min_offload_bytes, name="min_offload_bytes")
+    if isinstance(max_reprofiles, bool) or not isinstance(max_reprofiles, int) or max_reprofiles < 0:
+        raise ValueError(f"max_reprofiles: expected an int >= 0 (re-profiles after a mismatching step), "
+                         f"got {max_reprofiles!r}")
+    if isinstance(grad_accumulation_steps, bool) or not isinstance(grad_accumulation_steps, int) \
+            or grad_accumulation_steps < 1:
+        raise ValueError(f"grad_accumulation_steps: expected an int >= 1 (backward passes per run.step()), "
+                         f"got {grad_accumulation_steps!r}")
+    if grad_accumulation_steps != 1 and not (ooo or fuse_optimizer):
+        raise ValueError("grad_accumulation_steps: applies with ooo=True or fuse_optimizer=True (their update "
+                         "runs inside backward); without them run.step() is optimizer.step(): call it once "
+                         "after the K backward passes of a step, as with plain PyTorch, and leave "
+                         "grad_accumulation_steps at 1")
+    if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+        raise ValueError(f"history: expected an int >= 1 (executed steps whose StepStats run.step_stats "
+                         f"keeps), got {history!r}")
+    for name, flag in (("ooo", ooo), ("fuse_optimizer", fuse_optimizer), ("timeline", timeline)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected True or False, got {flag!r}")
+    parse_host_limit(host_memory_limit)  # See Note [Host memory limit]
+
+
 class Run:
     """A memsched.optimize() session; see the module docstring."""
 
@@ -327,27 +375,17 @@ class Run:
                             f"model's parameters, e.g. {optimizer.__qualname__}(model.parameters(), lr=...)")
         if optimizer is not None and not hasattr(optimizer, "step"):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
-        known = planner_names()
-        if not isinstance(planner, str) or planner not in known:
-            raise ValueError(f"planner: unknown planner {planner!r}; known planners: {', '.join(known)}")
+        check_options(budget=budget, planner=planner, ooo=ooo, fuse_optimizer=fuse_optimizer,
+                      min_offload_bytes=min_offload_bytes, max_reprofiles=max_reprofiles, device_model=device_model,
+                      grad_accumulation_steps=grad_accumulation_steps, timeline=timeline, history=history,
+                      host_memory_limit=host_memory_limit, profile=profile)
         self.model = model
         self.optimizer = torch_optimizer(optimizer)  # accelerate's wrapper -> the optimizer it steps
         self.planner = planner
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
-        if self.budget_spec == 0:
-            # no step fits in 0 bytes: refused here, not after the profiled step (planning.plan takes 0 to ask
-            # for the least budget a trace needs)
-            raise ValueError(f"budget: 0 bytes holds no training step; give the device memory to plan within "
-                             f"(e.g. '6GiB'), a fraction of the activation memory (e.g. 0.5), or None (no limit); "
-                             f"got {budget!r}")
         # the bytes as the user wrote them ("6GiB"), for refusals to echo; None for every other form
         self.budget_written_ = budget.strip() if isinstance(budget, str) and isinstance(self.budget_spec, int) else None
-        if not isinstance(profile, str) or profile not in PROFILE_MODES:
-            raise ValueError(f"profile: expected one of {', '.join(repr(m) for m in PROFILE_MODES)} -- how the "
-                             f"first, profiled step holds its saved activations: 'offload' keeps them in host memory "
-                             f"(a step that does not fit can be profiled), 'keep' on the device as plain PyTorch "
-                             f"does, 'auto' offloads when the budget is given in bytes -- got {profile!r}")
         self.profile = profile
         # Note [Profiling a step that does not fit]
         self.profile_offload = profile == "offload" or (profile == "auto" and isinstance(self.budget_spec, int))
@@ -356,33 +394,13 @@ class Run:
         self.host_limit_note_ = ""               # the plan run instead of the planner's, for host_memory_limit
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
-        if device_model is not None:
-            try:
-                resolve_device(device_model)  # a ValueError naming the preset, file or field, before any step
-            except ValueError as err:
-                raise ValueError("device_model: " + str(err).removeprefix("device: ")) from None
         self.device_model = device_model if device_model is not None else ("cpu" if self.device.type == "cpu"
                                                                             else None)
         if min_offload_bytes is None:
             min_offload_bytes = _DEFAULT_MIN_BYTES_CUDA if self.device.type == "cuda" else 0
         self.min_offload_bytes = parse_bytes(min_offload_bytes, name="min_offload_bytes")
-        if isinstance(max_reprofiles, bool) or not isinstance(max_reprofiles, int) or max_reprofiles < 0:
-            raise ValueError(f"max_reprofiles: expected an int >= 0 (re-profiles after a mismatching step), "
-                             f"got {max_reprofiles!r}")
         self.max_reprofiles = max_reprofiles
-        if isinstance(grad_accumulation_steps, bool) or not isinstance(grad_accumulation_steps, int) \
-                or grad_accumulation_steps < 1:
-            raise ValueError(f"grad_accumulation_steps: expected an int >= 1 (backward passes per run.step()), "
-                             f"got {grad_accumulation_steps!r}")
-        if grad_accumulation_steps != 1 and not (ooo or fuse_optimizer):
-            raise ValueError("grad_accumulation_steps: applies with ooo=True or fuse_optimizer=True (their update "
-                             "runs inside backward); without them run.step() is optimizer.step(): call it once "
-                             "after the K backward passes of a step, as with plain PyTorch, and leave "
-                             "grad_accumulation_steps at 1")
         self.grad_accumulation_steps = grad_accumulation_steps
-        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
-            raise ValueError(f"history: expected an int >= 1 (executed steps whose StepStats run.step_stats "
-                             f"keeps), got {history!r}")
         self.timeline = bool(timeline)
         # Note [Compiled modules run plainly]
         self.compiled_why_ = compiled_module_reason(model)
@@ -393,9 +411,6 @@ class Run:
                           "step would match the plan. Pass the module before torch.compile() to offload its "
                           "activations", RuntimeWarning, stacklevel=3)
         self.ooo_ = None
-        for name, flag in (("ooo", ooo), ("fuse_optimizer", fuse_optimizer), ("timeline", timeline)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name}: expected True or False, got {flag!r}")
         _check_optimizer_owns_model(model, self.optimizer)  # Note [An optimizer over another model]
         if (ooo or fuse_optimizer) and not self.compiled_why_:
             self.ooo_ = self._make_ooo(fuse_optimizer)

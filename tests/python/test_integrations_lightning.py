@@ -274,3 +274,12 @@ def test_an_accumulation_scheduler_with_ooo_is_refused_before_the_first_step():
     # a schedule that changes only after the fit's last epoch is no change
     _fit(MemschedCallback(budget=0.7, ooo=True), max_steps=-1, max_epochs=1,
          callbacks_extra=[GradientAccumulationScheduler({0: 1, 1: 2})])
+
+
+@pytest.mark.parametrize("option,match", [
+    (dict(log_figures="no"), "log_figures: expected True .* or False, got 'no'"),  # was taken as True
+    (dict(history=0), "history: expected an int >= 1"), (dict(profile="nope"), "profile: expected one of"),
+])
+def test_a_bad_option_value_is_refused_when_the_callback_is_built(option, match):
+    with pytest.raises(ValueError, match=match):
+        MemschedCallback(**option)

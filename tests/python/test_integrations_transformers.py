@@ -142,6 +142,19 @@ def test_callback_arguments_are_checked_when_built():
         MemschedCallback(timelime=True)
 
 
+@pytest.mark.parametrize("option,match", [
+    (dict(profile="nope"), "profile: expected one of"), (dict(timeline="x"), "timeline: expected True or False"),
+    (dict(history=0), "history: expected an int >= 1"), (dict(max_reprofiles=-1), "max_reprofiles: expected an int"),
+    (dict(host_memory_limit="lots"), "host_memory_limit: cannot read 'lots'"),
+    (dict(device_model="h200"), "device_model: unknown preset 'h200'"),
+    (dict(min_offload_bytes=-5), "min_offload_bytes: must not be negative"), (dict(budget=0), "budget: 0 bytes"),
+])
+def test_a_bad_option_value_is_refused_when_the_callback_is_built(option, match):
+    """They were refused only when train() started, after the Trainer loaded its data and built its optimizer."""
+    with pytest.raises(ValueError, match=match):
+        MemschedCallback(**option)
+
+
 def test_a_failed_train_is_cleaned_up_by_the_next(tmp_path, caplog):
     cb = MemschedCallback(budget=1000, planner="dp")  # 1000 bytes: refused at the first step
     model = _model()

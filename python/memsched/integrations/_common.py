@@ -22,23 +22,16 @@ import torch
 
 from memsched import step_hook
 from memsched.copy_inert import _InertOnCopy
-from memsched.optimize import _OPTIONS
-from memsched.planning import parse_budget, planner_names
+from memsched.optimize import _OPTIONS, check_options
 
 # options the trainer decides (the callbacks pass its own value)
 _FROM_TRAINER = ("grad_accumulation_steps",)
 
 
 def check_callback_args(budget, planner, ooo, fuse_optimizer, options):
-    """The checks optimize() makes before any step, made when the callback is built, so a typo
-    fails before the trainer loads data or builds its optimizer."""
-    parse_budget(budget)  # ValueError naming budget and its forms
-    known = planner_names()
-    if not isinstance(planner, str) or planner not in known:
-        raise ValueError(f"planner: unknown planner {planner!r}; known planners: {', '.join(known)}")
-    for name, flag in (("ooo", ooo), ("fuse_optimizer", fuse_optimizer)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name}: expected True or False, got {flag!r}")
+    """The checks optimize() makes before any step (optimize.check_options, the same function), made
+    when the callback is built, so a typo or a bad value fails before the trainer loads data or builds
+    its optimizer."""
     for k in options:
         if k in _FROM_TRAINER:
             raise TypeError(f"MemschedCallback: {k} comes from the trainer (its gradient accumulation); "
@@ -47,6 +40,7 @@ def check_callback_args(budget, planner, ooo, fuse_optimizer, options):
             raise TypeError(f"MemschedCallback: unknown option {k!r}; known options: "
                             f"{', '.join(o for o in _OPTIONS if o not in _FROM_TRAINER)} (and budget, planner, "
                             "ooo, fuse_optimizer)")
+    check_options(budget=budget, planner=planner, ooo=ooo, fuse_optimizer=fuse_optimizer, **options)
 
 
 def torch_optimizer(optimizer, where):

@@ -54,12 +54,15 @@ class MemschedCallback(pl.Callback):
         if module is not None and not isinstance(module, str):
             raise TypeError(f"module: expected None (the LightningModule) or the name of a submodule (a str, as "
                             f"for pl_module.get_submodule), got {type(module).__name__}")
+        if not isinstance(log_figures, bool):
+            raise ValueError(f"log_figures: expected True (log memsched/* figures with pl_module.log_dict) or False, "
+                             f"got {log_figures!r}")
         self.budget = budget
         self.planner = planner
         self.ooo = ooo
         self.fuse_optimizer = fuse_optimizer
         self.module = module
-        self.log_figures = bool(log_figures)
+        self.log_figures = log_figures
         self.options = options
         self.run = None
         self.logged_steps_ = 0
