@@ -2,6 +2,7 @@
 lightning.pytorch.Trainer with the callback ends with parameters bitwise equal to the same Trainer run
 without memsched; unsupported settings are refused at the start."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -283,3 +284,21 @@ def test_an_accumulation_scheduler_with_ooo_is_refused_before_the_first_step():
 def test_a_bad_option_value_is_refused_when_the_callback_is_built(option, match):
     with pytest.raises(ValueError, match=match):
         MemschedCallback(**option)
+
+
+class FailsBeforeTheFirstUpdate(Decoder):
+    def on_before_optimizer_step(self, optimizer):
+        raise RuntimeError("a hook of the user's failed")
+
+
+def test_a_failed_fit_gives_no_run_step_advice():
+    """on_exception left the Run of a fit that raised inside its first step with "call run.step() where the
+    optimizer steps ... or pass the optimizer": a Lightning user has no run.step() and Lightning passed it."""
+    torch.manual_seed(0)
+    cb = MemschedCallback(budget=0.7, planner="dp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="a hook of the user's failed"):
+            _fit(cb, module=FailsBeforeTheFirstUpdate())
+    assert not cb.run.entered_
+    assert not [w for w in caught if "run.step()" in str(w.message)], [str(w.message) for w in caught]

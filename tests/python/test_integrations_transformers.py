@@ -249,3 +249,29 @@ def test_after_an_interrupted_train_a_plain_backward_only_fills_grads(tmp_path):
         warnings.filterwarnings("error", message=".*ran outside Trainer.train")
         trainer.train()
     assert cb2.run.steps_profiled == 1 and cb2.run.steps_planned == 1, cb2.run.report()
+
+
+class _FailsBeforeTheFirstUpdate(transformers.TrainerCallback):
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        raise RuntimeError("a callback of the user's failed")
+
+
+@pytest.mark.parametrize("leave", ["close", "next_train"])
+def test_leaving_a_failed_train_gives_no_run_step_advice(leave, tmp_path):
+    """The Run of a train() that raised inside its first step was left with "call run.step() where the
+    optimizer steps ... or pass the optimizer": a Trainer user has no run.step() and the Trainer passed it."""
+    cb = MemschedCallback(budget=0.7, planner="dp")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, use_cpu=True, report_to=[],
+                                          per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=_model(), args=args, train_dataset=Tokens(),
+                                   callbacks=[cb, _FailsBeforeTheFirstUpdate()])
+    with pytest.raises(RuntimeError, match="a callback of the user's failed"):
+        trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if leave == "close":
+            cb.close()
+        else:
+            _train(tmp_path, MemschedCallback(budget=0.7, planner="dp"), steps=1)
+    assert not cb.run.entered_
+    assert not [w for w in caught if "run.step()" in str(w.message)], [str(w.message) for w in caught]

@@ -2,7 +2,8 @@
 torch optimizer behind a framework's wrapper, and the figures they log.
 
 Entry points: check_callback_args(budget, planner, ooo, fuse_optimizer, options),
-torch_optimizer(optimizer, where), step_figures(run), enter_run(run), leave_stale_runs(),
+torch_optimizer(optimizer, where), step_figures(run), enter_run(run), leave_run(run, raised, exception),
+leave_stale_runs(),
 quiet_root_hooks(module), short_accumulation_refusal(...).
 
 Note [A Run a raised training left behind]
@@ -88,6 +89,32 @@ def enter_run(run):
     _ENTERED.add(run)
 
 
+# Note [Leaving the Run of a training that raised]
+#   Rationale: Run.__exit__ with no exception warns when the Run ends inside its first, profiled step,
+#   advising "call run.step() where the optimizer steps, or pass the optimizer" -- advice for a `with`
+#   block. The callbacks left the Run of a training that raised that way too (Lightning's on_exception,
+#   the Trainer's next train(), callback.close()), and a callback user, who has no run.step() and whose
+#   trainer's optimizer was passed, got that advice for an error already raised to them (found by a helper
+#   probing the integrations).
+#   Approach: leave_run passes the exception to __exit__ where the framework hands it over (Lightning),
+#   as a `with` block would; where it is gone (the Hugging Face Trainer has no exception event) it hides
+#   that one warning: the cause was raised to the user, and the callbacks say themselves when they leave
+#   a Run of an unfinished training.
+def leave_run(run, raised=False, exception=None):
+    """Leave an entered Run. raised: the training raised or was interrupted before its end; exception: what
+    it raised, when known (See Note [Leaving the Run of a training that raised])."""
+    if not run.entered_:
+        return
+    if exception is not None:
+        run.__exit__(type(exception), exception, exception.__traceback__)
+    elif raised:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="memsched.optimize: the Run ended while its first step")
+            run.__exit__(None, None, None)
+    else:
+        run.__exit__(None, None, None)
+
+
 def leave_stale_runs():
     """Leave every Run a callback entered that is still entered (See Note [A Run a raised training left
     behind]); called at the start of a training."""
@@ -96,7 +123,7 @@ def leave_stale_runs():
             warnings.warn("memsched: left the Run of an earlier training that raised before its end (its "
                           "MemschedCallback never saw the training end); this training gets a Run of its own",
                           RuntimeWarning, stacklevel=3)
-            run.__exit__(None, None, None)
+            leave_run(run, raised=True)
         _ENTERED.discard(run)
 
 

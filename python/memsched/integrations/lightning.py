@@ -32,7 +32,7 @@ Note [memsched inside Lightning]
 import lightning.pytorch as pl
 
 from memsched._C import MemschedError
-from memsched.integrations._common import (check_callback_args, enter_run, leave_stale_runs,
+from memsched.integrations._common import (check_callback_args, enter_run, leave_run, leave_stale_runs,
                                           short_accumulation_refusal, step_figures, torch_optimizer)
 from memsched.optimize import optimize
 
@@ -119,15 +119,16 @@ class MemschedCallback(pl.Callback):
         self.close()
 
     def on_exception(self, trainer, pl_module, exception):
-        self.close()
+        if self.run is not None:
+            leave_run(self.run, exception=exception)  # See Note [Leaving the Run of a training that raised]
 
     def teardown(self, trainer, pl_module, stage):
         self.close()
 
     def close(self):
         """Leave the Run (remove every memsched hook); safe to call twice. `self.run` stays readable."""
-        if self.run is not None and self.run.entered_:
-            self.run.__exit__(None, None, None)
+        if self.run is not None:
+            leave_run(self.run)
 
     # -- checks -------------------------------------------------------------------------------------
     def _submodule(self, pl_module):

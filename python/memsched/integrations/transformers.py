@@ -44,8 +44,9 @@ from transformers import TrainerCallback, trainer_callback
 
 from memsched._C import MemschedError
 from memsched.copy_inert import inert_on_copy
-from memsched.integrations._common import (check_callback_args, enter_run, leave_stale_runs, quiet_root_hooks,
-                                          short_accumulation_refusal, step_figures, torch_optimizer)
+from memsched.integrations._common import (check_callback_args, enter_run, leave_run, leave_stale_runs,
+                                          quiet_root_hooks, short_accumulation_refusal, step_figures,
+                                          torch_optimizer)
 from memsched.optimize import optimize
 
 __all__ = ["MemschedCallback"]
@@ -99,7 +100,7 @@ class MemschedCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         run = self.run
-        self.close()
+        self._leave(raised=False)
         if run is not None:
             # before the Trainer's summary (train_runtime, train_loss), which it logged just before this event:
             # code reads that summary as log_history[-1]
@@ -110,12 +111,16 @@ class MemschedCallback(TrainerCallback):
             logger.info("memsched:\n%s", run.report(file=_Discard()).table)
 
     def close(self):
-        """Leave the Run (remove every memsched hook); safe to call twice. `self.run` stays readable."""
+        """Leave the Run (remove every memsched hook); safe to call twice. `self.run` stays readable. Before
+        on_train_end the Run is one of a train() that raised or was interrupted."""
+        self._leave(raised=True)
+
+    def _leave(self, raised):
         if self._guard is not None:
             self._guard.remove()
         self._guard = self._train_frame = self._train_thread = None
-        if self.run is not None and self.run.entered_:
-            self.run.__exit__(None, None, None)
+        if self.run is not None:
+            leave_run(self.run, raised=raised)  # See Note [Leaving the Run of a training that raised]
 
     # -- Note [A forward after an unfinished train()] -------------------------------------------------
     #   Rationale: the Trainer has no exception event, so a train() that raised (Ctrl-C in a notebook, an
