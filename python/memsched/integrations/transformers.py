@@ -70,7 +70,7 @@ class MemschedCallback(TrainerCallback):
         self.fuse_optimizer = fuse_optimizer
         self.options = options
         self.run = None
-        self._train_frame = None   # the frame of the Trainer's training loop that entered self.run
+        self._train_frame = None   # (id, code) of the frame of the Trainer's training loop that entered self.run
         self._train_thread = None  # ... and its thread (Note [A forward after an unfinished train()])
         self._guard = None         # handle of the forward pre-hook that checks for that frame
 
@@ -131,7 +131,8 @@ class MemschedCallback(TrainerCallback):
     #   Approach: on_train_begin is called from the Trainer's training loop (_inner_training_loop, or a
     #   subclass's), through CallbackHandler; the callback keeps that loop's frame and its thread. While
     #   that train() runs, every forward of the model (training, evaluation, generation in a callback)
-    #   has the frame on its thread's stack; once train() returned or raised, no forward has. A forward
+    #   has the frame on its thread's stack; once train() returned or raised, no forward has (the frame
+    #   is kept as its id and code object: the frame itself would keep the loop's locals alive). A forward
     #   pre-hook (prepended, so it runs before memsched's own) walks the stack and, when the frame is not
     #   on it, warns once and closes the callback: that forward and everything after it run plainly.
     #   Closing inside a pre-hook: torch has already taken the list of the model's hooks for this call,
@@ -149,14 +150,17 @@ class MemschedCallback(TrainerCallback):
             f = f.f_back
         if f is None:
             return  # on_train_begin called by hand, not from a training loop: nothing to watch
-        self._train_frame, self._train_thread = f, threading.get_ident()
+        # the frame's identity, not the frame: a frame held here would keep the loop's locals (its last
+        # batch, on the device) alive after a train() that raised, until the next forward
+        self._train_frame, self._train_thread = (id(f), f.f_code), threading.get_ident()
         self._guard = model.register_forward_pre_hook(inert_on_copy(self._check_in_train), prepend=True)
 
     def _in_train(self):
         f = sys._getframe(2) if threading.get_ident() == self._train_thread \
             else sys._current_frames().get(self._train_thread)
+        key, code = self._train_frame
         while f is not None:
-            if f is self._train_frame:
+            if id(f) == key and f.f_code is code:
                 return True
             f = f.f_back
         return False
