@@ -867,6 +867,8 @@ class Run:
                     self._start_profiling()
                 else:
                     self.reprofiles_denied_ += 1
+                    if self.reprofiles_denied_ == 1:
+                        self._warn_reprofiles_spent(stats)
         elif stats.mode == "planned":
             self.mismatch_run_ = 0
         if stats.mode == "planned":
@@ -874,6 +876,21 @@ class Run:
             self.plan_checked_ = True
         else:
             self.steps_plain += 1
+
+    def _warn_reprofiles_spent(self, stats):
+        """Steps keep changing after max_reprofiles re-profiles: from here on no plan runs. The mismatch
+        warning came once, long before; this was said only in run.report() (found by a helper training a
+        Hugging Face model on dynamically padded batches: 3 profiled, 0 planned, 5 plain steps). Said once."""
+        shapes = "this step has" in (stats.mismatch or "")
+        warnings.warn(
+            f"memsched.optimize: steps keep changing after {counted(self.reprofiles, 're-profile')} (max_reprofiles="
+            f"{self.max_reprofiles}; the last: {stats.mismatch or 'a step ran plainly'}), so no plan runs from "
+            f"here on and every step runs as plain PyTorch: a plan is for one step's shapes and control flow. "
+            + ("Batches whose shapes change from step to step (dynamic padding) need padding to one length "
+               "for memsched to plan them (a Hugging Face tokenizer's padding='max_length' with max_length=...), "
+               if shapes else "")
+            + "or pass optimize(..., max_reprofiles=N) to re-profile more often. Warned once", RuntimeWarning,
+            stacklevel=_user_stacklevel())
 
     def _optimizer_step(self):
         if self.ooo_ is not None and not self.ooo_.step():

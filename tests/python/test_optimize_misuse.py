@@ -220,3 +220,21 @@ def test_a_reentrant_checkpoint_around_the_whole_model_is_named_when_its_steps_d
                 out = checkpoint(m, torch.randn(512, 32, requires_grad=True), use_reentrant=True)
                 nn.functional.cross_entropy(out, torch.randint(0, 10, (512,))).backward()
                 run.step()
+
+
+def test_steps_that_keep_changing_shape_say_once_that_no_plan_runs_any_more():
+    """Dynamically padded batches: every step has another sequence length, so after max_reprofiles
+    re-profiles every step ran plainly, said only in run.report() (3 profiled, 0 planned)."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with memsched.optimize(m, torch.optim.AdamW(m.parameters()), budget=0.5, max_reprofiles=1) as run:
+            for length in range(8, 8 + 10):  # a new length at every step
+                m(torch.randn(4, length, 16)).sum().backward()
+                run.step()
+    said = [str(w.message) for w in caught if "steps keep changing" in str(w.message)]
+    assert len(said) == 1 and "padding to one length" in said[0] and "max_reprofiles=1" in said[0], said
+    assert run.steps_planned == 0
