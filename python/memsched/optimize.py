@@ -630,7 +630,10 @@ class Run:
                 f"memsched.optimize(..., grad_accumulation_steps={k}) expects {k}: with ooo=True / "
                 "fuse_optimizer=True the update follows grad_accumulation_steps, so it must equal the "
                 "training loop's gradient accumulation (the memsched callbacks for transformers and "
-                "Lightning pass the trainer's own setting)")
+                "Lightning pass the trainer's own setting). A micro-batch the loop skipped without a backward "
+                "pass (a Lightning training_step that returned None) leaves fewer passes too: with ooo/"
+                "fuse_optimizer every micro-batch of an accumulation needs its backward, or use ooo=False, "
+                "fuse_optimizer=False for such a loop")
 
     def _finish_step(self):
         """The step boundary before the update: stop the profile and plan, or end the executed step.
