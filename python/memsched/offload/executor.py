@@ -168,6 +168,7 @@ from memsched import _C, allocator
 from memsched.copy_inert import inert_on_copy
 from memsched.offload.peak_gap import PhasePeaks
 from memsched.offload.recompute import ForwardOpLog, RecomputedView, RecomputeStats
+from memsched.offload.recompute import _key as _recompute_key
 from memsched.profiler.unmodeled import DeviceCounters
 from memsched.saved_tensors import storage_key
 
@@ -607,7 +608,11 @@ class OffloadExecutor:
         starts = self.schedule.forward_starts
         if n >= len(starts) or self.diverged_ or torch._C._len_torch_dispatch_stack() > 0:
             return  # not matchable (or under a caller's dispatch mode): its recomputes keep their tensors
-        log = ForwardOpLog(self.schedule.recompute_ops, self.schedule.shared, self.recompute_stats, self.oplogs_)
+        if n == 0:  # once per step (p.data = ... between steps gives a parameter another storage)
+            self.parameter_keys_ = frozenset(k for k in (_recompute_key(p) for p in self.model.parameters())
+                                             if k is not None)
+        log = ForwardOpLog(self.schedule.recompute_ops, self.schedule.shared, self.recompute_stats, self.oplogs_,
+                           self.parameter_keys_)
         self.oplogs_.append(log)
         log.push(starts[n], tree_leaves(args))
         self.oplog_ = log

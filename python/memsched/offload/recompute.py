@@ -544,8 +544,11 @@ class RecomputeStats:
 class ForwardOpLog:
     """The recording state of one step (Note [Unpack-time recompute])."""
 
-    def __init__(self, record_ops: Set[int], shared: Set[int], stats: RecomputeStats, earlier=()):
+    def __init__(self, record_ops: Set[int], shared: Set[int], stats: RecomputeStats, earlier=(),
+                 parameter_keys=frozenset()):
         self.record_ops = record_ops  # trace op ids to record
+        self.parameter_keys = parameter_keys  # storage keys of the model's parameters (Note [A replay that
+                                              # reads a parameter without its gradient])
         self.shared = shared          # ordinals the plan recreates inside another's replay
         self.stats = stats
         self.earlier = list(earlier)  # the step's earlier forwards' logs: their readers see this one's writes
@@ -801,6 +804,12 @@ class ForwardOpLog:
                 return "made by an empty tensor op and filled outside the dispatcher (an extension's kernel, numpy)"
         if not needed.isdisjoint(self.tainted):
             return "tainted"
+        if self.parameter_keys:
+            for r in chosen.values():
+                for leaf in r.leaves:
+                    if type(leaf) is tuple and leaf[0] == _EXT and not leaf[1].requires_grad \
+                            and _key(leaf[1]) in self.parameter_keys:
+                        return "reads a parameter through an alias without gradient"  # See Note [A replay that ...]
         recipe.set_records([chosen[i] for i in sorted(chosen)])
         recipe.writers = len(self.live[recipe.key][1])
         ref = weakref.ref(recipe)
@@ -813,6 +822,20 @@ class ForwardOpLog:
             self.shared_pending.setdefault(recipe.key, []).append(recipe)
         return ""
 
+    # Note [A replay that reads a parameter without its gradient]
+    #   Rationale: a recorded op that reads a parameter through an alias carrying no gradient
+    #   (`w.detach()`, `w.data`, a view of one) sends w no gradient, so w's gradient can be final, and w
+    #   updated in place inside backward -- by the fused update (fuse_optimizer=True) or by the caller's
+    #   own optimizer in a register_post_accumulate_grad_hook -- before a consumer's backward unpacks the
+    #   recomputed activation: the replay read the updated weight. Through .detach() the version check
+    #   raised mid-backward, after the fused update had stepped part of the model (and named a batch
+    #   buffer as the cause); through .data it silently recomputed other values (3.6e-2 off plain after 5
+    #   steps). Plain PyTorch keeps the activation and never reads w again (found by a helper probing
+    #   recompute). The fused runtime's holds (Note [A parameter read after its gradient is final] in
+    #   ooo/backward.py) see saves, not replays, and cannot see the caller's hook.
+    #   Approach: such a save keeps its tensor, as any save the log cannot recreate exactly; run.report()
+    #   counts it with this reason. A read with gradient needs nothing: the reading op's backward comes
+    #   after every replay of what it made, so the parameter is not final before then.
     def materialize(self, recipe):
         """Replay `recipe` now and keep its value (and those of the shared replays it recreates)."""
         t0 = time.perf_counter()
