@@ -238,6 +238,7 @@ from memsched.offload.host_limit import plan_within_host_limit
 from memsched.offload.peak_gap import explain_peak_gap
 from memsched.offload.report import build_report, largest_planned, planned_activation_curve, save_timeline
 from memsched.offload.schedule import OffloadSchedule
+from memsched.offload.shape_plans import MAX_SHAPE_PLANS, PLAN_FIELDS, describe, step_signature
 from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
                                percent_refusal, planner_least_bytes, planner_names, resolve_budget)
 from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure, torch_optimizer
@@ -310,7 +311,7 @@ def _storages_of(t: torch.Tensor):
 
 def check_options(budget=None, planner="dp", ooo=False, fuse_optimizer=False, min_offload_bytes=None,
                   max_reprofiles=2, device_model=None, grad_accumulation_steps=1, timeline=False, history=100,
-                  host_memory_limit=None, profile="auto"):
+                  host_memory_limit=None, profile="auto", max_shape_plans=MAX_SHAPE_PLANS):
     """The checks of optimize()'s arguments that need no model or optimizer (Run.__init__ makes them first;
     the framework callbacks when they are built, integrations/_common.py): a ValueError naming the argument
     and what it accepts."""
@@ -338,6 +339,9 @@ def check_options(budget=None, planner="dp", ooo=False, fuse_optimizer=False, mi
     if isinstance(max_reprofiles, bool) or not isinstance(max_reprofiles, int) or max_reprofiles < 0:
         raise ValueError(f"max_reprofiles: expected an int >= 0 (re-profiles after a mismatching step), "
                          f"got {max_reprofiles!r}")
+    if isinstance(max_shape_plans, bool) or not isinstance(max_shape_plans, int) or max_shape_plans < 1:
+        raise ValueError(f"max_shape_plans: expected an int >= 1 (plans kept, one per input shape; 1: one plan, "
+                         f"a step of other shapes mismatches it), got {max_shape_plans!r}")
     if isinstance(grad_accumulation_steps, bool) or not isinstance(grad_accumulation_steps, int) \
             or grad_accumulation_steps < 1:
         raise ValueError(f"grad_accumulation_steps: expected an int >= 1 (backward passes per run.step()), "
@@ -361,7 +365,8 @@ class Run:
 
     def __init__(self, model, optimizer=None, budget=None, planner="dp", device=None, ooo=False,
                  fuse_optimizer=False, min_offload_bytes=None, max_reprofiles=2, device_model=None,
-                 grad_accumulation_steps=1, timeline=False, history=100, host_memory_limit=None, profile="auto"):
+                 grad_accumulation_steps=1, timeline=False, history=100, host_memory_limit=None, profile="auto",
+                 max_shape_plans=MAX_SHAPE_PLANS):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         lazy = next((n for n, p in model.named_parameters() if torch.nn.parameter.is_lazy(p)), None)
@@ -378,7 +383,7 @@ class Run:
         check_options(budget=budget, planner=planner, ooo=ooo, fuse_optimizer=fuse_optimizer,
                       min_offload_bytes=min_offload_bytes, max_reprofiles=max_reprofiles, device_model=device_model,
                       grad_accumulation_steps=grad_accumulation_steps, timeline=timeline, history=history,
-                      host_memory_limit=host_memory_limit, profile=profile)
+                      host_memory_limit=host_memory_limit, profile=profile, max_shape_plans=max_shape_plans)
         self.model = model
         self.optimizer = torch_optimizer(optimizer)  # accelerate's wrapper -> the optimizer it steps
         self.planner = planner
@@ -400,6 +405,7 @@ class Run:
             min_offload_bytes = _DEFAULT_MIN_BYTES_CUDA if self.device.type == "cuda" else 0
         self.min_offload_bytes = parse_bytes(min_offload_bytes, name="min_offload_bytes")
         self.max_reprofiles = max_reprofiles
+        self.max_shape_plans = max_shape_plans  # See Note [One plan per input shape]
         self.grad_accumulation_steps = grad_accumulation_steps
         self.timeline = bool(timeline)
         # Note [Compiled modules run plainly]
@@ -433,6 +439,12 @@ class Run:
         self.profiled_update_peak_ = None  # its device peak (accelerator), None until read
         self.step_thread_ = None     # thread of this step's first forward (Note [One thread per step])
         self.simulation = None       # memsched.simulate() result for (trace, plan)
+        # See Note [One plan per input shape] (offload/shape_plans.py)
+        self.plans_ = {}             # step signature -> the fields of its plan (PLAN_FIELDS)
+        self.plan_sig_ = None        # the signature of the current plan's profiled step
+        self.profile_sig_ = None     # ... of the open profile's step
+        self.plan_index_ = 0         # the current plan: its profile's number (StepStats.plan_index)
+        self.shape_profiles = 0      # COUNT of profiles of a step with new input shapes
         self.budget_bytes = None     # resolved budget, bytes (None: no budget)
         self.step_stats = collections.deque(maxlen=history)  # StepStats of the last `history` executed steps
         self.steps_planned = 0       # COUNT of executed steps that ran the plan (all of them, not just kept)
@@ -483,7 +495,7 @@ class Run:
             return self  # Note [Compiled modules run plainly]: nothing installed; run.step() steps the optimizer
         try:
             # See Note [Copies of a model under memsched] (copy_inert.py)
-            self.handles_ = [self.model.register_forward_pre_hook(inert_on_copy(self._root_pre)),
+            self.handles_ = [self.model.register_forward_pre_hook(inert_on_copy(self._root_pre), with_kwargs=True),
                              self.model.register_forward_hook(inert_on_copy(self._root_post), always_call=True)]
             self.executor.install()
             if self.ooo_ is not None:
@@ -687,6 +699,10 @@ class Run:
             # a refused step runs no update, and a later step not profiled must not be checked as this one
             self.profiled_update_due_ = True
             self.plan_checked_ = False  # a new plan: its first planned step is checked (a re-profile too)
+            self.plan_index_ = self.steps_profiled
+            if self.profile_sig_ is not None:  # See Note [One plan per input shape]
+                self.plans_.pop(self.profile_sig_, None)  # (a re-profile replaces the plan of its shapes)
+                self.plan_sig_ = self.profile_sig_
             self.state_check_ = self.state_at_profile_
             return None
         if self.profile_armed_:
@@ -848,7 +864,7 @@ class Run:
     def _stamp_plan(self, stats):
         """Which plan `stats`' step ran and its budget: after a re-profile (a lasting change) run.report()
         holds each step to its own plan's figures, not the new plan's."""
-        stats.plan_index, stats.budget_bytes = self.steps_profiled, self._budget_with_state()
+        stats.plan_index, stats.budget_bytes = self.plan_index_, self._budget_with_state()
 
     def _record_step(self, stats):
         """Book an executed step once its update ran."""
@@ -889,8 +905,9 @@ class Run:
             f"memsched.optimize: steps keep changing after {counted(self.reprofiles, 're-profile')} (max_reprofiles="
             f"{self.max_reprofiles}; the last: {stats.mismatch or 'a step ran plainly'}), so no plan runs from "
             f"here on and every step runs as plain PyTorch: a plan is for one step's shapes and control flow. "
-            + ("Batches whose shapes change from step to step (dynamic padding) need padding to one length "
-               "for memsched to plan them (a Hugging Face tokenizer's padding='max_length' with max_length=...), "
+            + (f"Batches whose shapes change from step to step get a plan per shape, up to {self.max_shape_plans} "
+               f"(Note [One plan per input shape]); more distinct shapes (dynamic padding) need padding to a few "
+               f"lengths (a Hugging Face collator's pad_to_multiple_of=..., or padding='max_length'), "
                if shapes else "")
             + "or pass optimize(..., max_reprofiles=N) to re-profile more often. Warned once", RuntimeWarning,
             stacklevel=_user_stacklevel())
@@ -967,7 +984,7 @@ class Run:
                 "pushed at the step's first forward and popped at its end. Run the forward, backward and "
                 "run.step() of a step on one thread (the data loading may use others)")
 
-    def _root_pre(self, module, args):
+    def _root_pre(self, module, args, kwargs):
         if self.forwards_since_boundary_ == 0:
             self.eval_grad_forward_ = self.forward_in_backward_ = False
         self.forwards_since_boundary_ += 1
@@ -987,6 +1004,12 @@ class Run:
                 self.profile_armed_ = True
         self.in_forward_ = True
         self.profile_failed_ = False
+        if self.plan_sig_ is not None and self.budget_spec is not None and self.profile_ is None \
+                and not self.profile_armed_ and not self.executor.in_step_ and torch.is_grad_enabled():
+            # the step's first forward with gradients: See Note [One plan per input shape]
+            sig = step_signature(args, kwargs)
+            if sig is not None and sig != self.plan_sig_:
+                self._plan_for_shape(sig)
         if self.profile_armed_ and self.profile_ is None:
             foreign = foreign_hooks_reason(check_dispatch_modes=True)
             if foreign is not None:
@@ -996,6 +1019,7 @@ class Run:
                 return
             self.profile_armed_ = False
             self.profile_forwards_ = 0
+            self.profile_sig_ = step_signature(args, kwargs) if torch.is_grad_enabled() else None
             self.profile_iterations_ = self.ooo_.completed_iterations() if self.ooo_ is not None else 0
             self.state_at_profile_ = self._optimizer_state_bytes()
             if self.executor.engine.pending_count():
@@ -1139,13 +1163,39 @@ class Run:
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)
-        # See Note [A plan with nothing to do] (offload/executor.py): keep all, no budget to hold
-        # ... unless a fused update holds a parameter its hooks saw saved without gradient (Note [A
-        # parameter read after its gradient is final] in ooo/backward.py): only a pack hook sees that
-        self.executor.hookless = (self.budget_spec is None and self.plan is None and not self.timeline
-                                  and (self.ooo_ is None or not self.ooo_.holds_seen))
+        self.executor.hookless = self._hookless()
         self._arm_memory_guard(trace)
         self.executor.active = True
+
+    # -- Note [One plan per input shape] (offload/shape_plans.py) ------------------------------------------
+    def _plan_state(self):
+        return {f: getattr(self, f) for f in PLAN_FIELDS}
+
+    def _plan_for_shape(self, sig):
+        """The first forward with gradients of a step whose inputs have other shapes than the current
+        plan's step: run that signature's plan, or profile this step for one while there is room."""
+        state = self.plans_.get(sig)
+        if state is None and len(set(self.plans_) | {self.plan_sig_}) >= self.max_shape_plans:
+            return  # no room: matched against the current plan, as a step of other shapes always was
+        self.plans_[self.plan_sig_] = self._plan_state()
+        if state is None:
+            self.shape_profiles += 1
+            self.reprofile_why_ = f"a step with new input shapes ({describe(sig)})"
+            self._start_profiling()
+            return
+        for f, v in state.items():
+            setattr(self, f, v)
+        self.plan_sig_ = sig
+        self.executor.set_schedule(self.schedule)
+        self.executor.hookless = self._hookless()
+        self._arm_memory_guard(self.trace)
+
+    def _hookless(self):
+        """See Note [A plan with nothing to do] (offload/executor.py): keep all, no budget to hold ... unless
+        a fused update holds a parameter its hooks saw saved without gradient (Note [A parameter read after
+        its gradient is final] in ooo/backward.py): only a pack hook sees that."""
+        return (self.budget_spec is None and self.plan is None and not self.timeline
+                and (self.ooo_ is None or not self.ooo_.holds_seen))
 
     def _arm_memory_guard(self, trace):
         """The executor's memory guard at the step's budget, optimizer state included (Note [Memory guard]
@@ -1455,9 +1505,13 @@ class Run:
         if self.device.type == "cpu":
             notes.append("CPU run: copies are synchronous host copies; times are CPU wall clock")
         mine = self._this_plans_steps()
+        shapes = len(set(self.plans_) | {self.plan_sig_})
+        if shapes > 1:  # See Note [One plan per input shape]
+            notes.append(f"{shapes} plans, one per input shape of the step's first forward; the figures are the "
+                         f"current plan's (inputs {describe(self.plan_sig_)})")
         if len(mine) < len(self.step_stats) and self.steps_profiled > 1:
             notes.append(f"measured: the {counted(len(mine), 'step')} of the current plan (profile "
-                         f"{self.steps_profiled}); earlier plans' steps are left out of the medians")
+                         f"{self.plan_index_}); other plans' steps are left out of the medians")
         r = build_report(info, self.planned_figures(), mine, notes,
                          counts=(self.steps_planned,
                                  self.steps_plain + self.steps_not_profiled + self.compiled_steps_),
@@ -1566,7 +1620,7 @@ class Run:
         before it is no measurement of this one (found by a helper: after a smaller batch's re-profile, the
         report and the timeline set the new plan beside the old plan's steps, with a note of a gap that was
         not there)."""
-        return [s for s in self.step_stats if s.plan_index == self.steps_profiled]
+        return [s for s in self.step_stats if s.plan_index == self.plan_index_]
 
     def _steps_of_this_plan(self):
         """The timeline's measured step comes from these: the current plan's planned steps, else any of its."""
@@ -1615,7 +1669,7 @@ class Run:
 
 
 _OPTIONS = ("min_offload_bytes", "max_reprofiles", "device_model", "grad_accumulation_steps", "timeline", "history",
-            "host_memory_limit", "profile")
+            "host_memory_limit", "profile", "max_shape_plans")
 PROFILE_MODES = ("auto", "offload", "keep")
 
 
@@ -1773,7 +1827,8 @@ def optimize(model, optimizer=None, budget=None, planner="dp", device=None, ooo=
     """Train `model` under a memory budget: see the module docstring and Note [Budgets].
 
     Options: min_offload_bytes (size floor; default 1 MiB on CUDA, 0 on CPU),
-    max_reprofiles (default 2), device_model (the memsched.DeviceModel the plan and its simulation use; memsched.plan and memsched.simulate take it as device=), grad_accumulation_steps
+    max_reprofiles (default 2), max_shape_plans (plans kept, one per input shape of a step's first forward,
+    default 8; 1: one plan -- See Note [One plan per input shape] in offload/shape_plans.py), device_model (the memsched.DeviceModel the plan and its simulation use; memsched.plan and memsched.simulate take it as device=), grad_accumulation_steps
     (with ooo/fuse_optimizer: backward passes per optimizer step, default 1; run.step() may follow
     each of them or only the last -- See Note [Fused update and gradient accumulation] in
     ooo/backward.py), timeline (record per-step memory samples and copies for run.save_timeline(),

@@ -275,3 +275,54 @@ def test_leaving_a_failed_train_gives_no_run_step_advice(leave, tmp_path):
             _train(tmp_path, MemschedCallback(budget=0.7, planner="dp"), steps=1)
     assert not cb.run.entered_
     assert not [w for w in caught if "run.step()" in str(w.message)], [str(w.message) for w in caught]
+
+
+class _Ragged(torch.utils.data.Dataset):
+    """Samples of three lengths: with padding to the longest of each batch (a collator's dynamic padding)
+    the batches' lengths change from step to step."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        lengths = [8] * 4 + [12] * 4 + [8] * 4 + [16] * 4 + [12] * 4 + [8] * 4
+        self.ids = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i]}
+
+
+def _pad_to_longest(samples):
+    n = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), n, dtype=torch.long)
+    labels = torch.full((len(samples), n), -100, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, :len(s["input_ids"])] = s["input_ids"]
+        labels[i, :len(s["input_ids"])] = s["input_ids"]
+    return {"input_ids": ids, "labels": labels}
+
+
+def test_dynamically_padded_batches_run_a_plan_per_length_and_equal_the_plain_trainer(tmp_path):
+    """Every change of length mismatched the one plan (two plain steps and a re-profile), and after
+    max_reprofiles every step ran plainly (found by a helper: 3 profiled, 0 planned). Now each length is
+    profiled once and planned (Note [One plan per input shape])."""
+    def train(callback):
+        model = _model()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=6, learning_rate=1e-3,
+            report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_Ragged(), data_collator=_pad_to_longest,
+                                       callbacks=[callback] if callback is not None else None)
+        trainer.train()
+        return model
+
+    cb = MemschedCallback(budget=0.7, planner="dp")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"memsched.*does not match")  # (before this, every change)
+        model = train(cb)
+    _assert_same(model, train(None))
+    # the Trainer's sampler shuffles: a batch is as long as its longest sample, 2 or 3 lengths in 6 steps
+    run = cb.run
+    assert run.steps_profiled >= 2 and run.steps_profiled + run.steps_planned == 6 and run.mismatches == 0, \
+        run.report()

@@ -64,7 +64,7 @@ def test_an_executed_step_whose_activation_changes_dtype_or_shape_leaves_the_pla
     torch.manual_seed(0)
     model = _CastsTo()
     with warnings.catch_warnings(record=True) as caught, \
-            optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=0.5,
+            optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=0.5, max_shape_plans=1,
                      planner="offload_all_prefetch") as run:
         warnings.simplefilter("always")
         for step in range(3):

@@ -306,7 +306,7 @@ def test_changed_shape_warns_once_runs_plainly_and_reprofiles(standins):
         return grads
 
     with pytest.warns(RuntimeWarning, match="does not match the profiled trace") as rec:
-        with optimize(model, opt, budget=1) as run:
+        with optimize(model, opt, budget=1, max_shape_plans=1) as run:
             grads = train(model, opt, run)
     assert len([w for w in rec if "profiled trace" in str(w.message)]) == 1
     ref_grads = train(ref, ref_opt)
@@ -322,7 +322,7 @@ def test_report_says_when_reprofiles_are_used_up(standins):
     # (the warning said "profiled again (at most 0 times)")
     with pytest.warns(RuntimeWarning, match=r"does not match the profiled trace.*the plan is never profiled again "
                                             r"\(max_reprofiles=0\)"):
-        with optimize(model, opt, budget=1, max_reprofiles=0) as run:
+        with optimize(model, opt, budget=1, max_reprofiles=0, max_shape_plans=1) as run:
             for n in (8, 8, 6, 6):
                 F.cross_entropy(model(torch.randn(n, 32, generator=g)), torch.randint(0, 10, (n,), generator=g)).backward()
                 run.step()
@@ -556,7 +556,7 @@ def test_a_mismatch_after_an_eval_forward_in_the_profiled_step_says_so(standins)
     x, y = _data("cnn", 0)
     with pytest.warns(RuntimeWarning, match=r"the profiled step ran the model in eval mode \(model\.eval\(\)\) "
                                             r"with gradients enabled.*torch\.no_grad"):
-        with optimize(model, opt, budget=0.7) as run:
+        with optimize(model, opt, budget=0.7, max_shape_plans=1) as run:
             for m, o, r in ((model, opt, run), (ref, ref_opt, None)):
                 m.eval()
                 m(x[:2])  # a validation pass, gradients on, before the first training step
@@ -589,7 +589,7 @@ def test_a_lone_smaller_batch_keeps_the_plan(standins):
                 o.step(); o.zero_grad(set_to_none=True)
 
     with pytest.warns(RuntimeWarning, match="does not match the profiled trace"):
-        with optimize(model, opt, budget=1, max_reprofiles=1) as run:
+        with optimize(model, opt, budget=1, max_reprofiles=1, max_shape_plans=1) as run:
             train(model, opt, run)
     train(ref, ref_opt)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))

@@ -1,0 +1,57 @@
+"""One plan per input shape: the step signature a Run keys its plans by.
+
+Entry points: step_signature(args, kwargs), describe(signature), PLAN_FIELDS, MAX_SHAPE_PLANS.
+
+Note [One plan per input shape]
+  Rationale: a plan is made from one profiled step and matched against later steps activation by
+  activation, shapes included (Note [Activation identity]). Batches whose shapes change from step to
+  step -- dynamic padding, the default of Hugging Face's collators, a smaller last batch -- never
+  matched: each change cost two plain steps and a re-profile, and once max_reprofiles was spent every
+  step ran plainly (found by a helper training a Hugging Face model: 3 profiled, 0 planned, 5 plain).
+  Approach: the Run keys its plans by the signature of a step's first forward with gradients enabled
+  -- shape, dtype and device of every tensor among the model's arguments -- and keeps up to
+  max_shape_plans of them (an option of optimize(); MAX_SHAPE_PLANS by default, 1 turns it off). At that forward (before the executor begins the step) a signature other
+  than the current plan's switches to its plan when one was made, or has this step profiled and
+  planned when there is room: a new sequence length costs one profiled step, once. Each plan is made
+  for the same budget (a fraction: of that step's own activation memory). A re-profile after
+  mismatching steps (other control flow) replaces the plan of its signature. With
+  pad_to_multiple_of= (a few lengths) every step runs a plan after the first of each length.
+  budget=None keeps one plan (keep everything, for any shape). A byte budget that a step of new
+  shapes cannot be planned within is refused at its run.step(), naming the least budget, as the
+  first step's is (before, such a step ran plainly over the budget after a mismatch).
+  Limitations: past max_shape_plans signatures, a new one runs against the current plan as before (a
+  mismatch, then re-profiles up to max_reprofiles). The signature does not see non-tensor arguments
+  or shapes made inside the forward; a step they change mismatches as before. A step whose executor
+  already began (an evaluation forward under no_grad came first) keeps the current plan.
+"""
+from torch.utils._pytree import tree_leaves
+
+import torch
+
+__all__ = ["step_signature", "describe", "PLAN_FIELDS", "MAX_SHAPE_PLANS"]
+
+MAX_SHAPE_PLANS = 8
+
+# What a Run's plan is made of, saved and restored when it switches plans (Run._plan_state)
+PLAN_FIELDS = ("trace", "budget_bytes", "plan", "schedule", "simulation", "host_limit_note_", "node_of_op_",
+               "forward_starts_", "unmodeled_bytes_", "profile_stats", "profile_eval_grad_",
+               "profile_forward_in_backward_", "optimizer_state_extra_", "plan_index_", "plan_checked_")
+
+
+def step_signature(args, kwargs):
+    """(shape, dtype, device) of every tensor among a forward's arguments; None where one has no plain
+    shape (a nested tensor: its steps are matched as before)."""
+    out = []
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            if t.is_nested:
+                return None
+            out.append((tuple(t.shape), t.dtype, t.device))
+    return tuple(out)
+
+
+def describe(signature):
+    """'[8, 128] int64, [8, 128] int64' for messages."""
+    if not signature:
+        return "no tensor arguments"
+    return ", ".join(f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, _ in signature)

@@ -1,0 +1,96 @@
+"""One plan per input shape (offload/shape_plans.py, Note [One plan per input shape]): batches whose
+sequence length changes from step to step run a plan after the first step of each length, with
+gradients equal to plain PyTorch's."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memsched
+from memsched.offload.shape_plans import MAX_SHAPE_PLANS
+
+
+class _Tagger(nn.Module):
+    """Token-wise layers over [batch, length, features]; called as model(tokens=...) like a Hugging Face model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4))
+
+    def forward(self, tokens):
+        return self.body(tokens)
+
+
+def _batches(lengths):
+    return [torch.randn(32, n, 16, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(lengths)]
+
+
+def _train(model, batches, run_kwargs=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if run_kwargs is None:
+        for x in batches:
+            model(tokens=x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return None
+    with memsched.optimize(model, opt, **run_kwargs) as run:
+        for x in batches:
+            model(tokens=x).pow(2).mean().backward()
+            run.step()
+    return run
+
+
+@pytest.mark.parametrize("options", [dict(budget=0.6), dict(budget=0.6, ooo=True, fuse_optimizer=True),
+                                     dict(budget=0.6, planner="hybrid")], ids=["dp", "fused", "hybrid"])
+def test_lengths_that_change_every_step_each_get_a_plan_and_train_as_plain(options):
+    # before: every change of length mismatched, two plain steps and a re-profile each, then plain for good
+    lengths = [8, 16, 8, 24, 16, 8, 24, 16, 8, 24]
+    plain, m = _Tagger(), _Tagger()
+    _train(plain, _batches(lengths))
+    run = _train(m, _batches(lengths), options)
+    assert run.steps_profiled == 3 and run.shape_profiles == 2 and run.mismatches == 0
+    assert [s.mode for s in run.step_stats] == ["planned"] * 7
+    assert all(s.offloaded + s.recomputed > 0 for s in run.step_stats)  # each ran its own length's plan
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
+    report = run.report(file=open("/dev/null", "w")).table
+    assert "3 plans, one per input shape" in report and "[32, 24, 16] float32" in report
+
+
+def test_more_lengths_than_plans_run_as_before_and_train_as_plain():
+    """Past MAX_SHAPE_PLANS signatures a new length meets the current plan: a mismatch, as before."""
+    lengths = list(range(4, 4 + MAX_SHAPE_PLANS + 3))
+    plain, m = _Tagger(), _Tagger()
+    _train(plain, _batches(lengths))
+    run = _train(m, _batches(lengths), dict(budget=0.6, max_reprofiles=0))
+    assert run.shape_profiles == MAX_SHAPE_PLANS - 1 and run.mismatches == 3
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_an_evaluation_forward_under_no_grad_does_not_pick_a_plan():
+    """An evaluation batch of another shape, under no_grad between steps, is no step of that shape."""
+    lengths = [8, 8, 8]
+    m = _Tagger()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with memsched.optimize(m, opt, budget=0.6) as run:
+        for x in _batches(lengths):
+            with torch.no_grad():
+                m(tokens=torch.randn(2, 40, 16))
+            m(tokens=x).pow(2).mean().backward()
+            run.step()
+    assert run.shape_profiles == 0 and [s.mode for s in run.step_stats] == ["planned"] * 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
+def test_max_shape_plans_is_checked_before_any_step(bad):
+    with pytest.raises(ValueError, match=r"max_shape_plans: expected an int >= 1"):
+        memsched.optimize(_Tagger(), budget=0.6, max_shape_plans=bad)
+
+
+def test_one_shape_plan_matches_steps_of_other_shapes_against_the_one_plan():
+    """max_shape_plans=1: as before this feature, a step of other shapes mismatches the one plan."""
+    run = _train(_Tagger(), _batches([8, 16, 16, 16]), dict(budget=0.6, max_shape_plans=1))
+    assert run.shape_profiles == 0 and run.mismatches == 2 and run.reprofiles == 1
