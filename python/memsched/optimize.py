@@ -501,6 +501,8 @@ class Run:
             if self.ooo_ is not None:
                 self.ooo_.install()
             if self.step_hook_ is not None:
+                if self.step_hook_.on_step is None:  # entered again after __exit__, whose remove() let go of us
+                    self.step_hook_ = OptimizerStepHook(self.optimizer, self._framework_step)
                 self.step_hook_.install()
             self._start_profiling()
         except BaseException:

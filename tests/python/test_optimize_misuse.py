@@ -1,4 +1,6 @@
 """memsched.optimize misused the way a new user might: each gets a clear error, never a silent change."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -238,3 +240,27 @@ def test_steps_that_keep_changing_shape_say_once_that_no_plan_runs_any_more():
     said = [str(w.message) for w in caught if "steps keep changing" in str(w.message)]
     assert len(said) == 1 and "pad_to_multiple_of" in said[0] and "max_reprofiles=1" in said[0], said
     assert run.steps_planned == 0
+
+
+def test_a_run_entered_again_after_its_with_block_routes_the_loops_optimizer_step_again():
+    """The ooo refusals advise leaving the `with` block and entering it again: the same Run's second
+    `with` raised "'NoneType' object is not callable" at the loop's first optimizer.step() (its step
+    routing had let go of the Run at exit)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    for _ in range(3):
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    run = memsched.optimize(model, opt, budget=0.7)
+    for steps in (2, 1):
+        with run:
+            for _ in range(steps):
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        assert "step" not in opt.__dict__ and not model._forward_pre_hooks  # everything removed each time
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
