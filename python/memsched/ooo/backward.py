@@ -1131,6 +1131,16 @@ class OutOfOrderBackward:
         iteration still running (its forward or backward raised) is abandoned."""
         if self._phase != "idle":
             self._abandon()
+        if self._installed and self._updated_since_step and self._stepper is not None:
+            # left between a backward pass and step(): an exception, a KeyboardInterrupt, a break (found by a
+            # helper probing Run lifecycles: 1e-2 off plain without a word)
+            self._updated_since_step = False
+            warnings.warn(
+                f"memsched: out-of-order backward was removed (its `with` block left) after a backward pass whose "
+                f"fused optimizer update (fuse_optimizer=True) had already stepped {self._iter_stepped} parameters, "
+                f"before step(): they keep that update, where a plain loop that stops between loss.backward() and "
+                f"optimizer.step() updates nothing. Use fuse_optimizer=False where a loop may stop there and must "
+                f"leave the model as it was.", RuntimeWarning, stacklevel=3)
         for m, had, old in reversed(self._patched):
             if had:
                 m.__dict__["forward"] = old
@@ -1735,7 +1745,13 @@ class OutOfOrderBackward:
         if not params:
             return
         nbytes = sum(_nbytes(p.grad) for p in params)
-        self._stepper.step_params(params)  # frees each p.grad
+        try:
+            self._stepper.step_params(params)  # frees each p.grad
+        except BaseException:
+            # an optimizer step hook (or the optimizer) raised part way: some of these may be stepped, and
+            # the failed backward's warning (_abandon) says how many at most
+            self._iter_stepped += len(params)
+            raise
         self._rt.track(-nbytes)
         self._fused_steps += len(params)
         self._iter_stepped += len(params)
@@ -1953,7 +1969,7 @@ class OutOfOrderBackward:
                 "a forward pass with gradients enabled began after the backward pass that applied the fused "
                 "optimizer update, and after optimizer.zero_grad(), but without OutOfOrderBackward.step(): with "
                 "a bare OutOfOrderBackward(fuse_optimizer=True) the step boundary is its step(), not "
-                "optimizer.step() (the update already ran during backward). Nothing was changed. Call "
+                "optimizer.step() (the update already ran during backward). This forward changed nothing. Call "
                 "ooo.step() after each backward pass in place of optimizer.step() and zero_grad(), or use "
                 "memsched.optimize(model, optimizer, fuse_optimizer=True), where optimizer.step() marks the "
                 "boundary.")
@@ -1962,7 +1978,8 @@ class OutOfOrderBackward:
             f"last of which already applied the fused optimizer update (grad_accumulation_steps="
             f"{self.grad_accumulation_steps}): with fuse_optimizer each parameter is stepped during the backward "
             f"that completes its accumulation, so this forward reads the updated parameters and its backward "
-            f"would be one more than the update allows. Nothing was changed. A forward only for a metric or an "
+            f"would be one more than the update allows. This forward changed nothing (the update of that pass "
+            f"stays applied). A forward only for a metric or an "
             f"evaluation: run it under torch.no_grad() (it then reads the updated parameters, as PyTorch's "
             f"optimizer-in-backward recipe does; plain PyTorch reads the old ones), before backward, or after "
             f"step(). To accumulate gradients over K backward passes per optimizer step, pass "

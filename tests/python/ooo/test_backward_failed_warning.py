@@ -81,3 +81,50 @@ def test_fused_warns_naming_parameters_already_stepped():
 def test_no_warning_when_nothing_was_stepped(guard_at_loss, flags):
     same, warned = _run(guard_at_loss, flags)
     assert same and warned == []
+
+
+def test_leaving_between_a_fused_backward_and_its_step_says_the_update_stays():
+    """Ctrl-C (or any exception, a break) between loss.backward() and step(): a plain loop updates nothing
+    for that iteration, the fused update already ran inside backward; the parameters kept it without a word
+    (1e-2 off plain)."""
+    torch.manual_seed(0)
+    m = Net(guard_at_loss=False)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    with pytest.warns(RuntimeWarning, match=r"removed \(its `with` block left\) after a backward pass whose fused "
+                                            r"optimizer update.*had already stepped 6 parameters, before step\(\)"):
+        with pytest.raises(KeyboardInterrupt):
+            with memsched.OutOfOrderBackward(m, optimizer=opt, fuse_optimizer=True) as ooo:
+                F.cross_entropy(m(x), y).backward()
+                ooo.step()
+                F.cross_entropy(m(x), y).backward()
+                raise KeyboardInterrupt
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a loop that ends with step() says nothing
+        with memsched.OutOfOrderBackward(m, optimizer=opt, fuse_optimizer=True) as ooo:
+            F.cross_entropy(m(x), y).backward()
+            ooo.step()
+
+
+def test_an_optimizer_step_hook_that_raises_inside_the_fused_update_is_counted_in_the_warning():
+    """A step post-hook that raises at the fused update's first call, after that layer was stepped: the
+    failed backward's warning did not fire (the count was booked after the step returned)."""
+    torch.manual_seed(0)
+    m = Net(guard_at_loss=False)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    calls = []
+
+    def post(optimizer, args, kwargs):
+        calls.append(1)
+        raise RuntimeError("a hook of the caller's")
+
+    opt.register_step_post_hook(post)
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with memsched.OutOfOrderBackward(m, optimizer=opt, fuse_optimizer=True):
+            with pytest.raises(RuntimeError, match="a hook of the caller's"):
+                F.cross_entropy(m(x), y).backward()
+            m(x)  # the next forward abandons the failed iteration
+    said = [str(w.message) for w in caught if "a backward pass raised after the fused optimizer update" in str(w.message)]
+    assert len(said) == 1 and "already stepped" in said[0], [str(w.message) for w in caught]
