@@ -996,6 +996,10 @@ class OutOfOrderBackward:
         for m in modules:
             if id(m) in self._patchable:
                 self._patch(m, me)
+            elif isinstance(m, torch.jit.ScriptModule):
+                # torch refuses hooks on a ScriptModule; its parameters' gradients arrive through autograd,
+                # counted at their first arrival (on_autograd_accumulated), as a functional read's are
+                continue
             elif any(id(p) in self._index for p in m.parameters(recurse=False)):
                 ids = [self._index[id(p)] for p in m.parameters(recurse=False) if id(p) in self._index]
                 # a C function counting the use (Note [Fast path of a patched layer call])
