@@ -214,6 +214,13 @@ def fraction_refusal(trace, fraction, err, planner="dp", try_plan=None):
         fix = ("even budget=1.0 is below it: activation offload cannot lower this step's peak enough with this "
                "planner; give a byte budget, another planner, or a smaller batch")
     why = f" (planner: {err})" if "cannot meet budget" in str(err) else ""  # a planner's own limits, e.g. vdnn's
+    floor = trace.min_offload_bytes
+    kept = sum(t.bytes for t in trace.tensors if t.kind == "activation" and 0 < t.bytes < floor) if floor else 0
+    if kept:
+        # the planners never move an activation below the executor's size floor (Note [The executor's size
+        # floor]): a floor above the step's activations was the limit, unnamed (found by a helper)
+        why += (f"; activations smaller than min_offload_bytes={floor} ({format_bytes(kept)} of them on this "
+                f"step) are never offloaded or recomputed: a lower min_offload_bytes lets a plan reach less")
     return _C.MemschedError(f"{what}; {fix}{why}")
 
 

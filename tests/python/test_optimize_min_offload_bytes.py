@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+import torch.nn as nn
 
 import memsched
 from memsched import models
@@ -55,3 +56,17 @@ def test_the_floor_travels_with_the_trace(tmp_path):
     assert memsched._C.least_budget_bytes(back) == memsched._C.least_budget_bytes(t)
     with pytest.raises(memsched.MemschedError, match="Trace.min_offload_bytes: expected an int >= 0"):
         t.min_offload_bytes = -1
+
+
+def test_a_fraction_refused_because_of_the_size_floor_names_the_floor():
+    """Every activation of this step is below the floor, so no plan moves any: the refusal named the least
+    fraction that works (1.0) but not that min_offload_bytes was the limit."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4))
+    x = torch.randn(64, 32)
+    with pytest.raises(memsched.MemschedError, match=r"activations smaller than min_offload_bytes=1048576 .* are "
+                                                     r"never offloaded or recomputed"):
+        with memsched.optimize(m, torch.optim.SGD(m.parameters(), lr=0.1), budget=0.5,
+                               min_offload_bytes="1MiB") as run:
+            m(x).sum().backward()
+            run.step()
