@@ -475,6 +475,7 @@ class Run:
         self.profile_eval_grad_ = False    # ... and so did the step the plan was profiled from
         self.profile_forward_in_backward_ = False  # the profiled step's forward_in_backward_
         self.warned_second_update_ = False
+        self.warned_other_optimizer_ = False  # Note [Another optimizer over the Run's parameters]
         self.profile_failed_ = False # the profiled forward raised: restart at the next forward
         self.profile_forwards_ = 0   # COUNT forwards recorded by the open profile (Note [A step with no end])
         self.state_at_profile_ = None  # optimizer state bytes when the open profile started
@@ -504,6 +505,7 @@ class Run:
                 if self.step_hook_.on_step is None:  # entered again after __exit__, whose remove() let go of us
                     self.step_hook_ = OptimizerStepHook(self.optimizer, self._framework_step)
                 self.step_hook_.install()
+                self._watch_other_optimizers()
             self._start_profiling()
         except BaseException:
             self._cleanup()
@@ -519,6 +521,57 @@ class Run:
                           f"planned or offloaded. {_STEP_BOUNDARY_FIX}", RuntimeWarning, stacklevel=2)
         self._cleanup()
         return False
+
+    # Note [Another optimizer over the Run's parameters]
+    #   Rationale: a loop that makes a new optimizer for the same model inside the Run (a fine-tuning
+    #   phase with another learning rate) steps parameters the Run's optimizer also holds. memsched's
+    #   step boundary is the optimizer given to optimize(), so no boundary came any more: nothing was
+    #   planned or offloaded for the rest of training, with only a mismatch warning; and with the fused
+    #   update the old optimizer (its lr and state) updated the model inside every backward, while the
+    #   new one found the gradients freed: 9e-3 off plain, without a word (found by a helper probing Run
+    #   lifecycles).
+    #   Approach: while the Run is entered, a global optimizer step pre-hook (torch.optim's own
+    #   register_optimizer_step_pre_hook) looks at every other optimizer's step(): one holding a
+    #   parameter the Run's optimizer holds is refused with the fused update (it would step what the
+    #   fused update already stepped: say so before it does), and warned about once without it. An
+    #   optimizer over other parameters (a second optimizer for the head) is the caller's business.
+    #   The fused update's own steps (a view of a group, inside backward) pass.
+    def _watch_other_optimizers(self):
+        from memsched.ooo.fused import OWN_GLOBAL_PRE_HOOKS
+
+        ref = weakref.ref(self)
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+
+        def pre_hook(opt, args, kwargs):
+            run = ref()
+            if run is None or opt is run.optimizer or (run.ooo_ is not None and run.ooo_.updating):
+                return None
+            if any(id(p) in held for g in opt.param_groups for p in g["params"]):
+                run._other_optimizer(opt)
+            return None
+
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        handle = register_optimizer_step_pre_hook(pre_hook)
+        OWN_GLOBAL_PRE_HOOKS.add(handle.id)
+        self.handles_.append(handle)
+
+    def _other_optimizer(self, opt):
+        what = (f"another optimizer ({type(opt).__name__}) steps parameters that the optimizer given to "
+                f"memsched.optimize ({type(self.optimizer).__name__}) holds")
+        if self.fuse_optimizer:
+            raise _C.MemschedError(
+                f"{what}: with fuse_optimizer=True memsched updated them inside backward with the optimizer it was "
+                f"given (its learning rate and state) and freed their gradients, so this step would find none. "
+                f"A new optimizer needs a Run of its own: leave the `with` block and enter "
+                f"memsched.optimize(model, new_optimizer, ...) (the last backward pass's update stays applied)")
+        if not self.warned_other_optimizer_:
+            self.warned_other_optimizer_ = True
+            warnings.warn(
+                f"memsched.optimize: {what}: memsched's step boundary is the optimizer it was given, so from here "
+                f"on it sees no step end and plans, offloads and recomputes nothing (gradients stay plain's). A "
+                f"new optimizer needs a Run of its own: leave the `with` block and enter memsched.optimize(model, "
+                f"new_optimizer, ...). Warned once", RuntimeWarning, stacklevel=4)
 
     def _cleanup(self):
         """Remove every hook and session; safe to call twice and after a partial __enter__."""

@@ -264,3 +264,38 @@ def test_a_run_entered_again_after_its_with_block_routes_the_loops_optimizer_ste
                 opt.zero_grad()
         assert "step" not in opt.__dict__ and not model._forward_pre_hooks  # everything removed each time
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_new_optimizer_over_the_runs_parameters_is_named(fuse):
+    """A fine-tuning phase makes a new optimizer inside the Run: memsched saw no step boundary any more
+    (nothing planned, a mismatch warning blaming an activation), and with the fused update the old optimizer
+    kept updating the model inside backward (9e-3 off plain) while the new one found no gradients. An
+    optimizer over other parameters (the head's own) is not named."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+    head_opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with memsched.optimize(model, opt, budget=0.7, fuse_optimizer=fuse) as run:
+            for _ in range(2):
+                nn.functional.cross_entropy(model(x), y).backward()
+                head_opt.step()  # another optimizer, other parameters: fine
+                head_opt.zero_grad()
+                run.step()
+            assert not [w for w in caught if "another optimizer" in str(w.message)]
+            opt = torch.optim.AdamW(model[0].parameters(), lr=1e-3)  # a new phase, a new optimizer
+            nn.functional.cross_entropy(model(x), y).backward()
+            if fuse:
+                with pytest.raises(memsched.MemschedError, match=r"another optimizer \(AdamW\) steps parameters that "
+                                                                 r"the optimizer given to memsched.optimize"):
+                    opt.step()
+            else:
+                opt.step()
+                opt.step()
+    said = [str(w.message) for w in caught if "another optimizer" in str(w.message)]
+    assert len(said) == (0 if fuse else 1) and all("Run of its own" in s for s in said)

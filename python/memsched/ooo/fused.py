@@ -207,9 +207,15 @@ def _stock_step(opt: torch.optim.Optimizer) -> bool:
     return True
 
 
+# ids of the global optimizer step pre-hooks memsched.optimize registers (Note [Another optimizer over
+# the Run's parameters] in optimize.py): not the caller's, so they do not count as step hooks here
+OWN_GLOBAL_PRE_HOOKS: set = set()
+
+
 def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
     return bool(opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
-                or _opt_mod._global_optimizer_pre_hooks or _opt_mod._global_optimizer_post_hooks)
+                or any(k not in OWN_GLOBAL_PRE_HOOKS for k in _opt_mod._global_optimizer_pre_hooks)
+                or _opt_mod._global_optimizer_post_hooks)
 
 
 def _adam_state_ready(st) -> bool:
