@@ -1819,9 +1819,12 @@ class OutOfOrderBackward:
     def _on_zero_grad(self, set_to_none: bool, params) -> None:
         """The caller's optimizer.zero_grad(set_to_none) (params None) or module.zero_grad(set_to_none)
         (params: the module's) (Note [Gradients the fused update did not see])."""
-        if not self.fuse_optimizer and self._micro_step % self.grad_accumulation_steps == 0:
+        if not self._updated_since_step and self._micro_step % self.grad_accumulation_steps == 0:
             # the gradients of the backward passes so far are dropped without a step (GradScaler
-            # skipped it on inf/NaN): the caller's next optimizer.step() follows the passes after this
+            # skipped it on inf/NaN, or the loop caught an error before its step): the caller's next
+            # optimizer.step() follows the passes after this -- also with fuse_optimizer while no fused
+            # update ran since the last step (memsched.optimize's profiled step updates after backward:
+            # a skip there was refused as an accumulation mismatch)
             self._backwards_since_step = 0
         self._note_native_steps()  # frees of the C++ update come before this call (a failed backward's too)
         if self._updated_since_step:
