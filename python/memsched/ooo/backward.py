@@ -1719,7 +1719,8 @@ class OutOfOrderBackward:
         raise MemschedError(
             "a second backward pass over a graph whose backward already ran (retain_graph=True, or "
             "backward(inputs=...) first), or the backward of a forward made before the last backward pass ran "
-            "(two forwards, then a backward of each), is not supported by OutOfOrderBackward: each backward "
+            "(two forwards, then a backward of each) or before OutOfOrderBackward was installed (before entering "
+            "memsched.optimize), is not supported by OutOfOrderBackward: each backward "
             "pass needs its own forward, run after the last backward pass, and with fuse_optimizer the "
             "parameters it read were already updated. Nothing was changed. Run forward again right before "
             "each backward, or use grad_accumulation_steps with one forward per backward.")

@@ -313,3 +313,15 @@ def test_the_usual_loop_around_a_bare_fused_out_of_order_backward_is_told_to_cal
         with pytest.raises(MemschedError, match=r"the step boundary is its step\(\), not optimizer.step\(\).*"
                                                 r"Call ooo.step\(\) after each backward pass"):
             m(torch.randn(4, 16))
+
+
+def test_the_backward_of_a_forward_made_before_install_is_refused_naming_that():
+    """A forward before entering memsched.optimize, its backward inside: refused before anything changes, but
+    the message spoke only of retain_graph and of two forwards (found by a helper probing Run lifecycles)."""
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.LayerNorm(4))
+    loss = m(torch.randn(5, 8)).pow(2).sum()
+    with memsched.OutOfOrderBackward(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)):
+        with pytest.raises(MemschedError, match=r"or before OutOfOrderBackward was installed \(before entering "
+                                                r"memsched.optimize\)"):
+            loss.backward()
+    assert all(p.grad is None for p in m.parameters())
