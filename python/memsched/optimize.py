@@ -544,7 +544,8 @@ class Run:
 
         def pre_hook(opt, args, kwargs):
             run = ref()
-            if run is None or opt is run.optimizer or (run.ooo_ is not None and run.ooo_.updating):
+            if run is None or opt is run.optimizer or (run.ooo_ is not None and run.ooo_.updating) \
+                    or torch_optimizer(opt) is run.optimizer:  # accelerate's wrapper of it: its step steps it
                 return None
             if any(id(p) in held for g in opt.param_groups for p in g["params"]):
                 run._other_optimizer(opt)
