@@ -326,3 +326,34 @@ def test_dynamically_padded_batches_run_a_plan_per_length_and_equal_the_plain_tr
     run = cb.run
     assert run.steps_profiled >= 2 and run.steps_profiled + run.steps_planned == 6 and run.mismatches == 0, \
         run.report()
+
+
+class _Reporter(transformers.TrainerCallback):
+    """Stands for a report_to reporter (TensorBoard, W&B), which the Trainer places before the caller's
+    callbacks: what its on_log sees is what it sends."""
+
+    def __init__(self):
+        self.logged, self.began = [], 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.began += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logged.append(dict(logs or {}))
+
+
+def test_memsched_figures_reach_the_reporters_placed_before_the_callback(tmp_path):
+    """The reporters run before the caller's callbacks, so memsched/* figures added in on_log reached only
+    log_history and the console. Each callback still sees each event once."""
+    before, after = _Reporter(), _Reporter()
+    model = _model()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                                          max_steps=3, report_to=[], use_cpu=True, logging_steps=1,
+                                          save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   callbacks=[before, MemschedCallback(budget=0.7, planner="dp"), after])
+    trainer.train()
+    assert before.began == 1 and after.began == 1
+    for reporter in (before, after):
+        steps = [logs for logs in reporter.logged if "loss" in logs]
+        assert len(steps) == 3 and all("memsched/steps_profiled" in logs for logs in steps), steps

@@ -146,6 +146,8 @@ class MemschedCallback(TrainerCallback):
         f = sys._getframe(1)
         while f is not None and f.f_code.co_filename != handler_file:  # up to CallbackHandler (through a
             f = f.f_back                                                # subclass's on_train_begin)
+        if f is not None:
+            self._run_before_reporters(f.f_locals.get("self"))
         while f is not None and f.f_code.co_filename == handler_file:  # ... and to the loop that called it
             f = f.f_back
         if f is None:
@@ -154,6 +156,23 @@ class MemschedCallback(TrainerCallback):
         # batch, on the device) alive after a train() that raised, until the next forward
         self._train_frame, self._train_thread = (id(f), f.f_code), threading.get_ident()
         self._guard = model.register_forward_pre_hook(inert_on_copy(self._check_in_train), prepend=True)
+
+    # Note [memsched figures reach the reporters]
+    #   Rationale: the Trainer puts the reporters of report_to (TensorBoard, W&B, MLflow) before the
+    #   callbacks the caller passes, and on_log's additions reach only the callbacks after this one:
+    #   memsched/* figures reached state.log_history and the console, never a reporter (found by a
+    #   helper following the README, which says they appear in the Trainer's logs).
+    #   Approach: at on_train_begin the callback moves itself to the front of the Trainer's
+    #   CallbackHandler (the `self` of the call_event frame that calls it), so its on_log adds the
+    #   figures before any reporter reads the logs. The handler is iterating its list then: removing
+    #   this callback at its index k and inserting it at 0 leaves every later callback at index k+1
+    #   onwards, so the event goes on to each of them once.
+    def _run_before_reporters(self, handler):
+        callbacks = getattr(handler, "callbacks", None)
+        if isinstance(callbacks, list) and callbacks and callbacks[0] is not self and \
+                any(c is self for c in callbacks):
+            callbacks.remove(self)
+            callbacks.insert(0, self)
 
     def _in_train(self):
         f = sys._getframe(2) if threading.get_ident() == self._train_thread \
