@@ -745,9 +745,16 @@ class Run:
                     raise
                 self.reprofile_why_ = why  # the next profile is this one again
                 # a budget accepted at the first step, refused for the step as it is now: say why it changed
+                cause = ""
+                if self.eval_grad_forward_:
+                    # the commonest cause (found by a helper): a validation forward without no_grad, whose
+                    # graph the loop keeps until its next one, so its saves count as this step's
+                    cause = ("; this step ran the model in eval mode (model.eval()) with gradients enabled, a "
+                             "validation forward whose saves count as the step's: run it under torch.no_grad() "
+                             "(or torch.inference_mode()) and the step is the one the budget was accepted for")
                 raise _C.MemschedError(
                     f"memsched: the training step changed after its budget was accepted ({why}), so it was "
-                    f"profiled again, and the new step cannot be planned within the budget: {e}") from e
+                    f"profiled again, and the new step cannot be planned within the budget: {e}{cause}") from e
             except BaseException:
                 self._refused_profile()
                 raise

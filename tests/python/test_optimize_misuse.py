@@ -299,3 +299,23 @@ def test_a_new_optimizer_over_the_runs_parameters_is_named(fuse):
                 opt.step()
     said = [str(w.message) for w in caught if "another optimizer" in str(w.message)]
     assert len(said) == (0 if fuse else 1) and all("Run of its own" in s for s in said)
+
+
+def test_a_reprofile_refused_after_validation_forwards_with_gradients_names_them():
+    """A validation forward in eval mode without torch.no_grad() after each step: its graph lives into the
+    next step, whose saves then hold it; the re-profiled step cannot be planned within the accepted budget,
+    and the refusal named only the mismatch, not the validation forward (found by a helper following the
+    README)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 4))
+    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    with pytest.raises(memsched.MemschedError, match=r"changed after its budget was accepted.*validation forward "
+                                                     r"whose saves count as the step's: run it under torch.no_grad"):
+        with pytest.warns(RuntimeWarning):
+            with memsched.optimize(m, torch.optim.AdamW(m.parameters(), lr=1e-2), budget=0.5) as run:
+                for x in xs:
+                    m.train()
+                    m(x).pow(2).mean().backward()
+                    run.step()
+                    m.eval()
+                    val = m(x).sum()  # noqa: F841 (kept, as a loop keeps its metric tensor)
