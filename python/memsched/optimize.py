@@ -752,6 +752,12 @@ class Run:
                     cause = ("; this step ran the model in eval mode (model.eval()) with gradients enabled, a "
                              "validation forward whose saves count as the step's: run it under torch.no_grad() "
                              "(or torch.inference_mode()) and the step is the one the budget was accepted for")
+                if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                        and torch.distributed.get_world_size() > 1:
+                    # each process plans its own steps (a batch of new shapes may come to one rank only)
+                    cause += ("; under torch.distributed the other processes may have taken this step: do not go "
+                              "on after this error, whose process did not (their replicas would differ); start "
+                              "again with the least budget it names")
                 raise _C.MemschedError(
                     f"memsched: the training step changed after its budget was accepted ({why}), so it was "
                     f"profiled again, and the new step cannot be planned within the budget: {e}{cause}") from e
@@ -763,9 +769,13 @@ class Run:
             self.profiled_update_due_ = True
             self.plan_checked_ = False  # a new plan: its first planned step is checked (a re-profile too)
             self.plan_index_ = self.steps_profiled
-            if self.profile_sig_ is not None:  # See Note [One plan per input shape]
-                self.plans_.pop(self.profile_sig_, None)  # (a re-profile replaces the plan of its shapes)
-                self.plan_sig_ = self.profile_sig_
+            # See Note [One plan per input shape]: a re-profile replaces the plan of its shapes; a profile
+            # with no forward with gradients has no shapes to file its plan under: one plan from here on
+            if self.profile_sig_ is not None:
+                self.plans_.pop(self.profile_sig_, None)
+            else:
+                self.plans_.clear()
+            self.plan_sig_ = self.profile_sig_
             self.state_check_ = self.state_at_profile_
             return None
         if self.profile_armed_:
@@ -1068,11 +1078,15 @@ class Run:
         self.in_forward_ = True
         self.profile_failed_ = False
         if self.plan_sig_ is not None and self.budget_spec is not None and self.profile_ is None \
-                and not self.profile_armed_ and not self.executor.in_step_ and torch.is_grad_enabled():
-            # the step's first forward with gradients: See Note [One plan per input shape]
+                and not self.profile_armed_ and torch.is_grad_enabled() \
+                and (not self.executor.in_step_ or self.executor.saved_nothing()):
+            # the step's first forward with gradients (an evaluation under no_grad may have begun the
+            # executor's step; it saved nothing): See Note [One plan per input shape]
             sig = step_signature(args, kwargs)
             if sig is not None and sig != self.plan_sig_:
                 self._plan_for_shape(sig)
+        if self.profile_ is not None and self.profile_sig_ is None and torch.is_grad_enabled():
+            self.profile_sig_ = step_signature(args, kwargs)  # the profiled step's first forward with gradients
         if self.profile_armed_ and self.profile_ is None:
             foreign = foreign_hooks_reason(check_dispatch_modes=True)
             if foreign is not None:
@@ -1082,7 +1096,7 @@ class Run:
                 return
             self.profile_armed_ = False
             self.profile_forwards_ = 0
-            self.profile_sig_ = step_signature(args, kwargs) if torch.is_grad_enabled() else None
+            self.profile_sig_ = step_signature(args, kwargs) if torch.is_grad_enabled() else None  # (or below)
             self.profile_iterations_ = self.ooo_.completed_iterations() if self.ooo_ is not None else 0
             self.state_at_profile_ = self._optimizer_state_bytes()
             if self.executor.engine.pending_count():
@@ -1244,6 +1258,7 @@ class Run:
         if state is None:
             self.shape_profiles += 1
             self.reprofile_why_ = f"a step with new input shapes ({describe(sig)})"
+            self.executor.drop_empty_step()  # (begun by an evaluation under no_grad: the profile takes it)
             self._start_profiling()
             return
         for f, v in state.items():

@@ -573,6 +573,16 @@ class OffloadExecutor:
             self.forward_failed_ = True
             self._abandon_step()
 
+    def saved_nothing(self):
+        """The open step has saved no activation yet (its forwards so far ran under no_grad)."""
+        return self.path.activations == 0
+
+    def drop_empty_step(self):
+        """End an open step that saved nothing (an evaluation under no_grad began it), so that the Run
+        can profile the rest of it (Note [One plan per input shape] in offload/shape_plans.py)."""
+        if self.in_step_ and self.saved_nothing():
+            self._abandon_step()
+
     def _abandon_step(self):
         """Drop the running step: pop our hooks, wait for its copies and release what they held.
         What its graph holds (host copies, fetched copies) dies with the graph."""

@@ -19,10 +19,15 @@ Note [One plan per input shape]
   budget=None keeps one plan (keep everything, for any shape). A byte budget that a step of new
   shapes cannot be planned within is refused at its run.step(), naming the least budget, as the
   first step's is (before, such a step ran plainly over the budget after a mismatch).
-  Limitations: past max_shape_plans signatures, a new one runs against the current plan as before (a
+  An evaluation under no_grad that began the executor's step (it saved nothing) does not stop the
+  switch, and a profile is filed under the shapes of its first forward with gradients.
+  Limitations: with gradient accumulation a step is keyed by its first micro-batch: micro-batches of
+  other shapes in one step mismatch its plan (pad the micro-batches of a step to one length). Past
+  max_shape_plans signatures, a new one runs against the current plan as before (a
   mismatch, then re-profiles up to max_reprofiles). The signature does not see non-tensor arguments
-  or shapes made inside the forward; a step they change mismatches as before. A step whose executor
-  already began (an evaluation forward under no_grad came first) keeps the current plan.
+  or shapes made inside the forward; a step they change mismatches as before. Under torch.distributed
+  each process plans its own steps: a byte budget one rank's new shapes cannot meet is refused on that
+  rank only, and the message says not to go on.
 """
 from torch.utils._pytree import tree_leaves
 

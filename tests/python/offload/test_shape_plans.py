@@ -94,3 +94,24 @@ def test_one_shape_plan_matches_steps_of_other_shapes_against_the_one_plan():
     """max_shape_plans=1: as before this feature, a step of other shapes mismatches the one plan."""
     run = _train(_Tagger(), _batches([8, 16, 16, 16]), dict(budget=0.6, max_shape_plans=1))
     assert run.shape_profiles == 0 and run.mismatches == 2 and run.reprofiles == 1
+
+
+@pytest.mark.parametrize("evaluate_first", [False, True], ids=["eval-between-steps", "eval-before-training"])
+def test_evaluation_forwards_under_no_grad_do_not_stop_the_plan_per_shape(evaluate_first):
+    """An evaluation under no_grad between steps began the executor's step, so the next training forward
+    kept the other length's plan and ran plainly; one before the first step opened the profile with no
+    shapes, and no step ever switched plans (found by a helper probing per-shape plans)."""
+    lengths = [8, 16, 8, 16, 8, 16, 8, 16]
+    plain, m = _Tagger(), _Tagger()
+    _train(plain, _batches(lengths))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with memsched.optimize(m, opt, budget=0.6) as run:
+        for i, x in enumerate(_batches(lengths)):
+            if i == 0 or not evaluate_first:
+                with torch.no_grad():
+                    m(tokens=torch.randn(2, 40, 16))
+            m(tokens=x).pow(2).mean().backward()
+            run.step()
+    assert run.steps_profiled == 2 and [s.mode for s in run.step_stats] == ["planned"] * 6
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q)
