@@ -445,6 +445,7 @@ class Run:
         self.profile_sig_ = None     # ... of the open profile's step
         self.plan_index_ = 0         # the current plan: its profile's number (StepStats.plan_index)
         self.shape_profiles = 0      # COUNT of profiles of a step with new input shapes
+        self.shape_profile_from_ = None  # while one is open: the signature of the plan it left
         self.budget_bytes = None     # resolved budget, bytes (None: no budget)
         self.step_stats = collections.deque(maxlen=history)  # StepStats of the last `history` executed steps
         self.steps_planned = 0       # COUNT of executed steps that ran the plan (all of them, not just kept)
@@ -476,6 +477,8 @@ class Run:
         self.profile_forward_in_backward_ = False  # the profiled step's forward_in_backward_
         self.warned_second_update_ = False
         self.warned_other_optimizer_ = False  # Note [Another optimizer over the Run's parameters]
+        self.own_hook_ids_ = []      # its global pre-hook's id in ooo.fused.OWN_GLOBAL_PRE_HOOKS
+        self.in_own_step_ = 0        # > 0 inside the Run's optimizer's own step (same Note)
         self.profile_failed_ = False # the profiled forward raised: restart at the next forward
         self.profile_forwards_ = 0   # COUNT forwards recorded by the open profile (Note [A step with no end])
         self.state_at_profile_ = None  # optimizer state bytes when the open profile started
@@ -501,6 +504,8 @@ class Run:
             self.executor.install()
             if self.ooo_ is not None:
                 self.ooo_.install()
+            # a Run entered again profiles anew: the model may have changed in between (unfrozen layers)
+            self.plans_, self.plan_sig_ = {}, None  # See Note [One plan per input shape]
             if self.step_hook_ is not None:
                 if self.step_hook_.on_step is None:  # entered again after __exit__, whose remove() let go of us
                     self.step_hook_ = OptimizerStepHook(self.optimizer, self._framework_step)
@@ -545,7 +550,9 @@ class Run:
         def pre_hook(opt, args, kwargs):
             run = ref()
             if run is None or opt is run.optimizer or (run.ooo_ is not None and run.ooo_.updating) \
-                    or torch_optimizer(opt) is run.optimizer:  # accelerate's wrapper of it: its step steps it
+                    or torch_optimizer(opt) is run.optimizer or run.in_own_step_:
+                # its own step, a wrapper of it (accelerate's), or an optimizer its step steps (Lookahead's
+                # inner one, ZeroRedundancyOptimizer's local one)
                 return None
             if any(id(p) in held for g in opt.param_groups for p in g["params"]):
                 run._other_optimizer(opt)
@@ -556,6 +563,7 @@ class Run:
         handle = register_optimizer_step_pre_hook(pre_hook)
         OWN_GLOBAL_PRE_HOOKS.add(handle.id)
         self.handles_.append(handle)
+        self.own_hook_ids_.append(handle.id)
 
     def _other_optimizer(self, opt):
         what = (f"another optimizer ({type(opt).__name__}) steps parameters that the optimizer given to "
@@ -583,6 +591,10 @@ class Run:
         for h in self.handles_:
             h.remove()
         self.handles_ = []
+        if self.own_hook_ids_:
+            from memsched.ooo.fused import OWN_GLOBAL_PRE_HOOKS
+            OWN_GLOBAL_PRE_HOOKS.difference_update(self.own_hook_ids_)
+            self.own_hook_ids_ = []
         if self.ooo_ is not None:
             self.ooo_.remove()
         self.executor.remove()
@@ -658,7 +670,11 @@ class Run:
         def update():
             nonlocal loss
             if self.ooo_ is None or self.ooo_._end_micro_step(False):  # the loop zeroes itself
-                out = step(*args, **kwargs)
+                self.in_own_step_ += 1  # See Note [Another optimizer over the Run's parameters]
+                try:
+                    out = step(*args, **kwargs)
+                finally:
+                    self.in_own_step_ -= 1
                 loss = out if closure is None else loss
             # else: the fused update ran during backward (as run.step() skips optimizer.step() then)
 
@@ -741,6 +757,18 @@ class Run:
                 self._adopt_trace(trace)
             except _C.MemschedError as e:
                 self._refused_profile()
+                back, self.shape_profile_from_ = self.shape_profile_from_, None
+                if back is not None and back in self.plans_:
+                    # a step of new shapes that no plan fits: the other shapes keep their plans (Note [One plan
+                    # per input shape]); the next step of these shapes is profiled again, and refused again
+                    self.profile_armed_ = False
+                    self._load_plan(back, self.plans_.pop(back))
+                    self.reprofile_why_ = ""
+                    raise _C.MemschedError(
+                        f"memsched: a step with new input shapes ({describe(self.profile_sig_)}) was profiled, and it "
+                        f"cannot be planned within the budget: {e}. The steps of the shapes planned before keep "
+                        f"their plans; give the budget it names, or keep such batches out (a shorter maximum "
+                        f"length){self._distributed_caution()}") from e
                 if not why:
                     raise
                 self.reprofile_why_ = why  # the next profile is this one again
@@ -752,12 +780,7 @@ class Run:
                     cause = ("; this step ran the model in eval mode (model.eval()) with gradients enabled, a "
                              "validation forward whose saves count as the step's: run it under torch.no_grad() "
                              "(or torch.inference_mode()) and the step is the one the budget was accepted for")
-                if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                        and torch.distributed.get_world_size() > 1:
-                    # each process plans its own steps (a batch of new shapes may come to one rank only)
-                    cause += ("; under torch.distributed the other processes may have taken this step: do not go "
-                              "on after this error, whose process did not (their replicas would differ); start "
-                              "again with the least budget it names")
+                cause += self._distributed_caution()
                 raise _C.MemschedError(
                     f"memsched: the training step changed after its budget was accepted ({why}), so it was "
                     f"profiled again, and the new step cannot be planned within the budget: {e}{cause}") from e
@@ -769,6 +792,7 @@ class Run:
             self.profiled_update_due_ = True
             self.plan_checked_ = False  # a new plan: its first planned step is checked (a re-profile too)
             self.plan_index_ = self.steps_profiled
+            self.shape_profile_from_ = None
             # See Note [One plan per input shape]: a re-profile replaces the plan of its shapes; a profile
             # with no forward with gradients has no shapes to file its plan under: one plan from here on
             if self.profile_sig_ is not None:
@@ -786,6 +810,16 @@ class Run:
                 self.not_profiled_why_ = ""
             return None
         return self.executor.end_step()
+
+    @staticmethod
+    def _distributed_caution():
+        """Each process plans its own steps (a batch of new shapes may come to one rank only)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            return ("; under torch.distributed the other processes may have taken this step: do not go on after "
+                    "this error, whose process did not (their replicas would differ); start again with the least "
+                    "budget it names")
+        return ""
 
     def _refused_profile(self):
         """No plan for this budget: the optimizer did not step (nor did a fused update: the profiled step
@@ -989,11 +1023,15 @@ class Run:
         if self.ooo_ is not None and not self.ooo_.step():
             return  # fused: updated during backward (or a micro-step of gradient accumulation)
         if self.optimizer is not None:
-            if self.step_hook_ is not None:
-                with self.step_hook_.passing():  # run.step() is the step boundary: no second one
+            self.in_own_step_ += 1  # See Note [Another optimizer over the Run's parameters]
+            try:
+                if self.step_hook_ is not None:
+                    with self.step_hook_.passing():  # run.step() is the step boundary: no second one
+                        self.optimizer.step()
+                else:
                     self.optimizer.step()
-            else:
-                self.optimizer.step()
+            finally:
+                self.in_own_step_ -= 1
             fused = self.ooo_ is not None and self.fuse_optimizer  # the profiled step's update: unfused
             had = [i for i, p in enumerate(self.ooo_._params) if p.grad is not None] if fused else ()
             self.optimizer.zero_grad(set_to_none=True)
@@ -1258,15 +1296,20 @@ class Run:
         if state is None:
             self.shape_profiles += 1
             self.reprofile_why_ = f"a step with new input shapes ({describe(sig)})"
+            self.shape_profile_from_ = self.plan_sig_  # the plan to go back to if this one is refused
             self.executor.drop_empty_step()  # (begun by an evaluation under no_grad: the profile takes it)
             self._start_profiling()
             return
+        self._load_plan(sig, state)
+
+    def _load_plan(self, sig, state):
         for f, v in state.items():
             setattr(self, f, v)
         self.plan_sig_ = sig
         self.executor.set_schedule(self.schedule)
         self.executor.hookless = self._hookless()
         self._arm_memory_guard(self.trace)
+        self.executor.active = True
 
     def _hookless(self):
         """See Note [A plan with nothing to do] (offload/executor.py): keep all, no budget to hold ... unless

@@ -275,6 +275,11 @@ def test_an_accumulation_scheduler_with_ooo_is_refused_before_the_first_step():
     # a schedule that changes only after the fit's last epoch is no change
     _fit(MemschedCallback(budget=0.7, ooo=True), max_steps=-1, max_epochs=1,
          callbacks_extra=[GradientAccumulationScheduler({0: 1, 1: 2})])
+    # one value for the whole fit, set at the first epoch's start: said so, not called a change
+    with pytest.raises(memsched.MemschedError, match=r"sets accumulate_grad_batches=4 for the whole fit.*"
+                                                     r"Use Trainer\(accumulate_grad_batches=4\)"):
+        _fit(MemschedCallback(budget=0.7, ooo=True), max_steps=-1, max_epochs=2,
+             callbacks_extra=[GradientAccumulationScheduler({0: 4})])
 
 
 @pytest.mark.parametrize("option,match", [

@@ -35,3 +35,32 @@ def test_parameter_list_read_directly_gets_the_fused_update_bitwise():
             model(x).pow(2).sum().backward()
             assert not ooo.step()
     assert torch.equal(model.scales[0], twin.scales[0])
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Scaled()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_loop_that_calls_a_submodule_holding_a_parameter_list_trains_as_plain():
+    """The loop calls model.inner(x), never the model: the root's forward pre-hook never runs, so it could
+    not tell this first gradient from a backward over an ended iteration's graph, and refused it."""
+    torch.manual_seed(0)
+    model = _Outer()
+    twin = copy.deepcopy(model)
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    opt = torch.optim.AdamW(twin.parameters(), lr=0.1)
+    for x in xs:
+        twin.inner(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with memsched.OutOfOrderBackward(model, optimizer=opt, fuse_optimizer=True) as ooo:
+        for x in xs:
+            model.inner(x).pow(2).sum().backward()
+            assert not ooo.step()
+    assert torch.equal(model.inner.scales[0], twin.inner.scales[0])

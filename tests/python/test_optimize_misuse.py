@@ -319,3 +319,33 @@ def test_a_reprofile_refused_after_validation_forwards_with_gradients_names_them
                     run.step()
                     m.eval()
                     val = m(x).sum()  # noqa: F841 (kept, as a loop keeps its metric tensor)
+
+
+def test_an_optimizer_that_steps_an_inner_one_is_not_taken_for_another_optimizer():
+    """A Lookahead-style wrapper given to optimize() steps its inner optimizer over the same parameters:
+    that nested step was warned about as 'another optimizer', with a false 'plans nothing' (found by a
+    helper reviewing the watch)."""
+    import warnings
+
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, base):
+            self._base_optimizer = base
+            super().__init__(base.param_groups, {})
+
+        def step(self, closure=None):
+            return self._base_optimizer.step(closure)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+    opt = Lookahead(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with memsched.optimize(model, opt, budget=0.7) as run:
+            for _ in range(3):
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()  # the loop's own, routed
+                opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            run.step()  # run.step()'s own
+    assert not [w for w in caught if "another optimizer" in str(w.message)]

@@ -149,6 +149,15 @@ class MemschedCallback(pl.Callback):
             last = trainer.max_epochs - 1 if trainer.max_epochs not in (None, -1) else max(cb.scheduling)
             changes = {e: cb.get_accumulate_grad_batches(e) for e in range(trainer.current_epoch, last + 1)}
             changes = {e: k for e, k in changes.items() if k != trainer.accumulate_grad_batches}
+            if changes and len(set(changes.values())) == 1 and len(changes) == last + 1 - trainer.current_epoch:
+                # one value for the whole fit, which the scheduler sets only at the first epoch's start, after
+                # memsched took the trainer's (found by a helper reviewing this check)
+                k = next(iter(changes.values()))
+                raise MemschedError(
+                    f"GradientAccumulationScheduler(scheduling={cb.scheduling}): it sets accumulate_grad_batches={k} "
+                    f"for the whole fit, but only at the first epoch's start, after memsched took the trainer's "
+                    f"({trainer.accumulate_grad_batches}) for {'ooo=True' if self.ooo else 'fuse_optimizer=True'}. "
+                    f"Use Trainer(accumulate_grad_batches={k}) instead of the scheduler")
             if changes:
                 e, k = next(iter(changes.items()))
                 raise MemschedError(

@@ -619,8 +619,9 @@ class OffloadExecutor:
         if n >= len(starts) or self.diverged_ or torch._C._len_torch_dispatch_stack() > 0:
             return  # not matchable (or under a caller's dispatch mode): its recomputes keep their tensors
         if n == 0:  # once per step (p.data = ... between steps gives a parameter another storage)
-            self.parameter_keys_ = frozenset(k for k in (_recompute_key(p) for p in self.model.parameters())
-                                             if k is not None)
+            # parameters that get a gradient (a frozen one is never updated inside backward)
+            self.parameter_keys_ = frozenset(k for k in (_recompute_key(p) for p in self.model.parameters()
+                                                         if p.requires_grad) if k is not None)
         log = ForwardOpLog(self.schedule.recompute_ops, self.schedule.shared, self.recompute_stats, self.oplogs_,
                            self.parameter_keys_)
         self.oplogs_.append(log)

@@ -824,6 +824,7 @@ class OutOfOrderBackward:
         self._phase = "idle"
         self._callback_queued = False
         self._forward_since_end = False  # See Note [A backward over an ended iteration's graph]
+        self._root_called = False  # the root module's forward ran since install (same Note)
         self._micro_step = 0
         self._backwards_since_step = 0   # backward passes since the last step()
         self._updated_since_step = False # a fused update ran since the last step()
@@ -901,7 +902,9 @@ class OutOfOrderBackward:
         def _root_forward(module, args):  # See Note [A backward over an ended iteration's graph]
             me_ = ref()
             if me_ is not None:
-                me_._forward_since_end = True
+                me_._root_called = True
+                if torch.is_grad_enabled():  # (a forward under no_grad makes no graph to go backward through)
+                    me_._forward_since_end = True
                 if me_._updated_since_step and not me_._warned_read_updated and not torch.is_grad_enabled():
                     me_._warn_read_updated()
 
@@ -1700,7 +1703,8 @@ class OutOfOrderBackward:
     def _begin_at_gradient(self) -> None:
         """Called by the runtime (C++, the engine's thread) at a gradient of a parameter while no iteration
         runs. See Note [A backward over an ended iteration's graph]."""
-        if not self._forward_since_end:
+        if not self._forward_since_end and self._root_called:
+            # (a loop that calls a submodule, never the model itself, cannot be told apart: it begins, as before)
             self._refuse_ended_graph()
         self._begin_if_idle()
 
@@ -1714,7 +1718,8 @@ class OutOfOrderBackward:
         # accumulates comes first (a LayerNorm after the last Linear), at its tensor hook
         # (_begin_at_gradient). That hook also begins the iteration of a forward that called no
         # module owning a parameter (nn.ParameterList entries read directly): the root module's
-        # forward pre-hook tells the two apart. Refused there only from the first deferred item,
+        # forward pre-hook (with gradients enabled) tells the two apart -- where the root module is
+        # called at all: a loop that calls only a submodule of the model begins there, as before. Refused there only from the first deferred item,
         # the LayerNorm's gradient was already doubled (2G where the caller kept G).
         raise MemschedError(
             "a second backward pass over a graph whose backward already ran (retain_graph=True, or "

@@ -115,3 +115,68 @@ def test_evaluation_forwards_under_no_grad_do_not_stop_the_plan_per_shape(evalua
     assert run.steps_profiled == 2 and [s.mode for s in run.step_stats] == ["planned"] * 6
     for p, q in zip(plain.parameters(), m.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_frozen_parameter_read_by_a_recomputed_chain_does_not_stop_the_recompute():
+    """The replay rule keeps a save whose chain reads a parameter without its gradient (Note [A replay that
+    reads a parameter without its gradient]); a frozen parameter gets no gradient and is never updated inside
+    backward, but every frozen weight was taken for one: a frozen backbone lost its recomputes (found by a
+    helper reviewing the rule)."""
+    from device_helpers import slow_copies
+
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.l1, self.l2, self.out = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+            self.shift = nn.Parameter(torch.randn(64), requires_grad=False)  # frozen
+
+        def forward(self, x):
+            a = (x + self.shift).sin_()
+            return self.out(torch.relu(self.l2(torch.relu(self.l1(a)))))
+
+    m = Shifted()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    data = [(torch.randn(64, 64, generator=torch.Generator().manual_seed(k)), torch.randn(64, 8)) for k in range(4)]
+    with memsched.optimize(m, opt, budget=0.6, planner="hybrid", device_model=slow_copies()) as run:
+        for x, y in data:
+            nn.functional.mse_loss(m(x), y).backward()
+            run.step()
+    assert all(s.recomputed > 0 for s in run.step_stats), [s.recompute_kept_reasons for s in run.step_stats]
+
+
+def test_a_run_entered_again_plans_anew():
+    """Plans of the first `with` survived into the second, where the model had changed (a layer unfrozen, as
+    the unfreeze refusal advises): each step of an old shape mismatched its stale plan."""
+    m = _Tagger()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m.body[0].requires_grad_(False)
+    run = memsched.optimize(m, opt, budget=0.6, ooo=True)
+    for unfreeze in (False, True):
+        if unfreeze:
+            m.body[0].requires_grad_(True)
+        with run:
+            for x in _batches([8, 16, 8, 16, 8]):
+                m(tokens=x).pow(2).mean().backward()
+                run.step()
+    assert run.mismatches == 0
+
+
+def test_a_step_of_new_shapes_that_no_plan_fits_is_refused_and_the_other_shapes_keep_their_plans():
+    """A byte budget a longer batch cannot meet: the refusal threw the other shapes' plans away, and every
+    later step of them was profiled again."""
+    m = _Tagger()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    probe = memsched.profile(lambda: m(tokens=_batches([8])[0]).pow(2).mean().backward(), model=m)
+    budget = int(memsched._C.least_budget_bytes(probe) * 1.3)
+    m.zero_grad(set_to_none=True)
+    refused = []
+    with memsched.optimize(m, opt, budget=budget) as run:
+        for n in (8, 8, 64, 8, 8):
+            try:
+                m(tokens=_batches([n])[0]).pow(2).mean().backward()
+                run.step()
+            except memsched.MemschedError as e:
+                refused.append(str(e))
+    assert len(refused) == 1 and "a step with new input shapes ([32, 64, 16] float32)" in refused[0]
+    assert run.steps_profiled == 2 and [s.mode for s in run.step_stats] == ["planned"] * 3
