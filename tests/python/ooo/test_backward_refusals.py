@@ -315,13 +315,24 @@ def test_the_usual_loop_around_a_bare_fused_out_of_order_backward_is_told_to_cal
             m(torch.randn(4, 16))
 
 
-def test_the_backward_of_a_forward_made_before_install_is_refused_naming_that():
-    """A forward before entering memsched.optimize, its backward inside: refused before anything changes, but
-    the message spoke only of retain_graph and of two forwards (found by a helper probing Run lifecycles)."""
-    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.LayerNorm(4))
-    loss = m(torch.randn(5, 8)).pow(2).sum()
-    with memsched.OutOfOrderBackward(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)):
-        with pytest.raises(MemschedError, match=r"or before OutOfOrderBackward was installed \(before entering "
-                                                r"memsched.optimize\)"):
-            loss.backward()
-    assert all(p.grad is None for p in m.parameters())
+@pytest.mark.parametrize("fuse", [False, True])
+def test_the_backward_of_a_forward_made_before_install_trains_as_plain(fuse):
+    """A forward before entering memsched.optimize, its backward inside: the layers ran unpatched, so every
+    gradient comes through autograd, and the pass begins the iteration at its first one (it was refused
+    with a message about retain_graph and two forwards, then as a backward over an ended graph)."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.LayerNorm(4))
+
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    plain, m = make(), make()
+    popt, mopt = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(m.parameters(), lr=0.1)
+    plain(x).pow(2).sum().backward()
+    popt.step()
+    loss = m(x).pow(2).sum()
+    with memsched.OutOfOrderBackward(m, optimizer=mopt, fuse_optimizer=fuse) as ooo:
+        loss.backward()
+        if ooo.step():
+            mopt.step()
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q)
