@@ -1556,6 +1556,37 @@ class Run:
 
     def report(self, file=None):
         """Print the planned-vs-measured table (to stdout or `file`) and return it as a RunReport."""
+        shown = self._most_run_plan()
+        if shown is None:
+            return self._report(file)
+        current = self._plan_state()
+        current_sig = self.plan_sig_
+        self.plans_[current_sig] = current  # (counted among the plans while the other is shown)
+        try:
+            for f, v in shown[1].items():
+                setattr(self, f, v)
+            self.plan_sig_ = shown[0]
+            return self._report(file)
+        finally:
+            for f, v in current.items():
+                setattr(self, f, v)
+            self.plan_sig_ = current_sig
+            del self.plans_[current_sig]
+
+    def _most_run_plan(self):
+        """(signature, plan state) of the plan with the most executed steps, where the current plan has none
+        and another has some: after an epoch's shorter last batch was profiled for its shapes, the report showed
+        that batch's plan with nothing measured (found by a helper probing per-shape plans); None otherwise."""
+        if not self.plans_:
+            return None
+        ran = collections.Counter(s.plan_index for s in self.step_stats)
+        if ran[self.plan_index_]:
+            return None
+        best = max(((sig, state) for sig, state in self.plans_.items() if ran[state["plan_index_"]]),
+                   key=lambda item: ran[item[1]["plan_index_"]], default=None)
+        return best
+
+    def _report(self, file=None):
         if self.plan is not None:
             planner = self.planner
         elif self.trace is None and self.budget_spec is not None:
@@ -1628,8 +1659,8 @@ class Run:
         mine = self._this_plans_steps()
         shapes = len(set(self.plans_) | {self.plan_sig_})
         if shapes > 1:  # See Note [One plan per input shape]
-            notes.append(f"{shapes} plans, one per input shape of the step's first forward; the figures are the "
-                         f"current plan's (inputs {describe(self.plan_sig_)})")
+            notes.append(f"{shapes} plans, one per input shape of the step's first forward; the figures are those "
+                         f"of the plan for inputs {describe(self.plan_sig_)}")
         if len(mine) < len(self.step_stats) and self.steps_profiled > 1:
             notes.append(f"measured: the {counted(len(mine), 'step')} of the current plan (profile "
                          f"{self.plan_index_}); other plans' steps are left out of the medians")

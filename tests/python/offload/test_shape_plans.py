@@ -180,3 +180,13 @@ def test_a_step_of_new_shapes_that_no_plan_fits_is_refused_and_the_other_shapes_
                 refused.append(str(e))
     assert len(refused) == 1 and "a step with new input shapes ([32, 64, 16] float32)" in refused[0]
     assert run.steps_profiled == 2 and [s.mode for s in run.step_stats] == ["planned"] * 3
+
+
+def test_the_report_after_a_shorter_last_batch_shows_the_plan_that_ran():
+    """An epoch's last, shorter batch is profiled for its shapes at the end of training: the report showed
+    its plan, with no step measured, instead of the plan every other step ran."""
+    run = _train(_Tagger(), _batches([16, 16, 16, 16, 8]), dict(budget=0.6))
+    report = run.report(file=open("/dev/null", "w"))
+    assert report.steps_planned == 3 and report.measured, report.table
+    assert "the figures are those of the plan for inputs [32, 16, 16] float32" in report.table
+    assert run.plan_sig_[0][0] == (32, 8, 16)  # the Run itself still holds the last plan
