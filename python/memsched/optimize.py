@@ -220,6 +220,7 @@ Note [Recompute decisions run]
 """
 import bisect
 import collections
+import contextlib
 import re
 import sys
 import threading
@@ -565,6 +566,15 @@ class Run:
         self.handles_.append(handle)
         self.own_hook_ids_.append(handle.id)
 
+    @contextlib.contextmanager
+    def _own_step(self):
+        """The Run's optimizer's own step: the optimizers it steps inside are not others."""
+        self.in_own_step_ += 1
+        try:
+            yield
+        finally:
+            self.in_own_step_ -= 1
+
     def _other_optimizer(self, opt):
         what = (f"another optimizer ({type(opt).__name__}) steps parameters that the optimizer given to "
                 f"memsched.optimize ({type(self.optimizer).__name__}) holds")
@@ -670,11 +680,8 @@ class Run:
         def update():
             nonlocal loss
             if self.ooo_ is None or self.ooo_._end_micro_step(False):  # the loop zeroes itself
-                self.in_own_step_ += 1  # See Note [Another optimizer over the Run's parameters]
-                try:
+                with self._own_step():
                     out = step(*args, **kwargs)
-                finally:
-                    self.in_own_step_ -= 1
                 loss = out if closure is None else loss
             # else: the fused update ran during backward (as run.step() skips optimizer.step() then)
 
@@ -1023,15 +1030,12 @@ class Run:
         if self.ooo_ is not None and not self.ooo_.step():
             return  # fused: updated during backward (or a micro-step of gradient accumulation)
         if self.optimizer is not None:
-            self.in_own_step_ += 1  # See Note [Another optimizer over the Run's parameters]
-            try:
+            with self._own_step():
                 if self.step_hook_ is not None:
                     with self.step_hook_.passing():  # run.step() is the step boundary: no second one
                         self.optimizer.step()
                 else:
                     self.optimizer.step()
-            finally:
-                self.in_own_step_ -= 1
             fused = self.ooo_ is not None and self.fuse_optimizer  # the profiled step's update: unfused
             had = [i for i, p in enumerate(self.ooo_._params) if p.grad is not None] if fused else ()
             self.optimizer.zero_grad(set_to_none=True)
