@@ -245,6 +245,7 @@ from memsched.planning import (fraction_budget, fraction_refusal, least_working_
 from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure, torch_optimizer
 from memsched.units import format_bytes, parse_bytes
 from memsched.wording import counted
+from memsched.user_frame import user_stacklevel  # See Note [Warnings point at the caller's code]
 
 __all__ = ["optimize", "Run"]
 
@@ -416,7 +417,7 @@ class Run:
                           "memsched (no profile, no plan, no offload, no out-of-order backward): the compiled "
                           "graph saves other tensors for backward than the eager forward a profile sees, so no "
                           "step would match the plan. Pass the module before torch.compile() to offload its "
-                          "activations", RuntimeWarning, stacklevel=3)
+                          "activations", RuntimeWarning, stacklevel=user_stacklevel())
         self.ooo_ = None
         _check_optimizer_owns_model(model, self.optimizer)  # Note [An optimizer over another model]
         if (ooo or fuse_optimizer) and not self.compiled_why_:
@@ -524,7 +525,7 @@ class Run:
             self.unfinished_forwards_ = self.profile_forwards_
             warnings.warn(f"memsched.optimize: the Run ended while its first step was still being profiled "
                           f"({counted(self.profile_forwards_, 'forward')}, no step boundary), so nothing was "
-                          f"planned or offloaded. {_STEP_BOUNDARY_FIX}", RuntimeWarning, stacklevel=2)
+                          f"planned or offloaded. {_STEP_BOUNDARY_FIX}", RuntimeWarning, stacklevel=user_stacklevel())
         self._cleanup()
         return False
 
@@ -590,7 +591,7 @@ class Run:
                 f"memsched.optimize: {what}: memsched's step boundary is the optimizer it was given, so from here "
                 f"on it sees no step end and plans, offloads and recomputes nothing (gradients stay plain's). A "
                 f"new optimizer needs a Run of its own: leave the `with` block and enter memsched.optimize(model, "
-                f"new_optimizer, ...). Warned once", RuntimeWarning, stacklevel=4)
+                f"new_optimizer, ...). Warned once", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _cleanup(self):
         """Remove every hook and session; safe to call twice and after a partial __enter__."""
@@ -651,13 +652,13 @@ class Run:
                           "directly, as `for layer in model: x = layer(x)` or `model.encoder(x)` do, so memsched "
                           "saw no forward pass and profiles, plans and offloads nothing; the steps run plainly. "
                           "Call the model itself, or wrap in memsched.optimize the module the loop calls. Warned "
-                          "once", RuntimeWarning, stacklevel=3)
+                          "once", RuntimeWarning, stacklevel=user_stacklevel())
             return
         warnings.warn("memsched.optimize: run.step() was called with no forward pass since the last step boundary "
                       "(an optimizer.step() of the loop, which memsched routes as one): run.step() runs "
                       "optimizer.step() and zero_grad() itself, so this is a second update with the same "
                       "gradients. Call either run.step() or optimizer.step() once per step, not both",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=user_stacklevel())
 
     def _framework_step(self, step, args, kwargs):
         """optimizer.step(*args, **kwargs) called by the caller's loop instead of run.step(); `step`
@@ -918,7 +919,7 @@ class Run:
             # out-of-order backward warns (Note [A budget the guard cannot meet]); so does a budget that
             # is a share of the activations, which the update is not
             warnings.warn(f"memsched.optimize: {what}; every step will peak there, above the budget. {fix}",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=user_stacklevel())
             return
         raise _C.MemschedError(
             f"{what}. This step completed (profiled, updated as plain PyTorch would). The least budget the "
@@ -966,7 +967,7 @@ class Run:
         if self.ooo_ is not None:
             # out-of-order backward has updated (fused) or counts this step already: warn, train on
             warnings.warn(f"memsched.optimize: {what} (Note [A budget the guard cannot meet])", RuntimeWarning,
-                          stacklevel=_user_stacklevel())
+                          stacklevel=user_stacklevel())
             return
         self._stamp_plan(stats)
         self.step_stats.append(stats)  # run.report() shows it; plan_checked_ stays False, so the next step checks too
@@ -1024,7 +1025,7 @@ class Run:
                f"lengths (a Hugging Face collator's pad_to_multiple_of=..., or padding='max_length'), "
                if shapes else "")
             + "or pass optimize(..., max_reprofiles=N) to re-profile more often. Warned once", RuntimeWarning,
-            stacklevel=_user_stacklevel())
+            stacklevel=user_stacklevel())
 
     def _optimizer_step(self):
         if self.ooo_ is not None and not self.ooo_.step():
@@ -1183,7 +1184,7 @@ class Run:
             self.warned_not_profiled_ = True
             self.warned_not_profiled_why_ = why
             warnings.warn(f"memsched.optimize: {why}; this step runs plainly and is not profiled (a later "
-                          "step without them is; this warning is shown once)", RuntimeWarning, stacklevel=4)
+                          "step without them is; this warning is shown once)", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _root_post(self, module, args, output):
         self.in_forward_ = False
@@ -1278,7 +1279,7 @@ class Run:
                                      f"plan, which keeps {format_bytes(schedule.offloaded_bytes)} there instead (Note "
                                      f"[Plans within host_memory_limit])")
             warnings.warn(f"memsched.optimize: {self.host_limit_note_}; pass a larger host_memory_limit to run the "
-                          f"{planner} plan", RuntimeWarning, stacklevel=_user_stacklevel())
+                          f"{planner} plan", RuntimeWarning, stacklevel=user_stacklevel())
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)
@@ -1436,7 +1437,7 @@ class Run:
         warnings.warn(
             f"memsched.optimize: {_MAX_PROFILED_FORWARDS} forward passes ran without a step boundary, so "
             f"memsched stopped profiling and runs the model plainly from here on. {_STEP_BOUNDARY_FIX}",
-            RuntimeWarning, stacklevel=_user_stacklevel())
+            RuntimeWarning, stacklevel=user_stacklevel())
 
     @staticmethod
     def _fraction_note(trace, fraction, budget_bytes, op_id):
@@ -1482,7 +1483,7 @@ class Run:
             warnings.warn(f"memsched.optimize: a step does not match the profiled trace ({why}); it runs "
                           f"without offloading from there, the next step runs the plan, and {again}; this "
                           f"warning is shown once", RuntimeWarning,
-                          stacklevel=_user_stacklevel())
+                          stacklevel=user_stacklevel())
 
     def _make_ooo(self, fuse_optimizer):
         try:
@@ -1881,18 +1882,6 @@ def _explain_profiled_oom(exc):
 
 
 _HOOK_REFUSALS = ("don't yet support saved tensor hooks", "saved tensors default hooks are disabled")
-
-
-def _user_stacklevel():
-    """warnings.warn's stacklevel for the caller's first frame outside memsched and torch: our hooks
-    run inside torch's Module.__call__ or autograd, where a fixed level pointed into torch."""
-    import os
-    skip = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-            os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
-    level, frame = 2, sys._getframe(2)  # 1 is this function, 2 the caller of warnings.warn
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
 
 
 def _explain_hook_refusal(exc):

@@ -24,6 +24,7 @@ import torch
 from memsched import step_hook
 from memsched.copy_inert import _InertOnCopy
 from memsched.optimize import _OPTIONS, check_options
+from memsched.user_frame import user_stacklevel  # See Note [Warnings point at the caller's code]
 
 # options the trainer decides (the callbacks pass its own value)
 _FROM_TRAINER = ("grad_accumulation_steps",)
@@ -122,7 +123,7 @@ def leave_stale_runs():
         if run.entered_:
             warnings.warn("memsched: left the Run of an earlier training that raised before its end (its "
                           "MemschedCallback never saw the training end); this training gets a Run of its own",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=user_stacklevel())
             leave_run(run, raised=True)
         _ENTERED.discard(run)
 

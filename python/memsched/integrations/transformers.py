@@ -48,6 +48,7 @@ from memsched.integrations._common import (check_callback_args, enter_run, leave
                                           quiet_root_hooks, short_accumulation_refusal, step_figures,
                                           torch_optimizer)
 from memsched.optimize import optimize
+from memsched.user_frame import user_stacklevel  # See Note [Warnings point at the caller's code]
 
 __all__ = ["MemschedCallback"]
 
@@ -191,7 +192,7 @@ class MemschedCallback(TrainerCallback):
                       "did not finish (it raised or was interrupted) was still on; memsched is now turned off for "
                       "this model (as callback.close() does) and it runs as plain PyTorch. Call callback.close() "
                       "after an interrupted train() to turn memsched off before using the model",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=user_stacklevel())
         quiet_root_hooks(module)
         self.close()
 

@@ -171,6 +171,7 @@ from memsched.offload.recompute import ForwardOpLog, RecomputedView, RecomputeSt
 from memsched.offload.recompute import _key as _recompute_key
 from memsched.profiler.unmodeled import DeviceCounters
 from memsched.saved_tensors import storage_key
+from memsched.user_frame import user_stacklevel  # See Note [Warnings point at the caller's code]
 
 
 @dataclass
@@ -370,7 +371,7 @@ class OffloadExecutor:
         if self.buried_:
             warnings.warn("memsched: the caller's saved-tensor hooks pushed after memsched's are still active "
                           "when the Run ends, so memsched's (now pass-through) pair under them cannot be popped",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=user_stacklevel())
         for h in self.handles_:
             h.remove()
         self.handles_ = []
@@ -474,7 +475,7 @@ class OffloadExecutor:
         if self.path.guard_error:
             warnings.warn(f"memsched: the memory guard is off: the device allocator's count of allocated bytes "
                           f"could not be read ({self.path.guard_error}); the steps may exceed the budget when the "
-                          "host runs ahead of the GPU (Note [Memory guard])", RuntimeWarning, stacklevel=3)
+                          "host runs ahead of the GPU (Note [Memory guard])", RuntimeWarning, stacklevel=user_stacklevel())
             self.path.guard_error = ""
         if not self.engine.is_accelerator:
             stats.stall_s_ = c["stall_s"]
@@ -693,7 +694,7 @@ class OffloadExecutor:
             self.on_mismatch(why)
         else:
             warnings.warn(f"memsched: this step does not match the profiled trace ({why}); "
-                          "it runs without offloading from there on", RuntimeWarning, stacklevel=3)
+                          "it runs without offloading from there on", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _sample(self):
         """A memory sample: the timeline's (timeline=True), otherwise only the CPU peak (CUDA reads

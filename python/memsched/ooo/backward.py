@@ -487,6 +487,7 @@ from memsched.ooo import ddp as ddp_support
 from memsched.ooo.fused import SUPPORTED_OPTIMIZERS, ParamStepper, has_step_hooks
 from memsched.ooo.zero_grad_watch import ZeroGradWatch
 from memsched.units import parse_bytes
+from memsched.user_frame import user_stacklevel  # See Note [Warnings point at the caller's code]
 
 DEFAULT_MAX_DEFERRED_BYTES = 64 * 1024 * 1024
 
@@ -1013,7 +1014,7 @@ class OutOfOrderBackward:
                 "nn.Conv1d/2d/3d with zero padding, not subclasses with their own forward: Hugging Face GPT-2's "
                 "Conv1D is not one), so it defers no weight gradient" +
                 ("; the fused optimizer update still runs per layer" if self.fuse_optimizer else ""),
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning, stacklevel=user_stacklevel())
         self._acc = [get_gradient_edge(p).node for p in self._params]  # the runtime holds them too
         for i, p in enumerate(self._params):  # C functions (See Note [dW runtime in C++])
             self._handles.append(p.register_hook(self._rt.grad_hook(i)))
@@ -1147,7 +1148,7 @@ class OutOfOrderBackward:
                 f"fused optimizer update (fuse_optimizer=True) had already stepped {self._iter_stepped} parameters, "
                 f"before step(): they keep that update, where a plain loop that stops between loss.backward() and "
                 f"optimizer.step() updates nothing. Use fuse_optimizer=False where a loop may stop there and must "
-                f"leave the model as it was.", RuntimeWarning, stacklevel=3)
+                f"leave the model as it was.", RuntimeWarning, stacklevel=user_stacklevel())
         for m, had, old in reversed(self._patched):
             if had:
                 m.__dict__["forward"] = old
@@ -1645,7 +1646,7 @@ class OutOfOrderBackward:
             "global ones); with fuse_optimizer=True they run once per layer the update steps during backward, "
             "each seeing a one-layer view of its param group, not once per step: a hook that counts steps "
             "counts layers, and one that changes hyper-parameters changes only that view. Use "
-            "fuse_optimizer=False for such hooks. Warned once.", RuntimeWarning, stacklevel=2)
+            "fuse_optimizer=False for such hooks. Warned once.", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _warn_read_updated(self) -> None:
         """A forward without gradients (a metric, an evaluation) after the fused update and before step():
@@ -1659,7 +1660,7 @@ class OutOfOrderBackward:
             "optimizer-in-backward recipe does, where a plain loop (backward, forward, optimizer.step()) reads "
             "the old ones. Training is unchanged; a metric computed there differs. Run such forwards before "
             "backward or after step() to see the values plain PyTorch sees, or use fuse_optimizer=False. Warned "
-            "once.", RuntimeWarning, stacklevel=7)
+            "once.", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _warn_sync_each_micro_step(self) -> None:
         """A micro-step before the last of an accumulation, not under ddp.no_sync(): plain DDP all-reduces the
@@ -1672,7 +1673,7 @@ class OutOfOrderBackward:
             f"gradients at every micro-step, where memsched's out-of-order backward reduces once per optimizer step "
             f"(as plain DDP does under no_sync()). The gradients are equal up to float rounding, not bitwise. Wrap "
             f"the micro-steps before the last in ddp.no_sync() -- plain DDP's way to accumulate, and fewer "
-            f"all-reduces -- for results bitwise equal to plain DDP. Warned once.", RuntimeWarning, stacklevel=4)
+            f"all-reduces -- for results bitwise equal to plain DDP. Warned once.", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _refuse_hook_after_forward(self, i: int) -> None:
         raise MemschedError(
@@ -1910,7 +1911,7 @@ class OutOfOrderBackward:
                 f"already stepped {stepped} of {len(self._params)} parameters; they keep that update and the "
                 f"others keep their old values, whereas plain PyTorch updates nothing when backward raises. "
                 f"Raise before backward (check the loss) or use fuse_optimizer=False to skip such a step "
-                f"exactly (Note [A failed backward] in memsched/ooo/backward.py).", RuntimeWarning, stacklevel=2)
+                f"exactly (Note [A failed backward] in memsched/ooo/backward.py).", RuntimeWarning, stacklevel=user_stacklevel())
         self._callback_queued = False
         self._first_node.clear()
         self._phase = "idle"
@@ -2104,7 +2105,7 @@ class OutOfOrderBackward:
             f"PyTorch's optimizer.step() would use the new ones. Make such changes before backward (set the "
             f"learning rate before the forward; call the LR scheduler's step() after the step boundary) or use "
             f"fuse_optimizer=False (Note [Edits between backward and the step boundary] in memsched/ooo/backward.py). "
-            f"Warned once.", RuntimeWarning, stacklevel=3)
+            f"Warned once.", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _name(self, i: int) -> str:
         root = self.model
