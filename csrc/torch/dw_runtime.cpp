@@ -566,6 +566,12 @@ void DwRuntime::finalize(int32_t param, std::vector<at::Tensor>* released) {
   at::Tensor pend = std::move(pending_[param]);
   pending_[param] = at::Tensor();
   if (!pend.defined()) return;
+  if (C10_UNLIKELY(!params_[param].requires_grad())) {
+    // See Note [A parameter frozen between its forward and backward]
+    track(-nbytes(pend), 0);
+    released->push_back(std::move(pend));
+    return;
+  }
   at::Tensor& grad = params_[param].mutable_grad();
   if (pend.scalar_type() != params_[param].scalar_type()) {
     // Deferred under autocast (Note [Deferred calls under autocast] in backward.py): the sum was made in
@@ -984,22 +990,25 @@ void DwRuntime::on_autograd_grad(int32_t i, const at::Tensor& grad) {
     call_owner("_backward_started");
     backward_started = true;
   }
+  // See Note [A parameter frozen between its forward and backward]: its AccumulateGrad will drop this
+  // gradient and run no post-accumulate hook, so nothing is parked and its contribution is counted here.
+  const bool frozen = grad.defined() && !params_[i].requires_grad();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const bool mixed = grad.defined() && autograd_expected_[i] && sched_.expected(i) > 1;
-    seen_[i] = AutogradSeen{true, grad.defined(), !g.defined(), mixed};
+    const bool mixed = grad.defined() && !frozen && autograd_expected_[i] && sched_.expected(i) > 1;
+    seen_[i] = frozen ? AutogradSeen{} : AutogradSeen{true, grad.defined(), !g.defined(), mixed};
     if (mixed) {
       stash_[i] = std::move(g);
       g = at::Tensor();
     }
-    if (!grad.defined() && hook_expected_[i]) {
+    if ((!grad.defined() || frozen) && hook_expected_[i]) {
       // No gradient through autograd: every use of this graph task was deferred (or reached no
       // loss). Its AccumulateGrad ran, so no uncounted use can still add to it: the gate opens.
       hook_expected_[i] = 0;
       hook_gate = true;
     }
   }
-  if (grad.defined()) return;
+  if (grad.defined() && !frozen) return;
   if (hook_gate) {
     contribute(i);
     if (executor_ == Executor::kInline) {
