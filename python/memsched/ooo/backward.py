@@ -109,6 +109,22 @@ Note [A step the loop skipped after a fused update]
   or fuse_optimizer=False (found by a helper injecting failures mid-step, whose loop retried each
   later step into the same refusal).
 
+Note [Backward passes whose gradients the loop discards]
+  Rationale: a loop that runs two backward passes per step and drops the first one's gradients with
+  zero_grad() before the second (SAM's ascent pass, a probe pass whose gradients are only logged)
+  trains plainly under memsched.optimize's profiled step, which updates after backward (Note [The
+  profiled step updates after backward] in optimize.py); at the next step the fused update ran inside
+  the *first* backward pass, with gradients plain PyTorch discards, and only the second forward was
+  refused, that update applied (found by a helper probing loops that change things mid-training).
+  A step skipped at the first step looks the same to memsched (GradScaler's first steps skip on
+  inf/NaN, and a loop may catch an error before its step): backward, zero_grad(), backward, step.
+  Approach: under memsched.optimize (fusion_paused set), a zero_grad() after a backward pass of an
+  unfused step and before its step boundary marks the step; the next step then runs unfused too
+  (its update after backward, as the profiled step's). If that step drops a pass again, its step
+  boundary is refused before its update, naming fuse_optimizer=False; if not, the first was a skip
+  and later steps fuse. A bare OutOfOrderBackward cannot update after backward (its loop calls
+  step() and nothing else), so there the pass is refused at the next forward as before.
+
 Note [A parameter read after its gradient is final]
   Rationale: the fused update steps a parameter in place once its gradient is final. A backward
   node that reads the parameter but sends it no gradient can still run after that: the node of
@@ -835,6 +851,8 @@ class OutOfOrderBackward:
         self._warned_step_hooks = False
         self._warned_read_updated = False  # See _warn_read_updated
         self._zeroed_after_update = False  # zero_grad() after a fused update, before step()
+        self._discarded_pass = False  # See Note [Backward passes whose gradients the loop discards]
+        self._probation = False       # this step runs unfused: the last one discarded a pass
         self._step_called = False  # the caller's step() ran at least once
         self._warned_sync_each = False  # See ddp.py's Note [DDP features the bucket reduction replaces]
         self._iterations = 0
@@ -1626,7 +1644,8 @@ class OutOfOrderBackward:
                 self._refuse_hook_after_forward(hooked)
             # memsched.optimize's profiled step updates after backward (Note [The profiled step updates
             # after backward] in optimize.py): this pass then fuses nothing
-            self._fusing = self._stepper is not None and not (self.fusion_paused is not None and self.fusion_paused())
+            self._fusing = (self._stepper is not None and not self._probation
+                            and not (self.fusion_paused is not None and self.fusion_paused()))
             self._rt.notify = self._fusing or self._reducer is not None
             if self._fusing and not self._warned_step_hooks and has_step_hooks(self.optimizer):
                 self._warn_step_hooks()
@@ -1832,6 +1851,8 @@ class OutOfOrderBackward:
             # optimizer.step() follows the passes after this -- also with fuse_optimizer while no fused
             # update ran since the last step (memsched.optimize's profiled step updates after backward:
             # a skip there was refused as an accumulation mismatch)
+            if self._backwards_since_step and self._stepper is not None and self.fusion_paused is not None:
+                self._discarded_pass = True  # See Note [Backward passes whose gradients the loop discards]
             self._backwards_since_step = 0
         self._note_native_steps()  # frees of the C++ update come before this call (a failed backward's too)
         if self._updated_since_step:
@@ -2061,6 +2082,8 @@ class OutOfOrderBackward:
             raise MemschedError("step(): the last backward pass did not finish (it raised part way); its "
                                 "deferred weight gradients were dropped and parameters not yet updated keep "
                                 "their old values. Zero the gradients and run the step again.")
+        if (self._discarded_pass or self._probation) and self._micro_step % self.grad_accumulation_steps == 0:
+            self._end_discarding_step()
         ran = self._backwards_since_step
         fused = self._updated_since_step  # the last backward pass ran the update (not a paused one)
         if fused and not self._warned_late_edit:
@@ -2078,6 +2101,25 @@ class OutOfOrderBackward:
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
         return True
+
+    def _end_discarding_step(self) -> None:
+        """The step boundary of a step that discarded a backward pass, or of the unfused step after one (Note
+        [Backward passes whose gradients the loop discards])."""
+        discarded, self._discarded_pass = self._discarded_pass, False
+        if not discarded:
+            self._probation = False  # the last one was a skipped step: fuse again
+            return
+        if not self._probation:
+            self._probation = True  # the next step runs unfused, to see whether every step discards a pass
+            return
+        raise MemschedError(
+            "fuse_optimizer=True: this step, like the one before it, ran a backward pass whose gradients the loop "
+            "then dropped with zero_grad() before another backward pass (SAM's ascent pass, a pass whose gradients "
+            "are only looked at). With fuse_optimizer the update runs inside the backward pass that completes a "
+            "step, so it would use the first pass's gradients, which plain PyTorch discards. This step's update "
+            "was not applied: the model and optimizer are as after the last step. Use fuse_optimizer=False "
+            "(ooo=True keeps the out-of-order backward; Note [Backward passes whose gradients the loop "
+            "discards] in memsched/ooo/backward.py).")
 
     def _check_late_edits(self) -> None:
         """See Note [Edits between backward and the step boundary]: warns once when the hyper-parameters

@@ -1,0 +1,79 @@
+"""A loop that drops a backward pass's gradients with zero_grad() before another backward pass of the same
+step (Note [Backward passes whose gradients the loop discards] in ooo/backward.py): under
+memsched.optimize(fuse_optimizer=True) the step after the first such step runs unfused, and a second one is
+refused at its step boundary before its update; a one-off (a skipped first step) fuses again after it."""
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memsched
+
+
+def _base():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+
+
+def _two_pass_step(model, opt, x, y, boundary):
+    F.cross_entropy(model(x), y).backward()  # a pass whose gradients are only looked at
+    opt.zero_grad()
+    F.cross_entropy(model(x * 0.5), y).backward()  # the pass the update uses
+    boundary()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("boundary", ["run.step", "optimizer.step"])
+def test_two_backward_passes_with_zero_grad_between_are_refused_before_a_wrong_update(boundary):
+    batches = _batches(3)
+    plain, m = _base(), _base()
+    po, mo = torch.optim.AdamW(plain.parameters(), lr=1e-2), torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _two_pass_step(plain, po, *batches[0], po.step)  # plain after the first step
+    with memsched.optimize(m, mo, fuse_optimizer=True) as run:
+        step = run.step if boundary == "run.step" else mo.step
+        _two_pass_step(m, mo, *batches[0], step)
+        for p, q in zip(plain.parameters(), m.parameters()):
+            assert torch.equal(p, q)  # the profiled step updates after backward: plain's
+        state = copy.deepcopy(mo.state_dict())
+        with pytest.raises(memsched.MemschedError, match=r"dropped with zero_grad\(\) before another backward "
+                                                         r"pass.*was not applied.*fuse_optimizer=False"):
+            _two_pass_step(m, mo, *batches[1], step)
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q), "the refused step changed the model"
+    assert mo.state_dict()["state"][0]["step"] == state["state"][0]["step"]
+
+
+def test_a_skipped_first_step_fuses_again_after_one_unfused_step():
+    """backward, zero_grad, backward, step at the first step only (the loop skipped a bad batch): bitwise
+    plain, and the update fuses again from the third step."""
+    batches = _batches(6)
+
+    def train(model, flags):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with memsched.optimize(model, opt, **flags) if flags else contextlib.nullcontext() as run:
+            for i, (x, y) in enumerate(batches):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                if i == 0:
+                    continue  # a bad batch the loop skips
+                opt.step()
+        return run
+
+    plain, m = _base(), _base()
+    train(plain, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the profiled step spans the skipped one)
+        run = train(m, dict(fuse_optimizer=True))
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q)
+    # steps 1 (profiled, unfused) and 2 (unfused after the dropped pass) update after backward; 3 more fuse
+    assert run.ooo_.report()["fused_updates"] == 3 * len(list(m.parameters()))
