@@ -944,6 +944,8 @@ class Run:
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.model.zero_grad(set_to_none=True)
+        if self.ooo_ is not None:
+            self.ooo_.forget_discarded_pass()  # memsched's drop, not the loop's (Note [Backward passes whose ...])
 
     def _measures_device_peak(self):
         return self.device.type == "cuda"

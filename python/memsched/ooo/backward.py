@@ -2102,6 +2102,11 @@ class OutOfOrderBackward:
             torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
         return True
 
+    def forget_discarded_pass(self) -> None:
+        """The gradients just dropped were a refused step's, dropped by memsched.optimize, not by the loop
+        (Note [Backward passes whose gradients the loop discards])."""
+        self._discarded_pass = False
+
     def _end_discarding_step(self) -> None:
         """The step boundary of a step that discarded a backward pass, or of the unfused step after one (Note
         [Backward passes whose gradients the loop discards])."""
