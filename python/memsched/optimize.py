@@ -242,7 +242,8 @@ from memsched.offload.schedule import OffloadSchedule
 from memsched.offload.shape_plans import MAX_SHAPE_PLANS, PLAN_FIELDS, describe, step_signature
 from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
                                percent_refusal, planner_least_bytes, planner_names, resolve_budget)
-from memsched.step_hook import OptimizerStepHook, check_closure_optimizer, split_closure, torch_optimizer
+from memsched.step_hook import (OptimizerStepHook, check_closure_optimizer, find_accelerate_wrapper,
+                                split_closure, torch_optimizer)
 from memsched.units import format_bytes, parse_bytes
 from memsched.wording import counted
 from memsched.user_frame import user_stacklevel  # See Note [Warnings point at the caller's code]
@@ -388,6 +389,9 @@ class Run:
                       host_memory_limit=host_memory_limit, profile=profile, max_shape_plans=max_shape_plans)
         self.model = model
         self.optimizer = torch_optimizer(optimizer)  # accelerate's wrapper -> the optimizer it steps
+        # Note [run.step() with a framework's optimizer wrapper]
+        self.optimizer_wrapper_ = optimizer if optimizer is not None and self.optimizer is not optimizer else None
+        self.wrapper_searched_ = False
         self.planner = planner
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
@@ -429,7 +433,7 @@ class Run:
         self.executor = OffloadExecutor(model, self.device, self.host, min_bytes=self.min_offload_bytes,
                                         on_mismatch=self._on_mismatch, timeline=self.timeline)
         # Note [optimizer.step() without run.step()] (step_hook.py)
-        self.step_hook_ = (OptimizerStepHook(self.optimizer, self._framework_step)
+        self.step_hook_ = (OptimizerStepHook(self.optimizer, self._framework_step, self.optimizer_wrapper_)
                            if isinstance(self.optimizer, torch.optim.Optimizer) else None)
         self.trace = None            # memsched.Trace of the last profiled step
         self.plan = None             # the plan executed now (None: keep everything)
@@ -510,7 +514,7 @@ class Run:
             self.plans_, self.plan_sig_ = {}, None  # See Note [One plan per input shape]
             if self.step_hook_ is not None:
                 if self.step_hook_.on_step is None:  # entered again after __exit__, whose remove() let go of us
-                    self.step_hook_ = OptimizerStepHook(self.optimizer, self._framework_step)
+                    self.step_hook_ = OptimizerStepHook(self.optimizer, self._framework_step, self.optimizer_wrapper_)
                 self.step_hook_.install()
                 self._watch_other_optimizers()
             self._start_profiling()
@@ -618,6 +622,25 @@ class Run:
         """End the current step: plan after a profiled step, run optimizer.step() and zero_grad()."""
         if not self.entered_:
             raise RuntimeError("run.step(): call it inside `with memsched.optimize(...) as run:`")
+        if self.optimizer_wrapper_ is None and not self.wrapper_searched_ and self.step_hook_ is not None:
+            self.wrapper_searched_ = True
+            self.optimizer_wrapper_ = find_accelerate_wrapper(self.optimizer)
+        if self.optimizer_wrapper_ is not None and self.step_hook_ is not None:
+            # Note [run.step() with a framework's optimizer wrapper]
+            #   Rationale: run.step() stepped the torch optimizer inside accelerate's AcceleratedOptimizer
+            #   directly, past the wrapper's decisions: under accelerator.accumulate() it updated at every
+            #   micro-batch, and with a GradScaler it updated with scaled gradients and never called
+            #   scaler.update() (9.84 off plain after 4 SGD steps; found by a helper following the README in
+            #   an accelerate loop).
+            #   Approach: with a wrapper, run.step() is the wrapper's step() and zero_grad(), as the loop
+            #   would call them; the wrapper's inner step() is routed through the Run (Note [optimizer.step()
+            #   without run.step()] in step_hook.py), which ends the memsched step there -- on the
+            #   micro-batch that ends an accumulation.
+            #   Given the torch optimizer itself (optimize() entered before accelerator.prepare()), the
+            #   first run.step() looks for an AcceleratedOptimizer around it, once.
+            self.optimizer_wrapper_.step()
+            self.optimizer_wrapper_.zero_grad()
+            return
         if self.ooo_ is not None:
             self._check_run_step_accumulation()
         self._warn_second_update()

@@ -28,6 +28,12 @@ Note [optimizer.step() without run.step()]
   which wrap the same attribute (before or after us; their `_wrapped_by_lr_sched` mark is kept).
   The fused update's ParamStepper looks through this routing (fused.py: _stock_step), and its
   fallback path's own optimizer.step() calls during backward pass straight through.
+  accelerate's AcceleratedOptimizer with a GradScaler (mixed_precision="fp16") keeps the optimizer's
+  step method from when it was built, sets a patched copy of it on the optimizer for each step and
+  then that kept method: it overwrote the routing of a Run entered after accelerator.prepare(), so
+  no step boundary was ever seen and nothing planned (found by a helper training with accelerate).
+  install() given that wrapper re-points both (_optimizer_original_step_method and the patched one,
+  through accelerate's own patch_optimizer_step) at the routing, and remove() puts them back.
   Limitations: an optimizer whose step evaluates the closure more than once (LBFGS) is refused
   when a closure is passed; a step that GradScaler skips (inf/NaN gradients under fp16) never
   reaches optimizer.step(), so the memsched step runs on into the next one (it mismatches the
@@ -36,13 +42,14 @@ Note [optimizer.step() without run.step()]
   something wrapped it after us: then our layer stays, passing every call through.
 """
 import contextlib
+import sys
 import types
 
 import torch
 
 from memsched._C import MemschedError
 
-__all__ = ["OptimizerStepHook", "is_step_hook", "torch_optimizer"]
+__all__ = ["OptimizerStepHook", "find_accelerate_wrapper", "is_step_hook", "torch_optimizer"]
 
 
 def torch_optimizer(optimizer):
@@ -61,6 +68,26 @@ def torch_optimizer(optimizer):
     return optimizer
 
 
+def find_accelerate_wrapper(optimizer):
+    """accelerate's AcceleratedOptimizer around `optimizer`, made after it was given to memsched.optimize()
+    (accelerator.prepare() after optimize()), or None. Looked for once per Run, among the optimizer's
+    referrers, only when accelerate's optimizer module is loaded (Note [run.step() with a framework's
+    optimizer wrapper] in optimize.py)."""
+    module = sys.modules.get("accelerate.optimizer")
+    cls = getattr(module, "AcceleratedOptimizer", None)
+    if cls is None:
+        return None
+    import gc
+    for ref in gc.get_referrers(optimizer):
+        if type(ref) is dict:  # the wrapper's __dict__ holds the optimizer
+            for owner in gc.get_referrers(ref):
+                if isinstance(owner, cls) and getattr(owner, "__dict__", None) is ref and owner.optimizer is optimizer:
+                    return owner
+        elif isinstance(ref, cls) and ref.optimizer is optimizer:
+            return ref
+    return None
+
+
 def is_step_hook(fn):
     """True for the bound method OptimizerStepHook puts on an optimizer."""
     return bool(getattr(fn, "_memsched_step_hook", False))
@@ -70,9 +97,11 @@ class OptimizerStepHook:
     """Routes optimizer.step(*args, **kwargs) to on_step(step, args, kwargs) while active; `step` is
     the callable that was optimizer.step before install() (torch's, or an LR scheduler's wrapper)."""
 
-    def __init__(self, optimizer, on_step):
+    def __init__(self, optimizer, on_step, wrapper=None):
         self.optimizer = optimizer
         self.on_step = on_step
+        self.wrapper = wrapper  # the framework's wrapper the caller passed (accelerate's), or None
+        self.wrapper_methods_ = None  # accelerate's kept step methods, while re-pointed at us
         self.active = False
         self.passing_ = 0       # > 0: inside passing(): calls go straight to the optimizer's own step
         self.method_ = None     # the bound method set on the instance
@@ -105,8 +134,24 @@ class OptimizerStepHook:
             step._wrapped_by_lr_sched = True  # the LR scheduler's wrapper is still called (lr_scheduler.py)
         self.method_ = types.MethodType(step, opt)
         opt.step = self.method_
+        self._repoint_wrapper()
         self.active = True
         return self
+
+    def _repoint_wrapper(self):
+        """accelerate's AcceleratedOptimizer with a GradScaler sets its kept step methods on the optimizer at
+        each step: they call the routing from now on (Note [optimizer.step() without run.step()])."""
+        w = self.wrapper
+        kept = getattr(w, "_optimizer_original_step_method", None) if w is not None else None
+        if kept is None or getattr(w, "optimizer", None) is not self.optimizer:
+            return
+        try:
+            from accelerate.optimizer import patch_optimizer_step
+        except ImportError:
+            return
+        self.wrapper_methods_ = (kept, getattr(w, "_optimizer_patched_step_method", None))
+        w._optimizer_original_step_method = self.method_
+        w._optimizer_patched_step_method = patch_optimizer_step(w, self.method_)
 
     @contextlib.contextmanager
     def passing(self):
@@ -129,6 +174,11 @@ class OptimizerStepHook:
             else:
                 del opt.__dict__["step"]
         # else: wrapped after us (an LR scheduler made inside the Run): our layer passes calls through
+        if self.wrapper_methods_ is not None:
+            if self.wrapper._optimizer_original_step_method is self.method_:
+                self.wrapper._optimizer_original_step_method, self.wrapper._optimizer_patched_step_method = \
+                    self.wrapper_methods_
+            self.wrapper_methods_ = None
         self.method_ = self.prev_ = None
         self.on_step = None  # a layer left in place must not keep the Run (model, trace, buffers) alive
 

@@ -57,3 +57,56 @@ def test_accelerate_loop_equals_plain(accumulation, fuse):
     assert run.steps_profiled == 1 and run.steps_planned == 2  # one memsched step per real optimizer step
     assert all(s.offloaded > 0 for s in run.step_stats)
     assert isinstance(run.optimizer, torch.optim.AdamW)  # the optimizer accelerate wraps
+
+
+def _run_step_loop(model, accumulation, scaled, use_memsched, prepare_first=True):
+    """The README's run.step() loop inside accelerate: run.step() where the loop would call opt.step() and
+    opt.zero_grad(). `scaled`: accelerate's GradScaler path (what mixed_precision="fp16" sets up on a GPU;
+    a CPU GradScaler here). Returns the number of real optimizer updates and the Run."""
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    if scaled:
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    updates = []
+    opt.register_step_post_hook(lambda *a: updates.append(1))
+    run = memsched.optimize(model, opt, budget=1.0, planner="offload_all_prefetch") if use_memsched else None
+    if run is not None and not prepare_first:
+        run.__enter__()
+    model, opt = accelerator.prepare(model, opt)
+    if run is not None and prepare_first:
+        run = memsched.optimize(model, opt, budget=1.0, planner="offload_all_prefetch").__enter__()
+    try:
+        for i in range(4 * accumulation):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(32, 12, generator=g), torch.randint(0, 5, (32,), generator=g)
+            with accelerator.accumulate(model):
+                accelerator.backward(F.cross_entropy(model(x), y))
+                if run is not None:
+                    run.step()
+                else:
+                    opt.step()
+                    opt.zero_grad()
+    finally:
+        if run is not None:
+            run.__exit__(None, None, None)
+    return len(updates), run
+
+
+@pytest.mark.parametrize("prepare_first", [True, False], ids=["prepare-then-optimize", "optimize-then-prepare"])
+@pytest.mark.parametrize("accumulation, scaled", [(2, False), (1, True)], ids=["accumulate2", "grad-scaler"])
+def test_run_step_in_an_accelerate_loop_is_the_wrappers_step(accumulation, scaled, prepare_first):
+    """run.step() stepped the torch optimizer inside accelerate's wrapper directly: an update at every
+    micro-batch under accumulate(), and with a GradScaler updates with scaled gradients and no
+    scaler.update() (9.84 off plain). It is now the wrapper's step() and zero_grad(), and a Run entered
+    before the GradScaler's wrapper keeps its step boundary (it never planned)."""
+    model = _net()
+    ref = copy.deepcopy(model)
+    plain_updates, _ = _run_step_loop(ref, accumulation, scaled, False)
+    updates, run = _run_step_loop(model, accumulation, scaled, True, prepare_first)
+    assert updates == plain_updates == 4
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    assert run.steps_profiled == 1 and run.steps_planned == 3 and run.steps_plain == 0
