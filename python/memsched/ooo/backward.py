@@ -94,9 +94,16 @@ Note [A failed backward]
   finds the phase "backward" (the failed graph still referenced) abandons it
   too, and so does remove(). memsched.optimize abandons an iteration whose
   root forward raised (abandon_forward()).
+  A pass that memsched itself refuses mid-backward (a parameter used outside its layer, a use counted
+  too late) left the gradients half-written: AccumulateGrad had stored some, others were None, and a
+  deferred one held part of its sum; a caller who retried with ooo=False, as the message says, without a
+  zero_grad() first trained on the leftovers (3.7e-3 off plain; found by a helper). Such a pass's
+  abandonment drops every gradient of the model (.grad = None, as after a refused budget's step), and
+  the refusal says so.
   Limitations: with a fused update, parameters stepped before the backward pass raised keep their
   update (plain PyTorch, whose step follows backward, updates none); a RuntimeWarning names how
-  many when the iteration is abandoned.
+  many when the iteration is abandoned. A pass that raises for another reason (the caller's hook, out of
+  memory) keeps the gradients autograd stored before it raised, as in plain PyTorch.
 
 Note [A step the loop skipped after a fused update]
   Rationale: with fuse_optimizer the update runs during the backward pass that completes a step's
@@ -714,6 +721,11 @@ def _user_hooked(p: torch.Tensor) -> bool:
     return len(p._backward_hooks) > 1 or len(p._post_accumulate_grad_hooks) > 1
 
 
+_DROPPED = ("The gradients of this step are dropped (every .grad of the model set to None, as zero_grad("
+            "set_to_none=True) does) once the pass is abandoned -- at the next forward, step() or when the Run is "
+            "left -- so a retry starts from none (Note [A failed backward]).")
+
+
 class OutOfOrderBackward:
     """Defers weight gradients of eligible layers; optionally fuses the optimizer update.
 
@@ -852,6 +864,7 @@ class OutOfOrderBackward:
         self._warned_read_updated = False  # See _warn_read_updated
         self._zeroed_after_update = False  # zero_grad() after a fused update, before step()
         self._discarded_pass = False  # See Note [Backward passes whose gradients the loop discards]
+        self._refused_in_backward = False  # memsched refused this pass mid-backward (Note [A failed backward])
         self._probation = False       # this step runs unfused: the last one discarded a pass
         self._step_called = False  # the caller's step() ran at least once
         self._warned_sync_each = False  # See ddp.py's Note [DDP features the bucket reduction replaces]
@@ -1420,6 +1433,7 @@ class OutOfOrderBackward:
             self._refuse_late_use(late)
 
     def _refuse_late_use(self, i: int) -> None:
+        self._refused_in_backward = True  # See Note [A failed backward]
         raise MemschedError(
             f"parameter {self._name(i)} is used by a forward that runs during backward (activation "
             f"checkpointing recomputes it) after it already received gradient in this backward pass: its "
@@ -1428,10 +1442,11 @@ class OutOfOrderBackward:
             f"(the model called twice before one backward: two views, two batches, with gradient "
             f"checkpointing on). Run one forward per backward pass (two micro-batches with "
             f"grad_accumulation_steps=2), turn activation checkpointing off for this model, or train without "
-            f"ooo=True (plain PyTorch's backward handles it).")
+            f"ooo=True and fuse_optimizer=True (plain PyTorch's backward handles it). {_DROPPED}")
 
     def _refuse_uncounted(self, i: int) -> None:
         """Called by the runtime's post-accumulate-grad hook (See Note [AccumulateGrad gate])."""
+        self._refused_in_backward = True  # See Note [A failed backward]
         raise MemschedError(
             f"parameter {self._name(i)} received a gradient through autograd that memsched did not "
             f"count during forward: it is used outside the layer that owns it (a functional call, a "
@@ -1439,7 +1454,7 @@ class OutOfOrderBackward:
             f"gradient (double backward: torch.autograd.grad(..., create_graph=True), which ooo does "
             f"not support). Its "
             f"deferred gradient may already be final; memsched refuses to compute a wrong update. Use "
-            f"it only through its module, or leave that model out of ooo (ooo=False).")
+            f"it only through its module, or leave that model out of ooo (ooo=False). {_DROPPED}")
 
     def _check_no_grad_use(self) -> None:
         # See _REENTRANT_MESSAGE; the stack walk runs only with a fused update.
@@ -1938,6 +1953,10 @@ class OutOfOrderBackward:
         self._phase = "idle"
         self._graph = None
         self._rt.set_graph(None, None)
+        if self._refused_in_backward:  # See Note [A failed backward]
+            self._refused_in_backward = False
+            for p in self._root.parameters():
+                p.grad = None
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
