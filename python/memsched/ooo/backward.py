@@ -533,6 +533,11 @@ def _eligible(module: nn.Module) -> bool:
     # leaf Parameter of the module: its gradient must flow through autograd.
     if parametrize.is_parametrized(module):
         return False
+    if module._parameters.get("weight") is None:
+        # deleted and set by a forward pre-hook from a Parameter of another name (AWD-LSTM's WeightDrop,
+        # DropConnect): `del lin.weight` left no attribute, which the check below took for none needed (an
+        # AttributeError at install; found by a helper)
+        return False
     for name in ("weight", "bias"):
         if name not in module._parameters and getattr(module, name, None) is not None:
             return False

@@ -3,7 +3,7 @@ autograd and train as plain PyTorch (Note [Layer calls out-of-order backward lea
 python/memsched/ooo/backward.py): complex layers, a conv whose padding_mode/padding/dilation changed after
 install, tensor subclasses with __torch_function__, torch.func.functional_call; and what cannot be routed
 is refused by name: a model converted to another dtype after install, a reentrant checkpoint whose nested
-backward ends the pass early. Each was found by fuzzing (silently wrong, a raw TypeError or a false
+backward ends the pass early; a Linear whose weight a forward pre-hook sets. Each was found by fuzzing or a helper (silently wrong, a raw TypeError or a false
 message before)."""
 import copy
 
@@ -258,3 +258,42 @@ def test_a_torch_jit_scripted_submodule_trains_as_plain(fuse):
             mopt.zero_grad()
     for p, q in zip(plain.parameters(), m.parameters()):
         assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
+
+
+def _weight_drop_model():
+    """AWD-LSTM's WeightDrop on a Linear: its `weight` Parameter deleted, set by a forward pre-hook from
+    `weight_raw` at every forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+    lin = model[2]
+    raw = lin.weight.detach().clone()
+    del lin.weight
+    lin.weight_raw = nn.Parameter(raw)
+    lin.register_forward_pre_hook(
+        lambda mod, args: setattr(mod, "weight", torch.nn.functional.dropout(mod.weight_raw, 0.3, mod.training)))
+    return model
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["ooo", "fused"])
+def test_a_linear_whose_weight_a_pre_hook_sets_trains_as_plain(fuse):
+    """`del lin.weight` left no attribute, which eligibility took for no weight to check: install raised
+    AttributeError. Such a layer's weight is no leaf Parameter of it: autograd's."""
+    import memsched
+    import torch.nn.functional as F
+    model, plain = _weight_drop_model(), _weight_drop_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    popt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    data = [(torch.randn(16, 32, generator=torch.Generator().manual_seed(k)), torch.randint(0, 10, (16,)))
+            for k in range(3)]
+    torch.manual_seed(1)
+    for x, y in data:
+        F.cross_entropy(plain(x), y).backward()
+        popt.step()
+        popt.zero_grad()
+    torch.manual_seed(1)
+    with memsched.optimize(model, opt, ooo=not fuse, fuse_optimizer=fuse) as run:
+        for x, y in data:
+            F.cross_entropy(model(x), y).backward()
+            run.step()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
