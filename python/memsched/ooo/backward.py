@@ -533,7 +533,7 @@ def _eligible(module: nn.Module) -> bool:
     # leaf Parameter of the module: its gradient must flow through autograd.
     if parametrize.is_parametrized(module):
         return False
-    if module._parameters.get("weight") is None:
+    if "weight" not in module._parameters or module._parameters["weight"] is None:
         # deleted and set by a forward pre-hook from a Parameter of another name (AWD-LSTM's WeightDrop,
         # DropConnect): `del lin.weight` left no attribute, which the check below took for none needed (an
         # AttributeError at install; found by a helper)
