@@ -1801,6 +1801,7 @@ class OutOfOrderBackward:
             # an optimizer step hook (or the optimizer) raised part way: some of these may be stepped, and
             # the failed backward's warning (_abandon) says how many at most
             self._iter_stepped += len(params)
+            self._update_raised = True
             raise
         self._rt.track(-nbytes)
         self._fused_steps += len(params)
@@ -1946,7 +1947,18 @@ class OutOfOrderBackward:
             self._stepper.forget_native_plan()
         self._note_native_steps()  # updates the C++ Adam path ran before the error count too
         stepped, self._iter_stepped = self._iter_stepped, 0
-        if stepped:
+        in_update, self._update_raised = self.__dict__.pop("_update_raised", False), False
+        if stepped and in_update:
+            # the optimizer (or a step hook of it) raised inside the fused update: the group it was stepping may
+            # be stepped in part or not at all (found by a helper: "2 of 6 ... keep that update", none changed)
+            warnings.warn(
+                f"memsched: the fused optimizer update (fuse_optimizer=True) raised during a backward pass (the "
+                f"optimizer or one of its step hooks, in the exception above), after it had begun stepping: up to "
+                f"{stepped} of {len(self._params)} parameters may hold that update and the others keep their old "
+                f"values, whereas plain PyTorch's update after backward would raise before or while stepping all "
+                f"of them. Use fuse_optimizer=False to see such an error outside backward (Note [A failed "
+                f"backward] in memsched/ooo/backward.py).", RuntimeWarning, stacklevel=user_stacklevel())
+        elif stepped:
             warnings.warn(
                 f"memsched: a backward pass raised after the fused optimizer update (fuse_optimizer=True) had "
                 f"already stepped {stepped} of {len(self._params)} parameters; they keep that update and the "

@@ -126,5 +126,26 @@ def test_an_optimizer_step_hook_that_raises_inside_the_fused_update_is_counted_i
             with pytest.raises(RuntimeError, match="a hook of the caller's"):
                 F.cross_entropy(m(x), y).backward()
             m(x)  # the next forward abandons the failed iteration
-    said = [str(w.message) for w in caught if "a backward pass raised after the fused optimizer update" in str(w.message)]
-    assert len(said) == 1 and "already stepped" in said[0], [str(w.message) for w in caught]
+    said = [str(w.message) for w in caught if "the fused optimizer update (fuse_optimizer=True) raised" in str(w.message)]
+    assert len(said) == 1 and "up to 2 of 6 parameters may hold that update" in said[0], [str(w.message) for w in caught]
+
+
+def test_an_optimizer_step_pre_hook_that_raises_is_not_said_to_have_stepped_anything_for_sure():
+    """A pre-hook raises before the optimizer steps anything: the warning said '2 of 6 parameters ... keep
+    that update' and blamed a backward pass, where none changed (found by a helper)."""
+    torch.manual_seed(0)
+    m = Net(guard_at_loss=False)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    opt.register_step_pre_hook(lambda optimizer, args, kwargs: (_ for _ in ()).throw(FloatingPointError("checked")))
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    before = [p.detach().clone() for p in m.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with memsched.OutOfOrderBackward(m, optimizer=opt, fuse_optimizer=True):
+            with pytest.raises(FloatingPointError):
+                F.cross_entropy(m(x), y).backward()
+            m(x)  # the next forward abandons the failed iteration
+    assert all(torch.equal(p, q) for p, q in zip(before, m.parameters()))
+    said = [str(w.message) for w in caught if "fused optimizer update" in str(w.message)]
+    assert len(said) == 1 and "raised during a backward pass" in said[0] and "may hold" in said[0], said
+    assert "keep that update" not in said[0]
