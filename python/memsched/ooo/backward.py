@@ -105,6 +105,18 @@ Note [A failed backward]
   many when the iteration is abandoned. A pass that raises for another reason (the caller's hook, out of
   memory) keeps the gradients autograd stored before it raised, as in plain PyTorch.
 
+Note [A reentrant checkpoint's nested backward passes]
+  Rationale: torch.utils.checkpoint(..., use_reentrant=True) runs each segment's forward under no_grad
+  and, in backward, recomputes it and runs a backward pass of its own inside the caller's. Where the
+  only trainable layers sit inside the segments (LoRA adapters, a frozen head), nothing of the model is
+  seen before backward: each nested pass begins and ends an iteration of its own (its uses are all the
+  recompute's, so its gradients are whole), and one loss.backward() counted as one pass per segment --
+  refused at optimizer.step() as "2 backward pass(es) ... expects 1" (found by a helper).
+  Approach: without a fused update, a pass that begins inside a reentrant checkpoint's backward
+  (CheckpointFunction.backward on the stack) is not counted when it ends; the nested passes of one
+  backward() count as one pass, booked at the next forward outside backward, zero_grad(), step() or
+  when the count is read. A fused update refuses reentrant checkpointing at the forward.
+
 Note [A step the loop skipped after a fused update]
   Rationale: with fuse_optimizer the update runs during the backward pass that completes a step's
   accumulation, before the loop's step(). A loop that then skips step() -- an exception between
@@ -701,6 +713,22 @@ def _in_reentrant_checkpoint() -> bool:
     return False
 
 
+def _in_reentrant_checkpoint_backward() -> bool:
+    """True inside the backward of torch.utils.checkpoint(..., use_reentrant=True): its nested backward pass
+    (Note [A reentrant checkpoint's nested backward passes])."""
+    ckpt = sys.modules.get("torch.utils.checkpoint")
+    fn = getattr(ckpt, "CheckpointFunction", None)
+    if fn is None:
+        return False
+    code = fn.backward.__code__
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
 _REENTRANT_MESSAGE = (
     "torch.utils.checkpoint(..., use_reentrant=True) cannot be combined with fuse_optimizer=True: its "
     "segments run forward under no_grad and recompute it as a separate backward pass, so a parameter used "
@@ -870,6 +898,8 @@ class OutOfOrderBackward:
         self._zeroed_after_update = False  # zero_grad() after a fused update, before step()
         self._discarded_pass = False  # See Note [Backward passes whose gradients the loop discards]
         self._refused_in_backward = False  # memsched refused this pass mid-backward (Note [A failed backward])
+        self._pass_nested = False   # this pass began inside a reentrant checkpoint's backward (Note [A reentrant ...])
+        self._nested_ended = False  # such passes ended and are not counted yet
         self._probation = False       # this step runs unfused: the last one discarded a pass
         self._step_called = False  # the caller's step() ran at least once
         self._warned_sync_each = False  # See ddp.py's Note [DDP features the bucket reduction replaces]
@@ -1219,6 +1249,8 @@ class OutOfOrderBackward:
 
     # ------------------------------------------------------------------ forward
     def _begin_if_idle(self) -> None:
+        if self._nested_ended:
+            self._book_nested_passes()
         if self._phase == "backward" and torch._C._current_graph_task_id() == -1:
             # A forward outside the engine while a backward pass is unfinished: that pass raised
             # (its end-of-backward callback never runs) and its graph is still referenced.
@@ -1655,6 +1687,8 @@ class OutOfOrderBackward:
             self._callback_queued = True
             self._phase = "backward"
             self._timeline.append(("backward_start", time.perf_counter()))
+            # See Note [A reentrant checkpoint's nested backward passes]
+            self._pass_nested = self._stepper is None and _in_reentrant_checkpoint_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             # the checks run before anything of this pass changed a gradient or a parameter
             if self._undeclared and not self._step_declared:
@@ -1866,6 +1900,8 @@ class OutOfOrderBackward:
     def _on_zero_grad(self, set_to_none: bool, params) -> None:
         """The caller's optimizer.zero_grad(set_to_none) (params None) or module.zero_grad(set_to_none)
         (params: the module's) (Note [Gradients the fused update did not see])."""
+        if self._nested_ended:
+            self._book_nested_passes()
         if not self._updated_since_step and self._micro_step % self.grad_accumulation_steps == 0:
             # the gradients of the backward passes so far are dropped without a step (GradScaler
             # skipped it on inf/NaN, or the loop caught an error before its step): the caller's next
@@ -2025,9 +2061,23 @@ class OutOfOrderBackward:
             # See Note [Edits between backward and the step boundary]
             self._hypers_at_update = _hypers(self.optimizer)
             rt.snapshot_versions()
+        if self._pass_nested:  # See Note [A reentrant checkpoint's nested backward passes]
+            self._pass_nested = False
+            self._nested_ended = True
+            return
+        self._nested_ended = False  # nested passes inside this one: this one counts for them
         self._micro_step += 1
         self._backwards_since_step += 1
         self._iterations += 1
+
+    def _book_nested_passes(self) -> None:
+        """The nested passes of one backward() inside reentrant checkpoints count as one pass (Note [A reentrant
+        checkpoint's nested backward passes]); booked outside backward."""
+        if torch._C._current_graph_task_id() == -1:
+            self._nested_ended = False
+            self._micro_step += 1
+            self._backwards_since_step += 1
+            self._iterations += 1
 
     # ------------------------------------------------------------------ user API
     def _refuse_extra_backward(self) -> None:
@@ -2089,11 +2139,15 @@ class OutOfOrderBackward:
     @property
     def micro_steps(self) -> int:
         """Backward passes that ended since install (the accumulation position is micro_steps % K)."""
+        if self._nested_ended:
+            self._book_nested_passes()
         return self._micro_step
 
     @property
     def backward_passes_since_step(self) -> int:
         """Backward passes that ended since the last step()."""
+        if self._nested_ended:
+            self._book_nested_passes()
         return self._backwards_since_step
 
     def step(self) -> bool:
@@ -2112,6 +2166,8 @@ class OutOfOrderBackward:
     def _end_micro_step(self, declares_zeroing: bool) -> bool:
         """step(); memsched.optimize's optimizer.step() routing passes declares_zeroing=False: the
         caller's loop zeroes the gradients itself after that."""
+        if self._nested_ended:
+            self._book_nested_passes()
         if self._phase == "backward" or self.__dict__.pop("_failed_backward", False):
             # The end-of-backward callback never ran: backward raised part way.
             self._abandon()
