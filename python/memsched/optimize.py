@@ -392,6 +392,7 @@ class Run:
         # Note [run.step() with a framework's optimizer wrapper]
         self.optimizer_wrapper_ = optimizer if optimizer is not None and self.optimizer is not optimizer else None
         self.wrapper_searched_ = False
+        self.last_sig_ = None  # the input signature of the last step's first forward with gradients
         self.planner = planner
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
@@ -1041,11 +1042,18 @@ class Run:
         warning came once, long before; this was said only in run.report() (found by a helper training a
         Hugging Face model on dynamically padded batches: 3 profiled, 0 planned, 5 plain steps). Said once."""
         shapes = "this step has" in (stats.mismatch or "")
+        # the inputs kept their shapes: the forward makes its shapes from their values (found by a helper: an
+        # nn.LSTM over pack_padded_sequence with lengths that change every batch never ran its plan)
+        inside = shapes and self.max_shape_plans > 1 and self.last_sig_ is not None and self.last_sig_ == self.plan_sig_
         warnings.warn(
             f"memsched.optimize: steps keep changing after {counted(self.reprofiles, 're-profile')} (max_reprofiles="
             f"{self.max_reprofiles}; the last: {stats.mismatch or 'a step ran plainly'}), so no plan runs from "
             f"here on and every step runs as plain PyTorch: a plan is for one step's shapes and control flow. "
-            + (f"Batches whose shapes change from step to step get a plan per shape, up to {self.max_shape_plans} "
+            + (f"This step's inputs have the profiled step's shapes, so the forward makes other shapes from their "
+               f"values (pack_padded_sequence over lengths that vary, a boolean mask, nonzero()): run the RNN over "
+               f"the padded batch without packing, or bucket batches by length so that each shape recurs, "
+               if inside else
+               f"Batches whose shapes change from step to step get a plan per shape, up to {self.max_shape_plans} "
                f"(Note [One plan per input shape]); more distinct shapes (dynamic padding) need padding to a few "
                f"lengths (a Hugging Face collator's pad_to_multiple_of=..., or padding='max_length'), "
                if shapes else "")
@@ -1150,7 +1158,7 @@ class Run:
                 and (not self.executor.in_step_ or self.executor.saved_nothing()):
             # the step's first forward with gradients (an evaluation under no_grad may have begun the
             # executor's step; it saved nothing): See Note [One plan per input shape]
-            sig = step_signature(args, kwargs)
+            sig = self.last_sig_ = step_signature(args, kwargs)
             if sig is not None and sig != self.plan_sig_:
                 self._plan_for_shape(sig)
         if self.profile_ is not None and self.profile_sig_ is None and torch.is_grad_enabled():
@@ -1692,8 +1700,8 @@ class Run:
             notes.append(f"{shapes} plans, one per input shape of the step's first forward; the figures are those "
                          f"of the plan for inputs {describe(self.plan_sig_)}")
         if len(mine) < len(self.step_stats) and self.steps_profiled > 1:
-            notes.append(f"measured: the {counted(len(mine), 'step')} of the current plan (profile "
-                         f"{self.plan_index_}); other plans' steps are left out of the medians")
+            notes.append(f"measured: the {counted(len(mine), 'step')} run against the current plan (profile "
+                         f"{self.plan_index_}; planned or not); other plans' steps are left out of the medians")
         r = build_report(info, self.planned_figures(), mine, notes,
                          counts=(self.steps_planned,
                                  self.steps_plain + self.steps_not_profiled + self.compiled_steps_),

@@ -242,6 +242,36 @@ def test_steps_that_keep_changing_shape_say_once_that_no_plan_runs_any_more():
     assert run.steps_planned == 0
 
 
+def test_shapes_made_from_input_values_are_named_when_the_inputs_keep_their_shapes():
+    """An nn.LSTM over pack_padded_sequence with lengths that vary: the inputs keep their shapes, so a plan per
+    input shape cannot help and the advice to pad to a few lengths did not apply (found by a helper)."""
+    import warnings
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lstm, self.out = nn.Embedding(30, 16), nn.LSTM(16, 32, batch_first=True), nn.Linear(32, 4)
+
+        def forward(self, x, lengths):
+            packed = nn.utils.rnn.pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False)
+            return self.out(self.lstm(packed)[1][0][-1])
+
+    torch.manual_seed(0)
+    m = Packed()
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with memsched.optimize(m, torch.optim.AdamW(m.parameters()), budget=0.5, max_reprofiles=1) as run:
+            for step in range(8):
+                lengths = torch.randint(1, 11, (8,), generator=g)  # another total length at most steps,
+                lengths[0] = 10                                   # one padded shape
+                m(torch.randint(0, 30, (8, 10), generator=g), lengths).sum().backward()
+                run.step()
+    said = [str(w.message) for w in caught if "steps keep changing" in str(w.message)]
+    assert len(said) == 1 and "inputs have the profiled step's shapes" in said[0] and "pack_padded_sequence" in said[0]
+    assert "pad_to_multiple_of" not in said[0], said
+
+
 def test_a_run_entered_again_after_its_with_block_routes_the_loops_optimizer_step_again():
     """The ooo refusals advise leaving the `with` block and entering it again: the same Run's second
     `with` raised "'NoneType' object is not callable" at the loop's first optimizer.step() (its step

@@ -50,7 +50,7 @@ def test_after_a_reprofile_the_report_measures_the_current_plans_steps_only(caps
     assert r.measured["activation_peak_bytes"] == r.planned["activation_peak_bytes"]
     # on CPU the allocator's peak is not measured: not the saved-activation count under the whole-step key
     assert r.measured["peak_bytes"] is None and "measured_activation_peak_bytes=225412" in repr(r)
-    assert any("of the current plan (profile 2)" in n for n in r.notes), r.notes
+    assert any("run against the current plan (profile 2" in n for n in r.notes), r.notes
     assert not any("above the plan" in n for n in r.notes), r.notes
 
 
