@@ -739,6 +739,15 @@ class Run:
         grad_accumulation_steps backward passes: the fused update (or ooo's step count) follows
         that setting, the caller's loop its own. Refused before anything changes."""
         k, n = self.grad_accumulation_steps, self.ooo_.backward_passes_since_step
+        if n != k and n != 0 and _accelerate_end_of_dataloader():
+            # accelerate syncs at the end of its dataloader: a shorter last accumulation (found by a helper)
+            raise _C.MemschedError(
+                f"optimizer.step() was called after {n} backward pass(es) where grad_accumulation_steps={k}: "
+                f"accelerate ends an accumulation at the end of its dataloader, so an epoch whose batch count is "
+                f"no multiple of {k} ends with a shorter one, which the out-of-order backward (ooo=True / "
+                f"fuse_optimizer=True) cannot update after: its update follows grad_accumulation_steps. Nothing "
+                f"was changed by this step. Make the number of batches per epoch a multiple of {k} (the dataset's "
+                f"size, the batch size or a sampler), or use ooo=False, fuse_optimizer=False")
         if n != k and n != 0:  # n == 0: gradients set by hand (torch.autograd.grad): a plain step
             raise _C.MemschedError(
                 f"optimizer.step() was called after {n} backward pass(es) since the last optimizer step (or "
@@ -1912,6 +1921,18 @@ def _explain_profiled_oom(exc):
                      "a fraction or a percentage, which is only resolved to bytes by this profile). Pass the "
                      "budget in bytes (budget='6GiB') or profile='offload' so that the profiled step keeps its "
                      "saved activations in host memory")
+
+
+def _accelerate_end_of_dataloader():
+    """Whether an accelerate loop is at the end of its prepared dataloader (False without accelerate)."""
+    state = sys.modules.get("accelerate.state")
+    gradients = getattr(state, "GradientState", None)
+    if gradients is None or not getattr(gradients, "_shared_state", None):
+        return False
+    try:
+        return bool(gradients().end_of_dataloader)
+    except Exception:  # another accelerate version's internals
+        return False
 
 
 _HOOK_REFUSALS = ("don't yet support saved tensor hooks", "saved tensors default hooks are disabled")

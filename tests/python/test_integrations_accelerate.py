@@ -110,3 +110,26 @@ def test_run_step_in_an_accelerate_loop_is_the_wrappers_step(accumulation, scale
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
     assert run.steps_profiled == 1 and run.steps_planned == 3 and run.steps_plain == 0
+
+
+def test_a_short_last_accumulation_at_the_end_of_the_dataloader_is_named():
+    """accelerate ends an accumulation at the end of its dataloader: with ooo/fuse_optimizer the refusal
+    spoke of Lightning's training_step and the callbacks, not of the epoch's batch count (found by a helper)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader, TensorDataset
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = _net()
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(TensorDataset(torch.randn(20, 12), torch.randint(0, 5, (20,))), batch_size=4)  # 5 batches
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    with pytest.raises(memsched.MemschedError, match=r"end of its dataloader.*number of batches per epoch a "
+                                                     r"multiple of 2"):
+        with memsched.optimize(model, opt, budget=1.0, fuse_optimizer=True, grad_accumulation_steps=2):
+            for x, y in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(F.cross_entropy(model(x), y))
+                    opt.step()
+                    opt.zero_grad()
