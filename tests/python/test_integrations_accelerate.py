@@ -125,11 +125,15 @@ def test_a_short_last_accumulation_at_the_end_of_the_dataloader_is_named():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = DataLoader(TensorDataset(torch.randn(20, 12), torch.randint(0, 5, (20,))), batch_size=4)  # 5 batches
     model, opt, loader = accelerator.prepare(model, opt, loader)
-    with pytest.raises(memsched.MemschedError, match=r"end of its dataloader.*number of batches per epoch a "
-                                                     r"multiple of 2"):
-        with memsched.optimize(model, opt, budget=1.0, fuse_optimizer=True, grad_accumulation_steps=2):
-            for x, y in loader:
-                with accelerator.accumulate(model):
-                    accelerator.backward(F.cross_entropy(model(x), y))
-                    opt.step()
-                    opt.zero_grad()
+    try:
+        with pytest.raises(memsched.MemschedError, match=r"end of its dataloader.*number of batches per epoch a "
+                                                         r"multiple of 2"):
+            with memsched.optimize(model, opt, budget=1.0, fuse_optimizer=True, grad_accumulation_steps=2):
+                for x, y in loader:
+                    with accelerator.accumulate(model):
+                        accelerator.backward(F.cross_entropy(model(x), y))
+                        opt.step()
+                        opt.zero_grad()
+    finally:  # the interrupted epoch leaves accelerate's shared state inside its dataloader
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
