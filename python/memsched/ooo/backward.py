@@ -698,29 +698,14 @@ def _before_queued(owner, params, grad_outputs):
         pass
 
 
-def _in_reentrant_checkpoint() -> bool:
-    """True inside the forward of torch.utils.checkpoint(..., use_reentrant=True)."""
+def _in_reentrant_checkpoint(method: str = "forward") -> bool:
+    """True inside the forward (or, with method="backward", the backward: its nested backward pass, Note [A
+    reentrant checkpoint's nested backward passes]) of torch.utils.checkpoint(..., use_reentrant=True)."""
     ckpt = sys.modules.get("torch.utils.checkpoint")
     fn = getattr(ckpt, "CheckpointFunction", None)
     if fn is None:
         return False
-    code = fn.forward.__code__
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code is code:
-            return True
-        f = f.f_back
-    return False
-
-
-def _in_reentrant_checkpoint_backward() -> bool:
-    """True inside the backward of torch.utils.checkpoint(..., use_reentrant=True): its nested backward pass
-    (Note [A reentrant checkpoint's nested backward passes])."""
-    ckpt = sys.modules.get("torch.utils.checkpoint")
-    fn = getattr(ckpt, "CheckpointFunction", None)
-    if fn is None:
-        return False
-    code = fn.backward.__code__
+    code = getattr(fn, method).__code__
     f = sys._getframe(1)
     while f is not None:
         if f.f_code is code:
@@ -1688,7 +1673,7 @@ class OutOfOrderBackward:
             self._phase = "backward"
             self._timeline.append(("backward_start", time.perf_counter()))
             # See Note [A reentrant checkpoint's nested backward passes]
-            self._pass_nested = self._stepper is None and _in_reentrant_checkpoint_backward()
+            self._pass_nested = self._stepper is None and _in_reentrant_checkpoint("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             # the checks run before anything of this pass changed a gradient or a parameter
             if self._undeclared and not self._step_declared:
