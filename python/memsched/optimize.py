@@ -242,8 +242,8 @@ from memsched.offload.schedule import OffloadSchedule
 from memsched.offload.shape_plans import MAX_SHAPE_PLANS, PLAN_FIELDS, describe, step_signature
 from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
                                percent_refusal, planner_least_bytes, planner_names, resolve_budget)
-from memsched.step_hook import (OptimizerStepHook, check_closure_optimizer, find_accelerate_wrapper,
-                                split_closure, torch_optimizer)
+from memsched.step_hook import (OptimizerStepHook, check_closure_optimizer, accelerate_would_not_step,
+                                accelerate_wrappers, split_closure, torch_optimizer)
 from memsched.units import format_bytes, parse_bytes
 from memsched.wording import counted
 from memsched.user_frame import user_stacklevel  # See Note [Warnings point at the caller's code]
@@ -391,7 +391,8 @@ class Run:
         self.optimizer = torch_optimizer(optimizer)  # accelerate's wrapper -> the optimizer it steps
         # Note [run.step() with a framework's optimizer wrapper]
         self.optimizer_wrapper_ = optimizer if optimizer is not None and self.optimizer is not optimizer else None
-        self.wrapper_searched_ = False
+        self.wrappers_at_enter_ = None  # ids of accelerate's wrappers around the optimizer at __enter__
+        self.inner_of_wrapper_ = None   # such a wrapper there before: run.step() bypasses it
         self.last_sig_ = None  # the input signature of the last step's first forward with gradients
         self.planner = planner
         self.device = self._check_device(device) if device is not None else self._model_device(model)
@@ -516,6 +517,12 @@ class Run:
             if self.step_hook_ is not None:
                 if self.step_hook_.on_step is None:  # entered again after __exit__, whose remove() let go of us
                     self.step_hook_ = OptimizerStepHook(self.optimizer, self._framework_step, self.optimizer_wrapper_)
+                if self.optimizer_wrapper_ is None:
+                    # See Note [run.step() with a framework's optimizer wrapper]: a wrapper there now is re-pointed
+                    # at the routing (a GradScaler's kept step methods), never stepped by run.step()
+                    around = accelerate_wrappers(self.optimizer)
+                    self.wrappers_at_enter_ = {id(w) for w in around}
+                    self.step_hook_.wrapper = around[-1] if around else None
                 self.step_hook_.install()
                 self._watch_other_optimizers()
             self._start_profiling()
@@ -623,9 +630,8 @@ class Run:
         """End the current step: plan after a profiled step, run optimizer.step() and zero_grad()."""
         if not self.entered_:
             raise RuntimeError("run.step(): call it inside `with memsched.optimize(...) as run:`")
-        if self.optimizer_wrapper_ is None and not self.wrapper_searched_ and self.step_hook_ is not None:
-            self.wrapper_searched_ = True
-            self.optimizer_wrapper_ = find_accelerate_wrapper(self.optimizer)
+        if self.wrappers_at_enter_ is not None and self.step_hook_ is not None:
+            self._adopt_wrapper_made_since_enter()
         if self.optimizer_wrapper_ is not None and self.step_hook_ is not None:
             # Note [run.step() with a framework's optimizer wrapper]
             #   Rationale: run.step() stepped the torch optimizer inside accelerate's AcceleratedOptimizer
@@ -637,11 +643,19 @@ class Run:
             #   would call them; the wrapper's inner step() is routed through the Run (Note [optimizer.step()
             #   without run.step()] in step_hook.py), which ends the memsched step there -- on the
             #   micro-batch that ends an accumulation.
-            #   Given the torch optimizer itself (optimize() entered before accelerator.prepare()), the
-            #   first run.step() looks for an AcceleratedOptimizer around it, once.
+            #   Given the torch optimizer itself, the Run notes at __enter__ the AcceleratedOptimizers
+            #   around it, and the first run.step() adopts one made since (optimize() entered before
+            #   accelerator.prepare()). One that was there before -- the loop passed the optimizer inside
+            #   it, or an earlier run's wrapper is still alive -- is not trusted: run.step() is the
+            #   optimizer's own step, refused where that wrapper would not step as it does (a GradScaler,
+            #   mid-accumulation), naming the fix (found by a helper reviewing the change: a stale fp16
+            #   wrapper unscaled a later fp32 loop's gradients).
+            self._warn_second_update()
             self.optimizer_wrapper_.step()
             self.optimizer_wrapper_.zero_grad()
             return
+        if self.inner_of_wrapper_ is not None:
+            self._check_bypassed_wrapper()
         if self.ooo_ is not None:
             self._check_run_step_accumulation()
         self._warn_second_update()
@@ -655,6 +669,28 @@ class Run:
             self.compiled_steps_ += 1  # ran plainly: run.report() counts it so
         if profiled_update:
             self._check_update_within_budget()
+
+    def _adopt_wrapper_made_since_enter(self):
+        """See Note [run.step() with a framework's optimizer wrapper]: once, at the first run.step()."""
+        before, self.wrappers_at_enter_ = self.wrappers_at_enter_, None
+        now = accelerate_wrappers(self.optimizer)
+        made = [w for w in now if id(w) not in before]
+        if made:
+            self.optimizer_wrapper_ = made[-1]
+            self.step_hook_.wrapper = made[-1]
+        elif now:
+            self.inner_of_wrapper_ = now[-1]
+
+    def _check_bypassed_wrapper(self):
+        why = accelerate_would_not_step(self.inner_of_wrapper_)
+        if why:
+            raise _C.MemschedError(
+                f"run.step(): memsched.optimize() was given the torch optimizer inside an accelerate "
+                f"AcceleratedOptimizer that existed before the Run was entered, so run.step() steps it directly; "
+                f"but {why}. Nothing was changed. Pass the optimizer accelerator.prepare() returned to "
+                f"memsched.optimize() (run.step() is then its step() and zero_grad()), or call that optimizer's "
+                f"step() and zero_grad() instead of run.step(); a wrapper left from a training that is over holds "
+                f"on to this optimizer until it and its Accelerator are dropped")
 
     def _warn_second_update(self):
         """run.step() right after the loop's own optimizer.step() (no forward in between, gradients still

@@ -49,7 +49,7 @@ import torch
 
 from memsched._C import MemschedError
 
-__all__ = ["OptimizerStepHook", "find_accelerate_wrapper", "is_step_hook", "torch_optimizer"]
+__all__ = ["OptimizerStepHook", "accelerate_wrappers", "accelerate_would_not_step", "is_step_hook", "torch_optimizer"]
 
 
 def torch_optimizer(optimizer):
@@ -68,24 +68,35 @@ def torch_optimizer(optimizer):
     return optimizer
 
 
-def find_accelerate_wrapper(optimizer):
-    """accelerate's AcceleratedOptimizer around `optimizer`, made after it was given to memsched.optimize()
-    (accelerator.prepare() after optimize()), or None. Looked for once per Run, among the optimizer's
-    referrers, only when accelerate's optimizer module is loaded (Note [run.step() with a framework's
-    optimizer wrapper] in optimize.py)."""
+def accelerate_wrappers(optimizer):
+    """accelerate's AcceleratedOptimizer objects alive around `optimizer`, among its referrers; none when
+    accelerate's optimizer module is not loaded (Note [run.step() with a framework's optimizer wrapper] in
+    optimize.py)."""
     module = sys.modules.get("accelerate.optimizer")
     cls = getattr(module, "AcceleratedOptimizer", None)
     if cls is None:
-        return None
+        return []
     import gc
+    found = []
     for ref in gc.get_referrers(optimizer):
         if type(ref) is dict:  # the wrapper's __dict__ holds the optimizer
-            for owner in gc.get_referrers(ref):
-                if isinstance(owner, cls) and getattr(owner, "__dict__", None) is ref and owner.optimizer is optimizer:
-                    return owner
+            found.extend(owner for owner in gc.get_referrers(ref) if isinstance(owner, cls)
+                         and getattr(owner, "__dict__", None) is ref and owner.optimizer is optimizer)
         elif isinstance(ref, cls) and ref.optimizer is optimizer:
-            return ref
-    return None
+            found.append(ref)
+    return found
+
+
+def accelerate_would_not_step(wrapper):
+    """Why accelerate's wrapper would not step its optimizer as a bare optimizer.step() does now: mid-
+    accumulation, or with a GradScaler (gradients still scaled); '' when it would."""
+    if getattr(wrapper, "scaler", None) is not None:
+        return "accelerate scales the loss (a GradScaler: fp16), so the gradients are still scaled"
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None) or {}
+    if not shared.get("sync_gradients", True):
+        return "accelerate is inside accumulate() on a micro-batch that does not end the accumulation"
+    return ""
 
 
 def is_step_hook(fn):

@@ -137,3 +137,47 @@ def test_a_short_last_accumulation_at_the_end_of_the_dataloader_is_named():
     finally:  # the interrupted epoch leaves accelerate's shared state inside its dataloader
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def _scaled_accelerator(model, opt):
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    return accelerator, *accelerator.prepare(model, opt)
+
+
+def _scaled_steps(model, accelerator, step, n=4):
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(32, 12, generator=g), torch.randint(0, 5, (32,), generator=g)
+        accelerator.backward(F.cross_entropy(model(x), y))
+        step()
+
+
+def test_the_optimizer_inside_a_wrapper_made_before_the_run_is_stepped_through_the_wrapper_or_refused():
+    """The torch optimizer passed after accelerator.prepare() (fp16's GradScaler on the wrapper): the loop's own
+    wrapper.step() keeps memsched's step boundary (it never planned), and run.step() -- which would step scaled
+    gradients past the wrapper -- is refused before anything changes, naming the wrapper to pass. A wrapper
+    left from an earlier training is treated the same (a stale fp16 wrapper unscaled a later loop's gradients)."""
+    model, ref = _net(), _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    accelerator, model, wrapper = _scaled_accelerator(model, opt)
+    ref_accelerator, ref, ref_wrapper = _scaled_accelerator(ref, torch.optim.SGD(ref.parameters(), lr=1e-2))
+
+    def loop_step(w):
+        return lambda: (w.step(), w.zero_grad())
+
+    _scaled_steps(ref, ref_accelerator, loop_step(ref_wrapper))
+    with memsched.optimize(model, opt, budget=1.0, planner="offload_all_prefetch") as run:
+        _scaled_steps(model, accelerator, loop_step(wrapper))
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(memsched.MemschedError, match=r"inside an accelerate AcceleratedOptimizer that existed "
+                                                         r"before.*still scaled.*Nothing was changed"):
+            _scaled_steps(model, accelerator, run.step, n=1)
+        assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+        model.zero_grad()
+    assert run.steps_profiled == 1 and run.steps_planned == 3
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
