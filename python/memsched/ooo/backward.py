@@ -137,12 +137,17 @@ Note [Backward passes whose gradients the loop discards]
   refused, that update applied (found by a helper probing loops that change things mid-training).
   A step skipped at the first step looks the same to memsched (GradScaler's first steps skip on
   inf/NaN, and a loop may catch an error before its step): backward, zero_grad(), backward, step.
+  A zero_grad() of a module between backward and the step (`loss.backward(); model.head.zero_grad();
+  optimizer.step()`) looks alike without the second pass, and the fused update stepped what plain
+  leaves unchanged (found by a helper reviewing this change: 0.022 off plain).
   Approach: under memsched.optimize (fusion_paused set), a zero_grad() after a backward pass of an
   unfused step and before its step boundary marks the step; the next step then runs unfused too
   (its update after backward, as the profiled step's). If that step drops a pass again, its step
   boundary is refused before its update, naming fuse_optimizer=False; if not, the first was a skip
   and later steps fuse. A bare OutOfOrderBackward cannot update after backward (its loop calls
-  step() and nothing else), so there the pass is refused at the next forward as before.
+  step() and nothing else), so there the pass is refused at the next forward as before. A zero_grad()
+  after a fused update and before the step boundary is refused at the boundary (the update stays
+  applied), unless a forward was refused there first (a skipped step, whose way on is step()).
 
 Note [A parameter read after its gradient is final]
   Rationale: the fused update steps a parameter in place once its gradient is final. A backward
@@ -1672,6 +1677,8 @@ class OutOfOrderBackward:
             self._callback_queued = True
             self._phase = "backward"
             self._timeline.append(("backward_start", time.perf_counter()))
+            if self._discarded_pass:
+                self._discard_followed = True
             # See Note [A reentrant checkpoint's nested backward passes]
             self._pass_nested = self._stepper is None and _in_reentrant_checkpoint("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -1895,6 +1902,7 @@ class OutOfOrderBackward:
             # a skip there was refused as an accumulation mismatch)
             if self._backwards_since_step and self._stepper is not None and self.fusion_paused is not None:
                 self._discarded_pass = True  # See Note [Backward passes whose gradients the loop discards]
+                self._discard_followed = False  # by another backward pass of the step (else: zeroed before it)
             self._backwards_since_step = 0
         self._note_native_steps()  # frees of the C++ update come before this call (a failed backward's too)
         if self._updated_since_step:
@@ -2068,6 +2076,7 @@ class OutOfOrderBackward:
     def _refuse_extra_backward(self) -> None:
         # See Note [Fused update and gradient accumulation].
         n = self._backwards_since_step
+        self._forward_refused_after_update = True  # the step() this refusal names is the way on (not refused)
         if self._zeroed_after_update and self.fusion_paused is None and not self._step_called:
             # the usual loop (backward, optimizer.step(), zero_grad()) around a bare OutOfOrderBackward, which
             # never called its step() (memsched.optimize sets fusion_paused and routes optimizer.step())
@@ -2163,6 +2172,8 @@ class OutOfOrderBackward:
             self._end_discarding_step()
         ran = self._backwards_since_step
         fused = self._updated_since_step  # the last backward pass ran the update (not a paused one)
+        if fused and self._zeroed_after_update and not self.__dict__.pop("_forward_refused_after_update", False):
+            self._refuse_zeroed_after_update()
         if fused and not self._warned_late_edit:
             self._check_late_edits()
         self._backwards_since_step = 0
@@ -2184,6 +2195,22 @@ class OutOfOrderBackward:
         (Note [Backward passes whose gradients the loop discards])."""
         self._discarded_pass = False
 
+    def _refuse_zeroed_after_update(self) -> None:
+        """zero_grad() between the backward pass whose fused update ran and the step boundary (`loss.backward();
+        model.head.zero_grad(); optimizer.step()`): plain PyTorch's step leaves what it zeroed unchanged, the
+        fused update had stepped it (0.022 off plain, silent; found by a helper). The boundary is taken (the
+        next step goes on), then refused."""
+        self._backwards_since_step = 0
+        self._updated_since_step = False
+        self._zeroed_after_update = False
+        raise MemschedError(
+            "zero_grad() (the optimizer's or a module's) ran after the backward pass whose fused optimizer update "
+            "(fuse_optimizer=True) had already stepped the parameters with their gradients, and before the step "
+            "boundary: plain PyTorch's optimizer.step() would leave the parameters whose gradients it dropped "
+            "unchanged (or step them with zeros, set_to_none=False). That update stays applied. Zero gradients after "
+            "the step boundary (optimizer.step() / run.step()), freeze parameters with requires_grad_(False) before "
+            "backward, or use fuse_optimizer=False.")
+
     def _end_discarding_step(self) -> None:
         """The step boundary of a step that discarded a backward pass, or of the unfused step after one (Note
         [Backward passes whose gradients the loop discards])."""
@@ -2194,6 +2221,14 @@ class OutOfOrderBackward:
         if not self._probation:
             self._probation = True  # the next step runs unfused, to see whether every step discards a pass
             return
+        if not self.__dict__.get("_discard_followed", True):
+            raise MemschedError(
+                "fuse_optimizer=True: this step, like the one before it, called zero_grad() (the optimizer's or a "
+                "module's) between the backward pass and the step boundary. With fuse_optimizer the update runs "
+                "inside backward, before that zero_grad(), so it would step the parameters whose gradients plain "
+                "PyTorch's optimizer.step() finds dropped and leaves unchanged. This step's update was not applied: "
+                "the model and optimizer are as after the last step. Zero gradients after the step boundary, "
+                "freeze parameters with requires_grad_(False) before backward, or use fuse_optimizer=False.")
         raise MemschedError(
             "fuse_optimizer=True: this step, like the one before it, ran a backward pass whose gradients the loop "
             "then dropped with zero_grad() before another backward pass (SAM's ascent pass, a pass whose gradients "
