@@ -55,3 +55,28 @@ def test_a_warning_from_a_forward_pre_hook_points_at_the_callers_line():
         ooo.step()
     assert [w for w in caught if "updated parameters" in str(w.message)]
     assert all(w.filename == __file__ for w in caught), [(w.filename, w.lineno) for w in caught]
+
+
+def test_a_warning_raised_through_accelerates_step_points_at_the_callers_line():
+    """The fused update's late-edit warning, at the step boundary reached through accelerate's
+    AcceleratedOptimizer.step(), pointed into accelerate/optimizer.py (found by a helper)."""
+    import pytest
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with optimize(model, opt, fuse_optimizer=True):
+            for i in range(3):
+                accelerator.backward(F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))))
+                if i == 2:
+                    opt.param_groups[0]["lr"] = 5e-3  # too late for this step's fused update: warned
+                opt.step()
+                opt.zero_grad()
+    late = [w for w in caught if "between the backward pass and the step boundary" in str(w.message)]
+    assert late and all(w.filename == __file__ for w in late), [(w.filename, w.lineno) for w in caught]
