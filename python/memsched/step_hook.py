@@ -34,16 +34,22 @@ Note [optimizer.step() without run.step()]
   no step boundary was ever seen and nothing planned (found by a helper training with accelerate).
   install() given that wrapper re-points both (_optimizer_original_step_method and the patched one,
   through accelerate's own patch_optimizer_step) at the routing, and remove() puts them back.
+  A step that GradScaler skips (inf/NaN gradients under fp16, common in its first steps) never
+  reaches optimizer.step(): the memsched step ran on into the next iteration, so a profile covered
+  two (a byte budget the loop met was refused mid-training, and executed steps mismatched; found by a
+  helper). While a hook is active, GradScaler.step (and a subclass's own) is wrapped: when it returns
+  without having called the routed optimizer.step(), the routing gets the step boundary with no update
+  (Note [A step GradScaler skipped]).
   Limitations: an optimizer whose step evaluates the closure more than once (LBFGS) is refused
-  when a closure is passed; a step that GradScaler skips (inf/NaN gradients under fp16) never
-  reaches optimizer.step(), so the memsched step runs on into the next one (it mismatches the
-  plan, runs plainly and is re-profiled: never a wrong gradient) -- the framework callbacks
-  refuse fp16 with a GradScaler for that reason. remove() restores the attribute, unless
+  when a closure is passed; a step skipped another way (the loop catching an error before its step)
+  still runs on into the next one (it mismatches the plan, runs plainly and is re-profiled: never a
+  wrong gradient). remove() restores the attribute, unless
   something wrapped it after us: then our layer stays, passing every call through.
 """
 import contextlib
 import sys
 import types
+import weakref
 
 import torch
 
@@ -99,6 +105,50 @@ def accelerate_would_not_step(wrapper):
     return ""
 
 
+# Note [A step GradScaler skipped]: the active hooks by optimizer, and GradScaler's own step methods while
+# wrapped (see Note [optimizer.step() without run.step()])
+_hooks = weakref.WeakValueDictionary()  # id(optimizer) -> its active OptimizerStepHook
+_scaler_steps = []  # (class, its own step) wrapped
+
+
+def _no_update(*args, **kwargs):
+    return None
+
+
+def _scaler_step_wrapper(original):
+    def step(self, optimizer, *args, **kwargs):
+        hook = _hooks.get(id(torch_optimizer(optimizer)))
+        if hook is None or not hook.active or hook.passing_:
+            return original(self, optimizer, *args, **kwargs)
+        routed = hook.routed_
+        out = original(self, optimizer, *args, **kwargs)
+        if hook.routed_ == routed and hook.active:
+            hook.on_step(_no_update, (), {})  # skipped on inf/NaN: the step boundary, without its update
+        return out
+    step.__wrapped__ = original
+    return step
+
+
+def _wrap_scaler_steps():
+    if _scaler_steps:
+        return
+    todo = [torch.amp.GradScaler]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        own = cls.__dict__.get("step")
+        if own is not None:
+            _scaler_steps.append((cls, own))
+            cls.step = _scaler_step_wrapper(own)
+
+
+def _unwrap_scaler_steps():
+    if len(_hooks) == 0:
+        while _scaler_steps:
+            cls, own = _scaler_steps.pop()
+            cls.step = own
+
+
 def is_step_hook(fn):
     """True for the bound method OptimizerStepHook puts on an optimizer."""
     return bool(getattr(fn, "_memsched_step_hook", False))
@@ -118,6 +168,7 @@ class OptimizerStepHook:
         self.method_ = None     # the bound method set on the instance
         self.had_own_ = False   # the instance had its own `step` before us
         self.prev_ = None       # that attribute
+        self.routed_ = 0        # calls routed to on_step (Note [A step GradScaler skipped])
 
     def install(self):
         opt = self.optimizer
@@ -136,6 +187,7 @@ class OptimizerStepHook:
         def step(opt_self, *args, **kwargs):
             if not me.active or me.passing_:
                 return inner(*args, **kwargs)
+            me.routed_ += 1
             return me.on_step(inner, args, kwargs)
 
         step.__wrapped__ = inner
@@ -147,6 +199,8 @@ class OptimizerStepHook:
         opt.step = self.method_
         self._repoint_wrapper()
         self.active = True
+        _hooks[id(opt)] = self
+        _wrap_scaler_steps()
         return self
 
     def _repoint_wrapper(self):
@@ -178,6 +232,9 @@ class OptimizerStepHook:
         if not self.active:
             return
         self.active = False
+        if _hooks.get(id(self.optimizer)) is self:
+            del _hooks[id(self.optimizer)]
+        _unwrap_scaler_steps()
         opt = self.optimizer
         if opt.__dict__.get("step") is self.method_:
             if self.had_own_:

@@ -3,6 +3,7 @@ accelerate, Lightning): the step is profiled, planned and executed as with run.s
 gradients and optimizer state are bitwise those of plain PyTorch. See Note [optimizer.step() without
 run.step()] in step_hook.py."""
 import copy
+import re
 import warnings
 
 import pytest
@@ -206,3 +207,50 @@ def test_a_layer_left_under_a_later_lr_scheduler_keeps_no_run_alive():
     del run
     gc.collect()
     assert ref() is None
+
+
+def _scaled_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.ReLU(),
+                               torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 10))
+
+
+def _scaled_loop(model, overflow_at, run_kwargs=None):
+    """fp16 autocast with a GradScaler; an overflow (an inf loss) at the given steps makes scaler.step() skip
+    optimizer.step()."""
+    import contextlib
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(6)]
+    ctx = memsched.optimize(model, opt, **run_kwargs) if run_kwargs is not None else contextlib.nullcontext()
+    with ctx as run:
+        for step, (x, y) in enumerate(data):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            if step in overflow_at:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return run, scaler
+
+
+@pytest.mark.parametrize("overflow_at", [(0,), (0, 1), (3,)])
+def test_a_step_the_grad_scaler_skips_is_a_step_boundary(overflow_at):
+    """GradScaler skips optimizer.step() on inf/NaN gradients (often in fp16's first steps): the memsched step
+    ran on into the next iteration, so a profile spanned two of them -- a byte budget the loop meets was then
+    refused mid-training -- and executed steps mismatched (Note [A step GradScaler skipped])."""
+    plain, m = _scaled_model(), _scaled_model()
+    _, plain_scaler = _scaled_loop(plain, overflow_at)
+    least = None
+    try:
+        _scaled_loop(_scaled_model(), (), dict(budget=1000, planner="dp"))
+    except memsched.MemschedError as e:
+        least = int(re.search(r"at least (\d+) bytes", str(e)).group(1))
+    run, scaler = _scaled_loop(m, overflow_at, dict(budget=least, planner="dp"))
+    assert run.steps_profiled == 1 and run.steps_planned == 5 and run.steps_plain == 0
+    for (name, p), q in zip(m.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    assert scaler.get_scale() == plain_scaler.get_scale()

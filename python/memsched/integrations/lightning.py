@@ -22,7 +22,7 @@ Note [memsched inside Lightning]
   step (whose update was plain PyTorch's), naming `module=`. That first step is the first
   optimizer step of this fit that a training_step with a loss fed (Note [The first step with a loss]).
   Refused at on_train_start, before the first step: a precision plugin with a GradScaler
-  ("16-mixed": it skips optimizer.step() on overflow, so the step would have no end), more than one
+  ("16-mixed" on a GPU: not yet run there), more than one
   process, manual optimization, more than one optimizer, with fuse_optimizer gradient_clip_val
   (global clipping needs every gradient before the first fused update), and with ooo/fuse_optimizer
   an epoch whose batch count is not a multiple of accumulate_grad_batches, when training reaches its
@@ -172,9 +172,9 @@ class MemschedCallback(pl.Callback):
     def _refuse_unsupported(self, trainer, pl_module):
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise MemschedError(
-                f"Trainer(precision={trainer.precision!r}): memsched does not support a GradScaler yet: it skips "
-                "optimizer.step() when gradients overflow, and memsched ends each step there. Use "
-                "precision='bf16-mixed' (no scaler) or '32-true'")
+                f"Trainer(precision={trainer.precision!r}): memsched's Lightning callback does not support a "
+                "GradScaler yet (a step the scaler skips is a step boundary of memsched's, but this path has not "
+                "run on a GPU, where the scaler is made). Use precision='bf16-mixed' (no scaler) or '32-true'")
         if trainer.world_size > 1:
             raise MemschedError(f"Trainer: memsched's Lightning callback runs single-process training only (this run: "
                                 f"world_size={trainer.world_size}); drop the callback for distributed training")

@@ -23,7 +23,7 @@ Note [memsched inside the Trainer]
   auto_find_batch_size, another Trainer's callback) or callback.close() leaves that Run first (Note [A
   Run a raised training left behind] in _common.py).
   Refused at on_train_begin, before the first step, naming the TrainingArguments field:
-  fp16 (GradScaler skips optimizer.step() on overflow, so the step would have no end; use bf16),
+  fp16 (a GradScaler, not yet run here on a GPU, where fp16 needs one; use bf16),
   more than one process (DDP, FSDP, DeepSpeed: not supported yet), and with fuse_optimizer
   max_grad_norm > 0 (global clipping needs every gradient before the first fused update).
   Refused there too: torch_compile (the Trainer compiles the model around memsched's hooks), and with
@@ -200,9 +200,9 @@ class MemschedCallback(TrainerCallback):
     def _refuse_unsupported(self, args):
         if getattr(args, "fp16", False):
             raise MemschedError(
-                "TrainingArguments.fp16: memsched does not support fp16 with a GradScaler yet: the scaler skips "
-                "optimizer.step() when gradients overflow, and memsched ends each step there. Use bf16=True "
-                "(no scaler), or fp16=False")
+                "TrainingArguments.fp16: memsched's Trainer callback does not support fp16 with a GradScaler yet "
+                "(a step the scaler skips is a step boundary of memsched's, but this path has not run on a GPU, "
+                "where fp16 needs one). Use bf16=True (no scaler), or fp16=False")
         if getattr(args, "world_size", 1) > 1 or getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
             raise MemschedError(
                 f"TrainingArguments: memsched's Trainer callback runs single-process training only (this run: "
