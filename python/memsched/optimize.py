@@ -393,7 +393,7 @@ class Run:
         self.optimizer_wrapper_ = optimizer if optimizer is not None and self.optimizer is not optimizer else None
         self.wrappers_at_enter_ = None  # ids of accelerate's wrappers around the optimizer at __enter__
         self.inner_of_wrapper_ = None   # such a wrapper there before: run.step() bypasses it
-        self.last_sig_ = None  # the input signature of the last step's first forward with gradients
+        self.last_sig_same_ = False  # the last step's first forward with gradients had the plan's input signature
         self.planner = planner
         self.device = self._check_device(device) if device is not None else self._model_device(model)
         self.budget_spec = parse_budget(budget)  # None, int bytes, float fraction or "P%" (Note [Budgets])
@@ -1089,7 +1089,7 @@ class Run:
         shapes = "this step has" in (stats.mismatch or "")
         # the inputs kept their shapes: the forward makes its shapes from their values (found by a helper: an
         # nn.LSTM over pack_padded_sequence with lengths that change every batch never ran its plan)
-        inside = shapes and self.max_shape_plans > 1 and self.last_sig_ is not None and self.last_sig_ == self.plan_sig_
+        inside = shapes and self.max_shape_plans > 1 and self.last_sig_same_
         warnings.warn(
             f"memsched.optimize: steps keep changing after {counted(self.reprofiles, 're-profile')} (max_reprofiles="
             f"{self.max_reprofiles}; the last: {stats.mismatch or 'a step ran plainly'}), so no plan runs from "
@@ -1203,7 +1203,8 @@ class Run:
                 and (not self.executor.in_step_ or self.executor.saved_nothing()):
             # the step's first forward with gradients (an evaluation under no_grad may have begun the
             # executor's step; it saved nothing): See Note [One plan per input shape]
-            sig = self.last_sig_ = step_signature(args, kwargs)
+            sig = step_signature(args, kwargs)
+            self.last_sig_same_ = sig == self.plan_sig_  # (a bool: the forward keeps no GC-tracked object)
             if sig is not None and sig != self.plan_sig_:
                 self._plan_for_shape(sig)
         if self.profile_ is not None and self.profile_sig_ is None and torch.is_grad_enabled():
