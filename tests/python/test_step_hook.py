@@ -209,24 +209,25 @@ def test_a_layer_left_under_a_later_lr_scheduler_keeps_no_run_alive():
     assert ref() is None
 
 
-def _scaled_model():
+def _scaled_model(device="cpu"):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.ReLU(),
-                               torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 10))
+                               torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 10)).to(device)
 
 
-def _scaled_loop(model, overflow_at, run_kwargs=None):
+def _scaled_loop(model, overflow_at, run_kwargs=None, device="cpu"):
     """fp16 autocast with a GradScaler; an overflow (an inf loss) at the given steps makes scaler.step() skip
     optimizer.step()."""
     import contextlib
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0)
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(6)]
+    data = [(torch.randn(32, 64, generator=g).to(device), torch.randint(0, 10, (32,), generator=g).to(device))
+            for _ in range(6)]
     ctx = memsched.optimize(model, opt, **run_kwargs) if run_kwargs is not None else contextlib.nullcontext()
     with ctx as run:
         for step, (x, y) in enumerate(data):
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast(device, dtype=torch.float16):
                 loss = torch.nn.functional.cross_entropy(model(x), y)
             if step in overflow_at:
                 loss = loss * float("inf")
@@ -250,6 +251,19 @@ def test_a_step_the_grad_scaler_skips_is_a_step_boundary(overflow_at):
     except memsched.MemschedError as e:
         least = int(re.search(r"at least (\d+) bytes", str(e)).group(1))
     run, scaler = _scaled_loop(m, overflow_at, dict(budget=least, planner="dp"))
+    assert run.steps_profiled == 1 and run.steps_planned == 5 and run.steps_plain == 0
+    for (name, p), q in zip(m.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    assert scaler.get_scale() == plain_scaler.get_scale()
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.usefixtures("unchecked_budget")
+def test_a_step_the_grad_scaler_skips_is_a_step_boundary_on_cuda():
+    """The same with CUDA's fp16 autocast and GradScaler, which is where fp16 training runs."""
+    plain, m = _scaled_model("cuda"), _scaled_model("cuda")
+    _, plain_scaler = _scaled_loop(plain, (0,), device="cuda")
+    run, scaler = _scaled_loop(m, (0,), dict(budget=0.5, planner="dp"), device="cuda")
     assert run.steps_profiled == 1 and run.steps_planned == 5 and run.steps_plain == 0
     for (name, p), q in zip(m.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
