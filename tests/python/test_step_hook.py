@@ -263,7 +263,7 @@ def test_a_step_the_grad_scaler_skips_is_a_step_boundary_on_cuda():
     """The same with CUDA's fp16 autocast and GradScaler, which is where fp16 training runs."""
     plain, m = _scaled_model("cuda"), _scaled_model("cuda")
     _, plain_scaler = _scaled_loop(plain, (0,), device="cuda")
-    run, scaler = _scaled_loop(m, (0,), dict(budget=0.5, planner="dp"), device="cuda")
+    run, scaler = _scaled_loop(m, (0,), dict(budget=0.5, planner="dp", min_offload_bytes=0), device="cuda")
     assert run.steps_profiled == 1 and run.steps_planned == 5 and run.steps_plain == 0
     for (name, p), q in zip(m.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
