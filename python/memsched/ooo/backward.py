@@ -887,6 +887,7 @@ class OutOfOrderBackward:
         self._warned_read_updated = False  # See _warn_read_updated
         self._zeroed_after_update = False  # zero_grad() after a fused update, before step()
         self._discarded_pass = False  # See Note [Backward passes whose gradients the loop discards]
+        self._stepped_in_step = set()  # parameters the fused update stepped since the last step boundary
         self._refused_in_backward = False  # memsched refused this pass mid-backward (Note [A failed backward])
         self._pass_nested = False   # this pass began inside a reentrant checkpoint's backward (Note [A reentrant ...])
         self._nested_ended = False  # such passes ended and are not counted yet
@@ -1026,7 +1027,7 @@ class OutOfOrderBackward:
             grad_scaler_guard.guard(self)  # See Note [GradScaler and fused updates]
             clip_guard.guard(self)  # See Note [Clipping and fused updates]
         # See Note [Gradients the fused update did not see] and Note [Watching zero_grad]
-        self._zero_watch = ZeroGradWatch(self.optimizer, self._params, self._on_zero_grad)
+        self._zero_watch = ZeroGradWatch(self.optimizer, self._params, self._on_zero_grad, self._zeroing_may_drop_a_pass)
         self._zero_watch.install()
 
         if executor == "stream" and not any(p.is_cuda for p in self._params):
@@ -1839,12 +1840,23 @@ class OutOfOrderBackward:
         updates after backward] in optimize.py) ran optimizer.step() and zero_grad(set_to_none=True):
         as after a fused update, the gradients of the parameters idx count as freed by it, and a later
         zero_grad(set_to_none=False) gives them zeros back (Note [Gradients the fused update did not see])."""
-        self._mark_freed(idx)
+        self._mark_freed(idx, stepped=False)
         self._step_declared = True
 
-    def _mark_freed(self, idx: Sequence[int]) -> None:
+    def _zeroes_a_stepped_parameter(self, params) -> bool:
+        """Whether a zero_grad() covering `params` (None: the optimizer's) drops a gradient the fused update
+        of this step already used: a module that got none this step (a task head it did not use) does not
+        (found by a helper: refused, 'that update stays applied', where training was plain's)."""
+        if params is None:
+            return bool(self._stepped_in_step)
+        index, stepped = self._index, self._stepped_in_step
+        return any(index.get(id(p), -1) in stepped for p in params)
+
+    def _mark_freed(self, idx: Sequence[int], stepped: bool = True) -> None:
         """The fused update stepped these and freed their gradients (Note [Gradients the fused update
         did not see]): what plain PyTorch holds in their .grad now depends on the caller's zeroing."""
+        if stepped:
+            self._stepped_in_step.update(idx)
         self._undeclared.update(idx)
         self._zeroed.difference_update(idx)
         self._step_declared = False
@@ -1889,9 +1901,17 @@ class OutOfOrderBackward:
             self._stepper.step_params(outside)  # frees their gradients, as run.step()'s zero_grad would
             self._fused_steps += len(outside)
 
-    def _on_zero_grad(self, set_to_none: bool, params) -> None:
+    def _zeroing_may_drop_a_pass(self) -> bool:
+        """Whether a zero_grad() now may drop a backward pass's gradients under memsched.optimize's fused
+        update (Note [Backward passes whose gradients the loop discards]): then the watch says which of the
+        zeroed parameters held a gradient."""
+        return (self._backwards_since_step > 0 and not self._updated_since_step and self._stepper is not None
+                and self.fusion_paused is not None and self._micro_step % self.grad_accumulation_steps == 0)
+
+    def _on_zero_grad(self, set_to_none: bool, params, had=None) -> None:
         """The caller's optimizer.zero_grad(set_to_none) (params None) or module.zero_grad(set_to_none)
-        (params: the module's) (Note [Gradients the fused update did not see])."""
+        (params: the module's) (Note [Gradients the fused update did not see]); had: those of them that held
+        a gradient, when _zeroing_may_drop_a_pass() asked."""
         if self._nested_ended:
             self._book_nested_passes()
         if not self._updated_since_step and self._micro_step % self.grad_accumulation_steps == 0:
@@ -1900,12 +1920,14 @@ class OutOfOrderBackward:
             # optimizer.step() follows the passes after this -- also with fuse_optimizer while no fused
             # update ran since the last step (memsched.optimize's profiled step updates after backward:
             # a skip there was refused as an accumulation mismatch)
-            if self._backwards_since_step and self._stepper is not None and self.fusion_paused is not None:
-                self._discarded_pass = True  # See Note [Backward passes whose gradients the loop discards]
+            if had and any(id(p) in self._index for p in had):
+                # See Note [Backward passes whose gradients the loop discards]; a module without gradients
+                # (a task head this step did not use) drops nothing (found by a helper)
+                self._discarded_pass = True
                 self._discard_followed = False  # by another backward pass of the step (else: zeroed before it)
             self._backwards_since_step = 0
         self._note_native_steps()  # frees of the C++ update come before this call (a failed backward's too)
-        if self._updated_since_step:
+        if self._updated_since_step and self._zeroes_a_stepped_parameter(params):
             self._zeroed_after_update = True  # names the likely cause in _refuse_extra_backward
         if not self._undeclared and (not set_to_none or not self._zeroed):
             return  # nothing freed since: nothing to learn (the common case)
@@ -2179,6 +2201,7 @@ class OutOfOrderBackward:
         self._backwards_since_step = 0
         self._updated_since_step = False
         self._zeroed_after_update = False
+        self._stepped_in_step.clear()
         if declares_zeroing:
             self._step_declared = True
         # No backward pass since the last step(): gradients (if any) came from torch.autograd.grad and

@@ -41,14 +41,23 @@ def _set_to_none(args, kwargs) -> bool:
     return bool(kwargs.get("set_to_none", args[0] if args else True))
 
 
+def _had_gradients(watching, params):
+    """The parameters among `params` (an iterable, or a callable giving one) holding a gradient before the
+    zero_grad, for watches that ask (wants_gradients()); None when none asks (the common case)."""
+    if not any(w.wants_gradients() for w in watching):
+        return None
+    return [p for p in (params() if callable(params) else params) if p.grad is not None]
+
+
 def _optimizer_zero_grad(orig):
     @functools.wraps(orig)
     def zero_grad(self, *args, **kwargs):
+        watching = [w for w in list(_watches) if w.optimizer is self] if _watches else ()
+        had = _had_gradients(watching, lambda: [p for g in self.param_groups for p in g["params"]]) \
+            if watching else None
         out = orig(self, *args, **kwargs)
-        if _watches:
-            for w in list(_watches):
-                if w.optimizer is self:
-                    w.notify(_set_to_none(args, kwargs), None)
+        for w in watching:
+            w.notify(_set_to_none(args, kwargs), None, had)
         return out
 
     zero_grad._memsched_zero_grad_watch = True
@@ -58,13 +67,12 @@ def _optimizer_zero_grad(orig):
 def _module_zero_grad(orig):
     @functools.wraps(orig)
     def zero_grad(self, *args, **kwargs):
+        watching = [w for w in list(_watches) if w.covers(self)] if _watches else ()
+        params = list(self.parameters()) if watching else ()
+        had = _had_gradients(watching, params) if watching else None
         out = orig(self, *args, **kwargs)
-        if _watches:
-            watching = [w for w in list(_watches) if w.covers(self)]
-            if watching:
-                params = list(self.parameters())
-                for w in watching:
-                    w.notify(_set_to_none(args, kwargs), params)
+        for w in watching:
+            w.notify(_set_to_none(args, kwargs), params, had)
         return out
 
     zero_grad._memsched_zero_grad_watch = True
@@ -88,23 +96,26 @@ def _unpatch() -> None:
 
 
 class ZeroGradWatch:
-    """on_zero_grad(set_to_none, params) after optimizer.zero_grad(...) (params None: all of the
-    optimizer's) and after zero_grad(...) of any module whose parameters include one of `params`."""
+    """on_zero_grad(set_to_none, params, had) after optimizer.zero_grad(...) (params None: all of the
+    optimizer's) and after zero_grad(...) of any module whose parameters include one of `params`; `had`:
+    the zeroed parameters that held a gradient before the call when wants_gradients() said so, else None."""
 
     def __init__(self, optimizer, params: Iterable[torch.Tensor],
-                 on_zero_grad: Callable[[bool, Optional[list]], None]):
+                 on_zero_grad: Callable[[bool, Optional[list], Optional[list]], None],
+                 wants_gradients: Optional[Callable[[], bool]] = None):
         self.optimizer = optimizer
         self._param_ids = {id(p) for p in params}
         self.on_zero_grad = on_zero_grad
+        self.wants_gradients = wants_gradients or (lambda: False)
         self._installed = False
 
     def covers(self, module: torch.nn.Module) -> bool:
         ids = self._param_ids
         return any(id(p) in ids for p in module.parameters())
 
-    def notify(self, set_to_none: bool, params) -> None:
+    def notify(self, set_to_none: bool, params, had=None) -> None:
         if self.on_zero_grad is not None:
-            self.on_zero_grad(set_to_none, params)
+            self.on_zero_grad(set_to_none, params, had)
 
     def install(self) -> None:
         with _lock:
