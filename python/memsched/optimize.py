@@ -243,7 +243,7 @@ from memsched.offload.shape_plans import MAX_SHAPE_PLANS, PLAN_FIELDS, describe,
 from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
                                percent_refusal, planner_least_bytes, planner_names, resolve_budget)
 from memsched.step_hook import (OptimizerStepHook, check_closure_optimizer, accelerate_would_not_step,
-                                accelerate_wrappers, split_closure, torch_optimizer)
+                                accelerate_wrappers, is_skipped_update, split_closure, torch_optimizer)
 from memsched.units import format_bytes, parse_bytes
 from memsched.wording import counted
 from memsched.user_frame import user_stacklevel  # See Note [Warnings point at the caller's code]
@@ -746,6 +746,14 @@ class Run:
                 loss = out if closure is None else loss
             # else: the fused update ran during backward (as run.step() skips optimizer.step() then)
 
+        if is_skipped_update(step):
+            # a step GradScaler skipped (Note [A step GradScaler skipped] in step_hook.py): no update ran, so
+            # the checks of the first update's memory and optimizer state wait for one that does (found by a
+            # helper: the state check was spent here and a byte budget never counted the state)
+            update()
+            if stats is not None:
+                self._record_step(stats)
+            return loss
         profiled_update = self._measured_update(stats, update)
         self._account_optimizer_state()
         if stats is not None:

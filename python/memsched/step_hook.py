@@ -55,7 +55,7 @@ import torch
 
 from memsched._C import MemschedError
 
-__all__ = ["OptimizerStepHook", "accelerate_wrappers", "accelerate_would_not_step", "is_step_hook", "torch_optimizer"]
+__all__ = ["OptimizerStepHook", "accelerate_wrappers", "accelerate_would_not_step", "is_skipped_update", "is_step_hook", "torch_optimizer"]
 
 
 def torch_optimizer(optimizer):
@@ -115,15 +115,31 @@ def _no_update(*args, **kwargs):
     return None
 
 
+def is_skipped_update(step):
+    """True for the update a step GradScaler skipped passes to the routing (Note [A step GradScaler skipped])."""
+    return step is _no_update
+
+
 def _scaler_step_wrapper(original):
     def step(self, optimizer, *args, **kwargs):
         hook = _hooks.get(id(torch_optimizer(optimizer)))
         if hook is None or not hook.active or hook.passing_:
             return original(self, optimizer, *args, **kwargs)
         routed = hook.routed_
-        out = original(self, optimizer, *args, **kwargs)
-        if hook.routed_ == routed and hook.active:
-            hook.on_step(_no_update, (), {})  # skipped on inf/NaN: the step boundary, without its update
+        try:
+            out = original(self, optimizer, *args, **kwargs)
+            if hook.routed_ == routed and hook.active:
+                hook.routed_ += 1  # (a subclass's step calling this one's books the skip once)
+                hook.on_step(_no_update, (), {})  # skipped on inf/NaN: the step boundary, without its update
+        except BaseException:
+            # a refusal at the step boundary inside scaler.step(): the scaler's record of this optimizer
+            # (unscaled, or stepped) would make a retry with the same scaler update with scaled gradients or
+            # raise; it starts over, as the refused step's gradients do (found by a helper: 14.8 off plain)
+            states = getattr(self, "_per_optimizer_states", None)
+            if states is not None and id(optimizer) in states:
+                from torch.amp.grad_scaler import _refresh_per_optimizer_state
+                states[id(optimizer)] = _refresh_per_optimizer_state()
+            raise
         return out
     step.__wrapped__ = original
     return step

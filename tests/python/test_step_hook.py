@@ -215,11 +215,11 @@ def _scaled_model(device="cpu"):
                                torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 10)).to(device)
 
 
-def _scaled_loop(model, overflow_at, run_kwargs=None, device="cpu"):
+def _scaled_loop(model, overflow_at, run_kwargs=None, device="cpu", make_opt=None):
     """fp16 autocast with a GradScaler; an overflow (an inf loss) at the given steps makes scaler.step() skip
     optimizer.step()."""
     import contextlib
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = (make_opt or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(model.parameters())
     scaler = torch.amp.GradScaler(device, init_scale=1024.0)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(32, 64, generator=g).to(device), torch.randint(0, 10, (32,), generator=g).to(device))
@@ -245,12 +245,7 @@ def test_a_step_the_grad_scaler_skips_is_a_step_boundary(overflow_at):
     refused mid-training -- and executed steps mismatched (Note [A step GradScaler skipped])."""
     plain, m = _scaled_model(), _scaled_model()
     _, plain_scaler = _scaled_loop(plain, overflow_at)
-    least = None
-    try:
-        _scaled_loop(_scaled_model(), (), dict(budget=1000, planner="dp"))
-    except memsched.MemschedError as e:
-        least = int(re.search(r"at least (\d+) bytes", str(e)).group(1))
-    run, scaler = _scaled_loop(m, overflow_at, dict(budget=least, planner="dp"))
+    run, scaler = _scaled_loop(m, overflow_at, dict(budget=_least_activation_budget(), planner="dp"))
     assert run.steps_profiled == 1 and run.steps_planned == 5 and run.steps_plain == 0
     for (name, p), q in zip(m.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
@@ -268,3 +263,65 @@ def test_a_step_the_grad_scaler_skips_is_a_step_boundary_on_cuda():
     for (name, p), q in zip(m.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
     assert scaler.get_scale() == plain_scaler.get_scale()
+
+
+def _least_activation_budget(make_opt=None):
+    """The least byte budget for _scaled_model's loop as a 1000-byte budget's refusal names it."""
+    with pytest.raises(memsched.MemschedError, match=r"at least (\d+) bytes") as info:
+        _scaled_loop(_scaled_model(), (), dict(budget=1000, planner="dp"), make_opt=make_opt)
+    return int(re.search(r"at least (\d+) bytes", str(info.value)).group(1))
+
+
+@pytest.mark.parametrize("overflow_at", [(), (0,)], ids=["no-skip", "skipped-first-step"])
+def test_a_skipped_first_step_leaves_the_optimizer_state_to_the_first_update(overflow_at):
+    """An optimizer whose state memsched measures after the first update (not a stock torch.optim class): a
+    first step the scaler skipped spent that check on no update, so a byte budget that cannot hold the state
+    was accepted (found by a helper). It is refused at the first real update, as without the skip."""
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    least = _least_activation_budget(lambda ps: torch.optim.SGD(ps, lr=1e-3))  # (no state: activations alone)
+    model = _scaled_model()
+    opt = MyAdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(memsched.MemschedError, match=r"of optimizer state that the first optimizer.step\(\) creates"):
+        with memsched.optimize(model, opt, budget=least, planner="dp"):
+            for i in range(4):
+                x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                scaler.scale(loss * (float("inf") if i in overflow_at else 1.0)).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+
+
+def test_a_refusal_inside_scaler_step_lets_a_retry_with_the_same_scaler_train_as_plain():
+    """A budget refused at the step boundary inside scaler.step(): the scaler kept this optimizer 'unscaled',
+    so the retry the message names updated with gradients still scaled (14.8 off plain; found by a helper)."""
+    least = _least_activation_budget()
+    plain, m = _scaled_model(), _scaled_model()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(4)]
+
+    def train(model, opt, scaler, budget=None):
+        import contextlib
+        with memsched.optimize(model, opt, budget=budget, planner="dp") if budget else contextlib.nullcontext():
+            for x, y in batches:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+
+    with pytest.raises(memsched.MemschedError, match=r"raise the budget to at least"):
+        train(m, opt, scaler, budget=1000)
+    train(m, opt, scaler, budget=least)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-2)
+    train(plain, plain_opt, torch.amp.GradScaler("cpu", init_scale=1024.0))
+    for (name, p), q in zip(m.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
