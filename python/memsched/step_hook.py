@@ -108,7 +108,7 @@ def accelerate_would_not_step(wrapper):
 # Note [A step GradScaler skipped]: the active hooks by optimizer, and GradScaler's own step methods while
 # wrapped (see Note [optimizer.step() without run.step()])
 _hooks = weakref.WeakValueDictionary()  # id(optimizer) -> its active OptimizerStepHook
-_scaler_steps = []  # (class, its own step) wrapped
+_scaler_steps = []  # (class, its own step, our wrapper of it)
 
 
 def _no_update(*args, **kwargs):
@@ -154,15 +154,17 @@ def _wrap_scaler_steps():
         todo.extend(cls.__subclasses__())
         own = cls.__dict__.get("step")
         if own is not None:
-            _scaler_steps.append((cls, own))
-            cls.step = _scaler_step_wrapper(own)
+            wrapper = _scaler_step_wrapper(own)
+            _scaler_steps.append((cls, own, wrapper))
+            cls.step = wrapper
 
 
 def _unwrap_scaler_steps():
     if len(_hooks) == 0:
         while _scaler_steps:
-            cls, own = _scaler_steps.pop()
-            cls.step = own
+            cls, own, wrapper = _scaler_steps.pop()
+            if cls.__dict__.get("step") is wrapper:  # else wrapped again after us: that layer stays, ours passes
+                cls.step = own
 
 
 def is_step_hook(fn):

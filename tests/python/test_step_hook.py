@@ -325,3 +325,22 @@ def test_a_refusal_inside_scaler_step_lets_a_retry_with_the_same_scaler_train_as
     train(plain, plain_opt, torch.amp.GradScaler("cpu", init_scale=1024.0))
     for (name, p), q in zip(m.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_a_grad_scaler_step_wrapped_after_the_run_keeps_that_wrapper_when_the_run_ends():
+    """Leaving the last Run put torch's GradScaler.step back over a wrapper someone set after ours (found by
+    a helper); the step routing and the zero_grad watch already left such a layer in place."""
+    original = torch.amp.GradScaler.step
+    model = _scaled_model()
+    try:
+        with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1)):
+            ours = torch.amp.GradScaler.step
+            assert ours is not original
+
+            def theirs(self, optimizer, *args, **kwargs):
+                return ours(self, optimizer, *args, **kwargs)
+
+            torch.amp.GradScaler.step = theirs
+        assert torch.amp.GradScaler.step is theirs
+    finally:
+        torch.amp.GradScaler.step = original

@@ -28,7 +28,7 @@ import torch
 from memsched._C import MemschedError
 
 _fused_owners = weakref.WeakSet()  # installed OutOfOrderBackward objects with fuse_optimizer=True
-_patched = []  # (class, attribute name, its own original function)
+_patched = []  # (class, attribute name, its own original function, our guard of it)
 
 _WHERE = ("while out-of-order backward's fused update is installed (memsched.optimize(..., fuse_optimizer=True) "
           "or memsched.OutOfOrderBackward(fuse_optimizer=True))")
@@ -80,8 +80,9 @@ def guard(owner) -> None:
         for name, wrap in (("scale", _guarded_scale), ("unscale_", _guarded_unscale)):
             own = cls.__dict__.get(name)
             if own is not None:
-                _patched.append((cls, name, own))
-                setattr(cls, name, wrap(own))
+                guarded = wrap(own)
+                _patched.append((cls, name, own, guarded))
+                setattr(cls, name, guarded)
 
 
 def unguard(owner) -> None:
@@ -89,5 +90,6 @@ def unguard(owner) -> None:
     _fused_owners.discard(owner)
     if len(_fused_owners) == 0:
         while _patched:
-            cls, name, own = _patched.pop()
-            setattr(cls, name, own)
+            cls, name, own, guarded = _patched.pop()
+            if cls.__dict__.get(name) is guarded:  # else patched again after us: that layer stays
+                setattr(cls, name, own)
