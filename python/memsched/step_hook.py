@@ -55,7 +55,8 @@ import torch
 
 from memsched._C import MemschedError
 
-__all__ = ["OptimizerStepHook", "accelerate_wrappers", "accelerate_would_not_step", "is_skipped_update", "is_step_hook", "torch_optimizer"]
+__all__ = ["OptimizerStepHook", "accelerate_wrappers", "accelerate_would_not_step", "is_skipped_update", "is_step_hook",
+           "torch_optimizer"]
 
 
 def torch_optimizer(optimizer):
@@ -131,7 +132,7 @@ def _scaler_step_wrapper(original):
             if hook.routed_ == routed and hook.active:
                 hook.routed_ += 1  # (a subclass's step calling this one's books the skip once)
                 hook.on_step(_no_update, (), {})  # skipped on inf/NaN: the step boundary, without its update
-        except BaseException:
+        except MemschedError:
             # a refusal at the step boundary inside scaler.step(): the scaler's record of this optimizer
             # (unscaled, or stepped) would make a retry with the same scaler update with scaled gradients or
             # raise; it starts over, as the refused step's gradients do (found by a helper: 14.8 off plain)
