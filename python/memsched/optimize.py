@@ -1271,7 +1271,8 @@ class Run:
             self.warned_not_profiled_ = True
             self.warned_not_profiled_why_ = why
             warnings.warn(f"memsched.optimize: {why}; this step runs plainly and is not profiled (a later "
-                          "step without them is; this warning is shown once)", RuntimeWarning, stacklevel=user_stacklevel())
+                          "step without them is; this warning is shown once)",
+                          RuntimeWarning, stacklevel=user_stacklevel())
 
     def _root_post(self, module, args, output):
         self.in_forward_ = False

@@ -475,7 +475,8 @@ class OffloadExecutor:
         if self.path.guard_error:
             warnings.warn(f"memsched: the memory guard is off: the device allocator's count of allocated bytes "
                           f"could not be read ({self.path.guard_error}); the steps may exceed the budget when the "
-                          "host runs ahead of the GPU (Note [Memory guard])", RuntimeWarning, stacklevel=user_stacklevel())
+                          "host runs ahead of the GPU (Note [Memory guard])",
+                          RuntimeWarning, stacklevel=user_stacklevel())
             self.path.guard_error = ""
         if not self.engine.is_accelerator:
             stats.stall_s_ = c["stall_s"]

@@ -1739,7 +1739,8 @@ class OutOfOrderBackward:
             f"gradients at every micro-step, where memsched's out-of-order backward reduces once per optimizer step "
             f"(as plain DDP does under no_sync()). The gradients are equal up to float rounding, not bitwise. Wrap "
             f"the micro-steps before the last in ddp.no_sync() -- plain DDP's way to accumulate, and fewer "
-            f"all-reduces -- for results bitwise equal to plain DDP. Warned once.", RuntimeWarning, stacklevel=user_stacklevel())
+            f"all-reduces -- for results bitwise equal to plain DDP. Warned once.",
+            RuntimeWarning, stacklevel=user_stacklevel())
 
     def _refuse_hook_after_forward(self, i: int) -> None:
         raise MemschedError(
@@ -2015,7 +2016,8 @@ class OutOfOrderBackward:
                 f"already stepped {stepped} of {len(self._params)} parameters; they keep that update and the "
                 f"others keep their old values, whereas plain PyTorch updates nothing when backward raises. "
                 f"Raise before backward (check the loss) or use fuse_optimizer=False to skip such a step "
-                f"exactly (Note [A failed backward] in memsched/ooo/backward.py).", RuntimeWarning, stacklevel=user_stacklevel())
+                f"exactly (Note [A failed backward] in memsched/ooo/backward.py).",
+                RuntimeWarning, stacklevel=user_stacklevel())
         self._callback_queued = False
         self._first_node.clear()
         self._phase = "idle"
