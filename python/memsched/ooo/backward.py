@@ -2112,13 +2112,21 @@ class OutOfOrderBackward:
                 "ooo.step() after each backward pass in place of optimizer.step() and zero_grad(), or use "
                 "memsched.optimize(model, optimizer, fuse_optimizer=True), where optimizer.step() marks the "
                 "boundary.")
+        dropped = ""
+        if self._zeroed_after_update:
+            # a zero_grad() came after the update: SAM's second pass after a warm-up, a probe pass (found by a
+            # helper following the README: the refusal spoke of accumulation, metrics and GANs only)
+            dropped = ("zero_grad() ran after that update: if this step drops the gradients of that backward pass "
+                       "before another (SAM's ascent pass, a probe pass whose gradients are only looked at), the "
+                       "fused update already applied them, which plain PyTorch discards -- such a loop needs "
+                       "fuse_optimizer=False (Note [Backward passes whose gradients the loop discards]). ")
         raise MemschedError(
             f"a forward pass with gradients enabled began after {n} backward pass(es) since the last step(), the "
             f"last of which already applied the fused optimizer update (grad_accumulation_steps="
             f"{self.grad_accumulation_steps}): with fuse_optimizer each parameter is stepped during the backward "
             f"that completes its accumulation, so this forward reads the updated parameters and its backward "
             f"would be one more than the update allows. This forward changed nothing (the update of that pass "
-            f"stays applied). A forward only for a metric or an "
+            f"stays applied). {dropped}A forward only for a metric or an "
             f"evaluation: run it under torch.no_grad() (it then reads the updated parameters, as PyTorch's "
             f"optimizer-in-backward recipe does; plain PyTorch reads the old ones), before backward, or after "
             f"step(). To accumulate gradients over K backward passes per optimizer step, pass "

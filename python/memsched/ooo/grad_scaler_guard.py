@@ -32,8 +32,9 @@ _patched = []  # (class, attribute name, its own original function, our guard of
 
 _WHERE = ("while out-of-order backward's fused update is installed (memsched.optimize(..., fuse_optimizer=True) "
           "or memsched.OutOfOrderBackward(fuse_optimizer=True))")
-_FIX = ("Use fuse_optimizer=False with a GradScaler (scaler.step(optimizer) after backward), or train in "
-        "bfloat16, which needs no loss scaling.")
+_FIX = ("Use fuse_optimizer=False with a GradScaler (fp16: torch.amp.GradScaler, or accelerate's "
+        "mixed_precision='fp16'), or train in bfloat16, which needs no loss scaling (torch.autocast(dtype="
+        "torch.bfloat16), mixed_precision='bf16').")
 
 
 def _guarded_scale(original):

@@ -157,3 +157,22 @@ def test_zero_grad_of_a_module_without_gradients_between_backward_and_step_train
     train(m, dict(fuse_optimizer=True))
     for p, q in zip(plain.parameters(), m.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_pass_dropped_after_the_first_steps_is_refused_at_the_next_forward_naming_it():
+    """SAM after a warm-up under the fused update: its ascent pass runs fused (the update is applied), and
+    the second forward was refused speaking of accumulation, metrics and GANs only (found by a helper
+    following the README). It now names the dropped pass and fuse_optimizer=False."""
+    batches = _batches(4)
+    m = _base()
+    mo = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with memsched.optimize(m, mo, fuse_optimizer=True) as run:
+        for x, y in batches[:2]:
+            _plain_step(m, mo, x, y, mo.step)
+        x, y = batches[2]
+        F.cross_entropy(m(x), y).backward()
+        mo.zero_grad()
+        with pytest.raises(memsched.MemschedError, match=r"zero_grad\(\) ran after that update.*SAM's ascent "
+                                                         r"pass.*fuse_optimizer=False"):
+            m(x * 0.5)
+        run.step()
