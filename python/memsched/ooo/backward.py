@@ -887,6 +887,9 @@ class OutOfOrderBackward:
         self._warned_read_updated = False  # See _warn_read_updated
         self._zeroed_after_update = False  # zero_grad() after a fused update, before step()
         self._discarded_pass = False  # See Note [Backward passes whose gradients the loop discards]
+        self._discard_followed = False  # another backward pass of the step came after that zero_grad()
+        self._forward_refused_after_update = False  # _refuse_extra_backward ran since the fused update
+        self._update_raised = False   # the optimizer (or its hook) raised inside the fused update
         self._stepped_in_step = set()  # parameters the fused update stepped since the last step boundary
         self._refused_in_backward = False  # memsched refused this pass mid-backward (Note [A failed backward])
         self._pass_nested = False   # this pass began inside a reentrant checkpoint's backward (Note [A reentrant ...])
@@ -1999,7 +2002,7 @@ class OutOfOrderBackward:
             self._stepper.forget_native_plan()
         self._note_native_steps()  # updates the C++ Adam path ran before the error count too
         stepped, self._iter_stepped = self._iter_stepped, 0
-        in_update, self._update_raised = self.__dict__.pop("_update_raised", False), False
+        in_update, self._update_raised = self._update_raised, False
         if stepped and in_update:
             # the optimizer (or a step hook of it) raised inside the fused update: the group it was stepping may
             # be stepped in part or not at all (found by a helper: "2 of 6 ... keep that update", none changed)
@@ -2204,7 +2207,8 @@ class OutOfOrderBackward:
             self._end_discarding_step()
         ran = self._backwards_since_step
         fused = self._updated_since_step  # the last backward pass ran the update (not a paused one)
-        if fused and self._zeroed_after_update and not self.__dict__.pop("_forward_refused_after_update", False):
+        refused_forward, self._forward_refused_after_update = self._forward_refused_after_update, False
+        if fused and self._zeroed_after_update and not refused_forward:
             self._refuse_zeroed_after_update()
         if fused and not self._warned_late_edit:
             self._check_late_edits()
@@ -2254,7 +2258,7 @@ class OutOfOrderBackward:
         if not self._probation:
             self._probation = True  # the next step runs unfused, to see whether every step discards a pass
             return
-        if not self.__dict__.get("_discard_followed", True):
+        if not self._discard_followed:
             raise MemschedError(
                 "fuse_optimizer=True: this step, like the one before it, called zero_grad() (the optimizer's or a "
                 "module's) between the backward pass and the step boundary. With fuse_optimizer the update runs "
