@@ -242,8 +242,9 @@ from memsched.offload.schedule import OffloadSchedule
 from memsched.offload.shape_plans import MAX_SHAPE_PLANS, PLAN_FIELDS, describe, step_signature
 from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
                                percent_refusal, planner_least_bytes, planner_names, resolve_budget)
-from memsched.step_hook import (OptimizerStepHook, check_closure_optimizer, accelerate_would_not_step,
-                                accelerate_wrappers, is_skipped_update, split_closure, torch_optimizer)
+from memsched.step_hook import (OptimizerStepHook, accelerate_end_of_dataloader, accelerate_would_not_step,
+                                accelerate_wrappers, check_closure_optimizer, is_skipped_update, split_closure,
+                                torch_optimizer)
 from memsched.units import format_bytes, parse_bytes
 from memsched.wording import counted
 from memsched.user_frame import user_stacklevel  # See Note [Warnings point at the caller's code]
@@ -783,7 +784,7 @@ class Run:
         grad_accumulation_steps backward passes: the fused update (or ooo's step count) follows
         that setting, the caller's loop its own. Refused before anything changes."""
         k, n = self.grad_accumulation_steps, self.ooo_.backward_passes_since_step
-        if n != k and n != 0 and _accelerate_end_of_dataloader():
+        if n != k and n != 0 and accelerate_end_of_dataloader():
             # accelerate syncs at the end of its dataloader: a shorter last accumulation (found by a helper)
             raise _C.MemschedError(
                 f"optimizer.step() was called after {n} backward pass(es) where grad_accumulation_steps={k}: "
@@ -1967,18 +1968,6 @@ def _explain_profiled_oom(exc):
                      "a fraction or a percentage, which is only resolved to bytes by this profile). Pass the "
                      "budget in bytes (budget='6GiB') or profile='offload' so that the profiled step keeps its "
                      "saved activations in host memory")
-
-
-def _accelerate_end_of_dataloader():
-    """Whether an accelerate loop is at the end of its prepared dataloader (False without accelerate)."""
-    state = sys.modules.get("accelerate.state")
-    gradients = getattr(state, "GradientState", None)
-    if gradients is None or not getattr(gradients, "_shared_state", None):
-        return False
-    try:
-        return bool(gradients().end_of_dataloader)
-    except Exception:  # another accelerate version's internals
-        return False
 
 
 _HOOK_REFUSALS = ("don't yet support saved tensor hooks", "saved tensors default hooks are disabled")

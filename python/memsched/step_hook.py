@@ -55,8 +55,8 @@ import torch
 
 from memsched._C import MemschedError
 
-__all__ = ["OptimizerStepHook", "accelerate_wrappers", "accelerate_would_not_step", "is_skipped_update", "is_step_hook",
-           "torch_optimizer"]
+__all__ = ["OptimizerStepHook", "accelerate_end_of_dataloader", "accelerate_wrappers", "accelerate_would_not_step",
+           "is_skipped_update", "is_step_hook", "torch_optimizer"]
 
 
 def torch_optimizer(optimizer):
@@ -92,6 +92,17 @@ def accelerate_wrappers(optimizer):
         elif isinstance(ref, cls) and ref.optimizer is optimizer:
             found.append(ref)
     return found
+
+
+def accelerate_end_of_dataloader():
+    """Whether an accelerate loop is at the end of its prepared dataloader (False without accelerate)."""
+    gradients = getattr(sys.modules.get("accelerate.state"), "GradientState", None)
+    if gradients is None or not getattr(gradients, "_shared_state", None):
+        return False
+    try:
+        return bool(gradients().end_of_dataloader)
+    except Exception:  # another accelerate version's internals
+        return False
 
 
 def accelerate_would_not_step(wrapper):
