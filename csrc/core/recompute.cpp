@@ -152,6 +152,15 @@ RecomputeChain derive_chain(const Trace& trace, const OffloadAnalysis& analysis,
   return r;
 }
 
+bool made_whole_by(const Trace& trace, const OffloadAnalysis& analysis, const TensorRecord& u,
+                   const std::vector<int64_t>& ops) {
+  std::vector<int64_t> writers;
+  if (!filled_outside_the_dispatcher(trace, u, push_writers(trace, analysis, u, writers)).empty()) return false;
+  for (int64_t op : writers)
+    if (!std::binary_search(ops.begin(), ops.end(), op)) return false;
+  return true;
+}
+
 bool live_at(const Trace& trace, const TensorRecord& u, int64_t op) {
   return trace.live_start(u) <= op && op <= trace.live_end(u);
 }
@@ -170,6 +179,10 @@ RecomputeSchedule recompute_schedule(const Trace& trace, const OffloadAnalysis& 
   std::vector<int64_t> order;
   for (size_t k = 0; k < n; ++k)
     if (decisions[k].recompute) order.push_back(static_cast<int64_t>(k));
+  // (producer op, candidate) of every recomputed candidate, by op: a replay's other outputs
+  std::vector<std::pair<int64_t, int64_t>> made_by;
+  for (int64_t k : order) made_by.emplace_back(trace.tensors[analysis.candidates[k].tensor_id].producer_op, k);
+  std::sort(made_by.begin(), made_by.end());
   std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
     const int64_t bx = analysis.candidates[x].first_backward_use, by = analysis.candidates[y].first_backward_use;
     return bx != by ? bx < by : x < y;
@@ -195,6 +208,17 @@ RecomputeSchedule recompute_schedule(const Trace& trace, const OffloadAnalysis& 
       if (!decisions[j].recompute || s.at_op[j] >= 0) continue;
       s.at_op[j] = b;  // recreated here and kept until its own first backward use
       s.kept_alive[k].push_back(j);
+    }
+    for (int64_t op : s.chains[k].ops) {  // See Note [Recompute model]: another output of a replayed op
+      auto it = std::lower_bound(made_by.begin(), made_by.end(), std::make_pair(op, int64_t{-1}));
+      for (; it != made_by.end() && it->first == op; ++it) {
+        const int64_t j = it->second;
+        if (s.at_op[j] >= 0 || analysis.candidates[j].first_backward_use < b ||
+            !made_whole_by(trace, analysis, trace.tensors[analysis.candidates[j].tensor_id], s.chains[k].ops))
+          continue;
+        s.at_op[j] = b;
+        s.kept_alive[k].push_back(j);
+      }
     }
     std::sort(s.kept_alive[k].begin(), s.kept_alive[k].end());
   }

@@ -238,6 +238,45 @@ TEST(Recompute, OneReplayRecreatesAndKeepsAnotherRecomputedTensor) {
   EXPECT_LE(r.peak_bytes, *std::max_element(mem.begin(), mem.end()));
 }
 
+TEST(Recompute, AReplayKeepsTheOtherOutputsOfItsOpsThatThePlanRecomputes) {
+  // 0 conv(x, w) -> a; 1 max_pool2d_with_indices(a) -> v, i; 2 linear(v) -> y; 3 loss(y)
+  // bwd: 4 reads v (linear's backward); 5 reads a, i (the pool's); 6 reads x, w.
+  // Recomputing v and i: the replay of op 1 before op 4 makes i too, so i is kept from there
+  // rather than replayed again before op 5 (which made v a second time, beside the first).
+  Trace t;
+  test_traces::add_ops(t, {"aten::convolution", "aten::max_pool2d_with_indices", "aten::linear", "aten::mse_loss",
+                           "linear_backward", "max_pool2d_with_indices_backward", "convolution_backward"},
+                       4, 10.0);
+  auto add = [&](int64_t bytes, TensorKind kind, int64_t producer, std::vector<int64_t> uses, int64_t freed) {
+    test_traces::add_tensor(t, bytes, kind, producer, std::move(uses), freed);
+  };
+  add(100, TensorKind::kParameter, kBeforeStep, {0, 6}, kAfterStep);  // 0 w
+  add(1000, TensorKind::kActivation, kBeforeStep, {0, 6}, 6);         // 1 x
+  add(4000, TensorKind::kActivation, 0, {1, 5}, 5);                   // 2 a
+  add(1000, TensorKind::kActivation, 1, {2, 4}, 4);                   // 3 v
+  add(2000, TensorKind::kActivation, 1, {5}, 5);                      // 4 i
+  add(4, TensorKind::kTemporary, 3, {4}, 4);                          // 5 loss
+  t.validate();
+  const OffloadAnalysis a = analyze_offload(t);
+  const int64_t kv = a.candidate_index[3], ki = a.candidate_index[4];
+  Plan p = keep_all_plan(a, t.peak_bytes());
+  p.decisions[kv].recompute = p.decisions[ki].recompute = true;
+  const RecomputeSchedule s = recompute_schedule(t, a, p.decisions);
+  EXPECT_EQ(s.chains[kv].ops, (std::vector<int64_t>{1}));
+  EXPECT_EQ(s.kept_alive[kv], (std::vector<int64_t>{ki}));
+  EXPECT_TRUE(s.chains[ki].feasible);
+  EXPECT_TRUE(s.chains[ki].ops.empty());
+  EXPECT_EQ(s.at_op[ki], 4);
+  p.decisions[kv].recompute_ops = {1};
+  p.decisions[kv].recompute_at_op = p.decisions[ki].recompute_at_op = 4;
+  validate_plan(t, a, p);
+  const SimResult r = simulate(t, p, DeviceModel{});
+  r.check_invariants(t, p);
+  EXPECT_DOUBLE_EQ(r.recompute_us, 10.0);  // op 1 once, not twice
+  const std::vector<int64_t> mem = modelled_memory(a, p.decisions);
+  EXPECT_LE(r.peak_bytes, *std::max_element(mem.begin(), mem.end()));
+}
+
 TEST(Recompute, ReplayTransientBytesCountAtTheUse) {
   const Trace t = small_trace();
   const OffloadAnalysis a = analyze_offload(t);
