@@ -238,7 +238,8 @@ from memsched.offload.host_buffers import HostBuffers, parse_host_limit
 from memsched.offload.host_limit import plan_within_host_limit
 from memsched.offload.peak_gap import explain_peak_gap
 from memsched.offload.report import build_report, largest_planned, planned_activation_curve, save_timeline
-from memsched.offload.schedule import OffloadSchedule
+from memsched.offload.prefetch_fit import fit_prefetches
+from memsched.offload.schedule import OffloadSchedule, PrefetchPoints
 from memsched.offload.shape_plans import MAX_SHAPE_PLANS, PLAN_FIELDS, describe, step_signature
 from memsched.planning import (fraction_budget, fraction_refusal, least_working_budget, parse_budget,
                                percent_refusal, planner_least_bytes, planner_names, resolve_budget)
@@ -1345,6 +1346,9 @@ class Run:
                 if self.budget_written_ and str(err).startswith(head):  # as the user wrote it, bytes beside
                     raise _C.MemschedError(f"budget {self._budget_echo()}{str(err)[len(head):]}") from None
                 raise
+        points = PrefetchPoints(trace, self.node_of_op_)
+        fit = lambda plan: fit_prefetches(trace, plan, points)[0]  # noqa: E731
+        self.plan = fit(self.plan)  # See Note [Prefetches where they fire] (offload/prefetch_fit.py)
         schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_,
                                          forward_starts=self.forward_starts_)
         need = schedule.offloaded_bytes
@@ -1356,8 +1360,8 @@ class Run:
             import memsched
             self.plan, schedule, chosen = plan_within_host_limit(
                 trace, self.budget_bytes, planner, need, self.host.limit, self.host.limit_text,
-                make_plan=lambda name, durations: memsched.plan(trace, self.budget_bytes, name, self.device_model,
-                                                                durations=durations),
+                make_plan=lambda name, durations: fit(memsched.plan(trace, self.budget_bytes, name, self.device_model,
+                                                                    durations=durations)),
                 schedule_of=lambda plan: OffloadSchedule.build(trace, plan, self.min_offload_bytes,
                                                                node_of_op=self.node_of_op_,
                                                                forward_starts=self.forward_starts_),

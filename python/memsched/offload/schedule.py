@@ -21,8 +21,10 @@ Note [Plan ops to backward triggers]
   first backward use is "on demand": fetched synchronously at its unpack and
   counted as a stall.
   Granularity: rounding p down to an observable op issues a prefetch at most
-  one observable op early -- never late -- so it can cost memory (up to the
-  tensors of that gap), never time.
+  one observable op early -- never late -- so it could cost memory (up to the
+  tensors of that gap), never time; memsched.optimize therefore moves each
+  prefetch of its plan to where it fires before running it (Note [Prefetches
+  where they fire] in prefetch_fit.py).
   With the profiled step's node offsets (ProfilerSession.node_of_op) a prefetch
   at backward op p triggers at the first op of p's autograd node instead, and
   the executor fires it from a pre-hook on that node (Note [Backward node
@@ -67,6 +69,51 @@ def plan_decisions(plan):
     if decisions is None:
         raise TypeError(f"plan: expected an object with .decisions (a memsched plan), got {type(plan).__name__}")
     return list(decisions)
+
+
+class PrefetchPoints:
+    """The ops of one trace where the executor starts a prefetch (Note [Plan ops to backward triggers])."""
+
+    def __init__(self, trace, node_of_op=None):
+        ops = trace.ops
+        first_bwd = set()
+        for rec in trace.tensors:
+            if rec.kind != "activation" or ordinal_of_label(rec.label) is None:
+                continue
+            bwd = [u for u in rec.uses if ops[u].phase == "backward"]
+            if bwd:
+                first_bwd.add(min(bwd))
+        self.observable_ops = sorted(first_bwd)  # ops whose first unpack the unpack hook reveals
+        self.node_of_op = dict(node_of_op or {})  # backward op -> autograd node offset
+        self.node_first_op = {}
+        for op, node in sorted(self.node_of_op.items()):
+            self.node_first_op.setdefault(node, op)
+        backward = [op.id for op in ops if op.phase == "backward"]
+        self.first_backward_op = backward[0] if backward else len(ops)
+        starts = set(self.node_first_op.values()) | set(self.observable_ops)
+        self.points = sorted(q for q in starts if self.trigger(q, q + 1)[0] == q)  # where a trigger fires as planned
+
+    def trigger(self, p, first_use):
+        """(trigger op, node or None) for a prefetch planned at op p of a tensor first used at first_use: the
+        start of p's node, else the latest observable op <= p (-1: the step's first unpack). A trigger at
+        or after first_use means on demand."""
+        node = self.node_of_op.get(p)
+        if node is not None and p < first_use:
+            return self.node_first_op[node], node
+        i = bisect.bisect_right(self.observable_ops, p) - 1
+        return (self.observable_ops[i] if i >= 0 else -1), None
+
+    def fires_at(self, p, first_use):
+        """The op at which a prefetch planned at p starts: first_use when on demand."""
+        q = self.trigger(min(p, first_use), first_use)[0]
+        if q < 0:
+            q = self.first_backward_op
+        return min(q, first_use)
+
+    def at_or_after(self, p, first_use):
+        """The first op at or after p where a prefetch starts as planned, or first_use (on demand)."""
+        i = bisect.bisect_left(self.points, p)
+        return self.points[i] if i < len(self.points) and self.points[i] < first_use else first_use
 
 
 class OffloadSchedule:
@@ -124,13 +171,11 @@ class OffloadSchedule:
             bwd = [u for u in rec.uses if ops[u].phase == "backward"]
             if bwd:
                 s.first_bwd_op[k] = min(bwd)
-        s.observable_ops = sorted(set(s.first_bwd_op.values()))
+        points = PrefetchPoints(trace, node_of_op)
+        s.observable_ops = points.observable_ops
         if plan is None:
             return s
         s.copies_on_compute_stream = bool(getattr(plan, "copies_on_compute_stream", False))
-        node_first_op = {}
-        for op, node in sorted((node_of_op or {}).items()):
-            node_first_op.setdefault(node, op)
         for d in plan_decisions(plan):
             recompute = getattr(d, "recompute", False)
             if not (d.offload or recompute):
@@ -146,14 +191,9 @@ class OffloadSchedule:
                 continue
             s.offload.add(k)
             first_use = s.first_bwd_op[k]
-            p = min(d.prefetch_at_op, first_use)
-            node = node_of_op.get(p) if node_of_op else None
-            if node is not None and p < first_use:
-                trigger = node_first_op[node]  # the start of p's node: at most that node's ops early
-                s.trigger_nodes[node] = trigger
-            else:
-                i = bisect.bisect_right(s.observable_ops, p) - 1
-                trigger = s.observable_ops[i] if i >= 0 else -1
+            trigger, node = points.trigger(min(d.prefetch_at_op, first_use), first_use)
+            if node is not None:
+                s.trigger_nodes[node] = trigger  # the start of p's node: at most that node's ops early
             if trigger >= first_use:
                 continue  # on demand
             s.trigger_op[k] = trigger
