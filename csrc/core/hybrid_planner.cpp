@@ -189,9 +189,13 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
       return std::nullopt;  // that planner cannot reach this budget
     }
   };
+  std::vector<std::pair<std::string, std::vector<Action>>> other_sets;  // for (d)
   auto consider_planner = [&](const std::string& other, std::optional<Plan> p) {
     if (!p) return;
     const std::string source = other + (p->objective_name.empty() ? "" : ":" + p->objective_name);
+    std::vector<Action> actions(p->decisions.size());
+    for (size_t k = 0; k < actions.size(); ++k) actions[k] = action_of(p->decisions[k]);
+    other_sets.emplace_back(source, std::move(actions));
     consider(std::move(*p), source);
   };
   const std::string kDp = "dp";
@@ -260,6 +264,27 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
     }
   }
   consider_planner(kDp, dp_plan.get());
+
+  // (d) When no plan so far recomputes: each other planner's off-device set, recomputed where a chain
+  // can recreate it (See Note [Hybrid planner]: the DP's plans may not survive on micro-batch traces).
+  const bool offload_only = !found || best.num_recomputed() == 0;
+  for (const auto& [source, actions] : other_sets) {
+    if (!any_recomputable || !offload_only) break;
+    std::vector<Action> trial = actions;
+    bool changed = false;
+    for (size_t k = 0; k < trial.size(); ++k) {
+      if (trial[k] != Action::kOffload || recompute_cost[k] < 0) continue;
+      trial[k] = Action::kRecompute;
+      changed = true;
+    }
+    if (!changed) continue;
+    std::vector<TensorDecision> d = hybrid_decisions(trace, analysis, trial, budget_bytes);
+    place_prefetch_latest_hiding(trace, device, analysis, d);
+    if (!fit_prefetches_to_budget(analysis, d, budget_bytes)) continue;
+    Plan p = keep_all_plan(analysis, budget_bytes);
+    p.decisions = std::move(d);
+    consider(std::move(p), "hybrid:recompute(" + source + ")");
+  }
 
   // (c) Local search from the best plan: one tensor's action at a time (See Note [Hybrid planner]).
   const size_t n = analysis.candidates.size();
