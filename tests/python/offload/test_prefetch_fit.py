@@ -19,6 +19,20 @@ def _slow_copies():
     return d
 
 
+def _train(model, run, losses):
+    """STEPS steps of plain SGD (run None) or under `run`; losses(model, step) yields the step's
+    micro-batch losses, each backpropagated as it comes."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for s in range(STEPS):
+        for loss in losses(model, s):
+            loss.backward()
+        if run is None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            run.step()
+
+
 def _check(run, plain, model):
     planned = max(planned_activation_curve(run.trace, run.plan))
     measured = [s.peak_bytes for s in run.step_stats if s.mode == "planned"]
@@ -71,22 +85,15 @@ def test_a_prefetch_planned_inside_a_backward_node_is_priced_from_the_nodes_star
     plain, model = _Transformer(), _Transformer()
     model.load_state_dict(plain.state_dict())
 
-    def train(m, run):
-        opt = torch.optim.SGD(m.parameters(), lr=0.01)
-        for s in range(STEPS):
-            x = torch.randint(0, 50, (16, 12), generator=torch.Generator().manual_seed(1000 * s))
-            torch.manual_seed(7 * s)
-            m(x).square().mean().backward()
-            if run is None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            else:
-                run.step()
+    def losses(m, s):
+        x = torch.randint(0, 50, (16, 12), generator=torch.Generator().manual_seed(1000 * s))
+        torch.manual_seed(7 * s)
+        yield m(x).square().mean()
 
-    train(plain, None)
+    _train(plain, None, losses)
     with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.01), budget=0.05, planner="hybrid",
                            device_model=_slow_copies()) as run:
-        train(model, run)
+        _train(model, run, losses)
     assert run.plan.num_offloaded() > 0
     _check(run, plain, model)
 
@@ -111,19 +118,12 @@ def test_a_prefetch_planned_at_a_gradient_accumulation_op_starts_no_earlier():
     model.load_state_dict(plain.state_dict())
     batches = [torch.randn(16, 10, 16, generator=torch.Generator().manual_seed(m)) for m in range(2)]
 
-    def train(m, run):
-        opt = torch.optim.SGD(m.parameters(), lr=0.01)
-        for _ in range(STEPS):
-            for x in batches:
-                (m(x).square().mean() / 2).backward()
-            if run is None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            else:
-                run.step()
+    def losses(m, s):
+        for x in batches:
+            yield m(x).square().mean() / 2
 
-    train(plain, None)
+    _train(plain, None, losses)
     with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.01), budget=0.7, planner="dp") as run:
-        train(model, run)
+        _train(model, run, losses)
     assert run.plan.num_offloaded() > 0
     _check(run, plain, model)
