@@ -100,6 +100,11 @@ Note [A recipe built when its saving op has run]
   what they were when op j-1 returned is op j-1's output save -- its op has run. Waiting held
   max_pool2d's indices (an output, no grad_fn) through the next convolution, beside that op's
   output: the measured peak 11-16% over the plan's on a CNN (found by a helper checking budgets).
+  A recorded op that writes a built recipe's storage later in the forward, through another version
+  counter (`y = h.sigmoid(); y.data.mul_(0.5)`: no version check sees it, and plain PyTorch's saved y
+  has the new bytes), makes the recipe take its slice again, with that write, or keep the storage
+  (ForwardOpLog._rewritten; building at once had lost such a write one op later: 2e-5 off plain,
+  found by a helper reviewing the change).
   Limitations: a save made inside an op's own kernel (no dispatch of ours in between) waits for the
   next counted op to end.
 
@@ -583,6 +588,7 @@ class ForwardOpLog:
         self.shared_pending: Dict[int, List[Recipe]] = {}  # storage key -> pending recipes with `shared` set
         self.unfinished: List[Recipe] = []    # saved, but the op that saved them may still write them
         self.ran = None  # (op counter, autograd sequence peek) when the last recorded op returned
+        self.built: Dict[int, list] = {}  # storage key -> [weakref(Recipe)] built on it, this forward
         self.mode: Optional[_LogMode] = None
         self.inputs: List[torch.Tensor] = []  # the forward's tensor arguments (push)
 
@@ -613,6 +619,7 @@ class ForwardOpLog:
         self.log = []
         self.live = {}
         self.tainted = set()
+        self.built = {}
         # (watch and readers stay for the step: a later forward's in-place write of an input read here --
         # nn.Embedding(max_norm=...) renormalises its weight at every forward -- is seen by its log,
         # which snapshots for them through `earlier`; found by fuzzing)
@@ -706,6 +713,12 @@ class ForwardOpLog:
             if key not in r.made:
                 self.live[key][1].append(r.index)
         self.log.append(r)
+        if self.built and written:
+            for x in leaves:
+                if isinstance(x, torch.Tensor) and id(x) in written:
+                    key = _key(x)
+                    if key in self.built:
+                        self._rewritten(key, x, r.index)
         return out
 
     def _snapshot_for_readers(self, key, x):
@@ -799,6 +812,52 @@ class ForwardOpLog:
         """Give `recipe` the slice of recorded ops that writes its storage; a reason if it cannot."""
         if recipe.held._version != recipe.version:
             return "modified in place"  # unpack raises, as PyTorch does
+        why, records = self._slice(recipe)
+        if why:
+            return why
+        recipe.set_records(records)
+        self._adopt(recipe)
+        self.pending[recipe.ordinal] = recipe
+        if recipe.shared:
+            self.shared_pending.setdefault(recipe.key, []).append(recipe)
+        self.built.setdefault(recipe.key, []).append(weakref.ref(recipe))
+        return ""
+
+    def _adopt(self, recipe):
+        """Watch the outside inputs of recipe's (new) slice, and note how many writes of its storage it holds."""
+        recipe.writers = len(self.live[recipe.key][1])
+        ref = weakref.ref(recipe)
+        for x, _ in recipe.externals():
+            k = _key(x)
+            if k is not None:
+                self.watch.setdefault(k, []).append(ref)
+
+    def _rewritten(self, key, x, index):
+        """Recorded op `index` wrote storage `key` (through x) after recipes of it were built: through another
+        version counter (`y.data.mul_`), which no version check sees. A saved tensor in plain PyTorch sees
+        the write, so each such recipe takes its slice again, with the write, or keeps the storage (See
+        Note [A recipe built when its saving op has run])."""
+        for ref in self.built.get(key, ()):
+            recipe = ref()
+            if recipe is None or recipe.held is not None or recipe.value is not None or recipe.unpacks \
+                    or index in recipe.indices:
+                continue
+            why, records = self._slice(recipe)
+            if not why:
+                recipe.set_records(records)
+                self._adopt(recipe)
+                continue
+            recipe.held = x.detach()  # any tensor on the storage: unpack views it with the save's geometry
+            recipe.keep(why)
+            self.stats.recomputed -= 1
+            self.stats.recomputed_bytes -= recipe.nbytes
+            self.stats.keep(why)
+            if self.pending.pop(recipe.ordinal, None) is recipe and recipe.shared:
+                self.shared_pending[recipe.key].remove(recipe)
+
+    def _slice(self, recipe):
+        """(reason, records): the recorded ops that write recipe's storage and what they read, in log order;
+        a reason why they cannot recreate it exactly instead."""
         # Note [A slice from its storages' writers]: each storage a recorded op read was written, before
         # that op, by the records of its writer list (the _SYM leaf holds that list; a key names one
         # storage while `live` holds its weak reference), so the slice is found from the recipe's
@@ -819,36 +878,26 @@ class ForwardOpLog:
                     continue
                 r = self.log[i]
                 if not r.valid:
-                    return r.why
+                    return r.why, None
                 chosen[i] = r
                 for leaf in r.leaves:
                     if type(leaf) is tuple and leaf[0] == _SYM:
                         needed.add(leaf[1])
                         work.append((leaf[3], i))
         if not chosen:
-            return "not made by a recorded op"
+            return "not made by a recorded op", None
         for writers in made_empty:  # See Note [Memory filled outside the dispatcher] (csrc/core/recompute.cpp)
             if not any(i in chosen for i in writers[1:]):
-                return "made by an empty tensor op and filled outside the dispatcher (an extension's kernel, numpy)"
+                return "made by an empty tensor op and filled outside the dispatcher (an extension's kernel, numpy)", None
         if not needed.isdisjoint(self.tainted):
-            return "tainted"
+            return "tainted", None
         if self.parameter_keys:
             for r in chosen.values():
                 for leaf in r.leaves:
                     if type(leaf) is tuple and leaf[0] == _EXT and not leaf[1].requires_grad \
                             and _key(leaf[1]) in self.parameter_keys:
-                        return "reads a parameter through an alias without gradient"  # See Note [A replay that ...]
-        recipe.set_records([chosen[i] for i in sorted(chosen)])
-        recipe.writers = len(self.live[recipe.key][1])
-        ref = weakref.ref(recipe)
-        for x, _ in recipe.externals():
-            k = _key(x)
-            if k is not None:
-                self.watch.setdefault(k, []).append(ref)
-        self.pending[recipe.ordinal] = recipe
-        if recipe.shared:
-            self.shared_pending.setdefault(recipe.key, []).append(recipe)
-        return ""
+                        return "reads a parameter through an alias without gradient", None  # See Note [A replay that ...]
+        return "", [chosen[i] for i in sorted(chosen)]
 
     # Note [A replay that reads a parameter without its gradient]
     #   Rationale: a recorded op that reads a parameter through an alias carrying no gradient
