@@ -127,3 +127,25 @@ def test_a_prefetch_planned_at_a_gradient_accumulation_op_starts_no_earlier():
         _train(model, run, losses)
     assert run.plan.num_offloaded() > 0
     _check(run, plain, model)
+
+
+def test_prefetches_move_later_one_by_one_only_where_earlier_would_pass_the_budget():
+    """offload_all_prefetch under gradient accumulation: moving every early-starting prefetch later, as soon
+    as one of them had to, put 20 of the LSTM's 26 prefetches on demand; two need to be."""
+    torch.manual_seed(0)
+    plain, model = _Lstm(), _Lstm()
+    model.load_state_dict(plain.state_dict())
+    batches = [torch.randn(16, 10, 16, generator=torch.Generator().manual_seed(m)) for m in range(2)]
+
+    def losses(m, s):
+        for x in batches:
+            yield m(x).square().mean() / 2
+
+    _train(plain, None, losses)
+    with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.01), budget=0.7,
+                           planner="offload_all_prefetch") as run:
+        _train(model, run, losses)
+    planned = [s for s in run.step_stats if s.mode == "planned"]
+    assert planned and all(s.offloaded > 20 for s in planned)
+    assert all(s.on_demand <= 4 for s in planned), [(s.prefetched, s.on_demand) for s in planned]
+    _check(run, plain, model)
