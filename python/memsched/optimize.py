@@ -407,6 +407,7 @@ class Run:
         self.profile_stats = None                # ProfiledStepStats of the last profiled step
         self.budget_note_ = ""                   # how a fraction was resolved, when run.report() should say
         self.host_limit_note_ = ""               # the plan run instead of the planner's, for host_memory_limit
+        self.prefetch_note_ = ""                 # prefetches the plan starts later than planned (prefetch_fit.py)
         # planner/simulator device model: the "cpu" preset on CPU; on CUDA the default preset
         # unless the caller passes a measured one (memsched.measure_device()).
         self.device_model = device_model if device_model is not None else ("cpu" if self.device.type == "cpu"
@@ -1347,8 +1348,18 @@ class Run:
                     raise _C.MemschedError(f"budget {self._budget_echo()}{str(err)[len(head):]}") from None
                 raise
         points = PrefetchPoints(trace, self.node_of_op_)
-        fit = lambda plan: fit_prefetches(trace, plan, points)[0]  # noqa: E731
-        self.plan = fit(self.plan)  # See Note [Prefetches where they fire] (offload/prefetch_fit.py)
+
+        def fit(plan):  # See Note [Prefetches where they fire] (offload/prefetch_fit.py)
+            plan, later, on_demand = fit_prefetches(trace, plan, points)
+            self.prefetch_note_ = (f"{counted(later, 'prefetch', 'prefetches')} of the plan "
+                                   f"{'starts' if later == 1 else 'start'} later than planned "
+                                   f"({on_demand} of them on demand): starting {'it' if later == 1 else 'them'} "
+                                   f"where the executor can (at "
+                                   f"the start of a backward node) would have passed the budget or come before "
+                                   f"their backward pass (Note [Prefetches where they fire])") if later else ""
+            return plan
+
+        self.plan = fit(self.plan)
         schedule = OffloadSchedule.build(trace, self.plan, self.min_offload_bytes, node_of_op=self.node_of_op_,
                                          forward_starts=self.forward_starts_)
         need = schedule.offloaded_bytes
@@ -1725,6 +1736,8 @@ class Run:
             notes.append(self.budget_note_)
         if self.host_limit_note_:
             notes.append(self.host_limit_note_)
+        if self.prefetch_note_:
+            notes.append(self.prefetch_note_)
         limited = sum(s.host_limited for s in self.step_stats)
         if limited:
             notes.append(f"{counted(limited, 'offload')} stayed on the device: host_memory_limit "

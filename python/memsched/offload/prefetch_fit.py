@@ -46,9 +46,10 @@ def _passes(trace):
 
 def fit_prefetches(trace, plan, points):
     """`plan` with each prefetch at the op where the executor starts it (Note [Prefetches where they fire]);
-    returns (plan, moved): moved counts the prefetches that start elsewhere than planned."""
+    returns (plan, later, on_demand): how many prefetches start later than planned, and how many of those
+    at their tensor's first use."""
     if not isinstance(plan, Plan):
-        return plan, 0  # no plan, or a stand-in without the C++ memory model (tests of the executor)
+        return plan, 0, 0  # no plan, or a stand-in without the C++ memory model (tests of the executor)
     decisions = plan_decisions(plan)
     passes = _passes(trace)
     earlier, later = [], []
@@ -65,7 +66,7 @@ def fit_prefetches(trace, plan, points):
         else:
             later.append((k, points.at_or_after(p, first_use)))
     if not earlier and not later:
-        return plan, 0
+        return plan, 0, 0
     limit = max(plan.budget_bytes, max(modelled_memory(trace, plan), default=0))
     for k, q in later:
         decisions[k].prefetch_at_op = q
@@ -81,4 +82,6 @@ def fit_prefetches(trace, plan, points):
                 for i in range(q, late):
                     mem[i] += nbytes
         plan.decisions = decisions
-    return plan, len(earlier) + len(later)
+    moved = [(k, q) for k, q in later] + [(k, decisions[k].prefetch_at_op) for k, f, _ in earlier
+                                          if decisions[k].prefetch_at_op != f]
+    return plan, len(moved), sum(q == passes[decisions[k].tensor_id][1] for k, q in moved)

@@ -38,8 +38,8 @@ __all__ = ["step_signature", "describe", "PLAN_FIELDS", "MAX_SHAPE_PLANS"]
 MAX_SHAPE_PLANS = 8
 
 # What a Run's plan is made of, saved and restored when it switches plans (Run._plan_state)
-PLAN_FIELDS = ("trace", "budget_bytes", "plan", "schedule", "simulation", "host_limit_note_", "node_of_op_",
-               "forward_starts_", "unmodeled_bytes_", "profile_stats", "profile_eval_grad_",
+PLAN_FIELDS = ("trace", "budget_bytes", "plan", "schedule", "simulation", "host_limit_note_", "prefetch_note_",
+               "node_of_op_", "forward_starts_", "unmodeled_bytes_", "profile_stats", "profile_eval_grad_",
                "profile_forward_in_backward_", "optimizer_state_extra_", "plan_index_", "plan_checked_")
 
 

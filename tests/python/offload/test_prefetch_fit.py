@@ -1,5 +1,9 @@
 """Note [Prefetches where they fire] (offload/prefetch_fit.py): the plan a Run executes prefetches where
 the executor starts prefetches, so the measured saved-activation peak is the plan's."""
+import contextlib
+import io
+import re
+
 import torch
 import torch.nn as nn
 
@@ -149,3 +153,8 @@ def test_prefetches_move_later_one_by_one_only_where_earlier_would_pass_the_budg
     assert planned and all(s.offloaded > 20 for s in planned)
     assert all(s.on_demand <= 4 for s in planned), [(s.prefetched, s.on_demand) for s in planned]
     _check(run, plain, model)
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        run.report()
+    assert re.search(r"\d+ prefetch(es)? of the plan starts? later than planned \(\d+ of them on demand\)",
+                     report.getvalue()), report.getvalue()
