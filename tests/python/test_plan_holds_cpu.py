@@ -257,3 +257,56 @@ def test_recomputing_max_pool_outputs_holds_the_plan(micro, budget, bn):
     assert all(m <= (1 + TOLERANCE) * planned for m in measured), (measured, planned)
     for p, q in zip(plain.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+class _BasicBlock(torch.nn.Module):
+    """torchvision's ResNet BasicBlock: BatchNorm's output is written in place (`out += identity`, then
+    ReLU(inplace=True)) before anything saves it."""
+
+    def __init__(self, i, o, stride=1):
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(i, o, 3, stride, 1, bias=False), nn.BatchNorm2d(o)
+        self.conv2, self.bn2 = nn.Conv2d(o, o, 3, 1, 1, bias=False), nn.BatchNorm2d(o)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None if stride == 1 and i == o else nn.Sequential(nn.Conv2d(i, o, 1, stride, bias=False),
+                                                                      nn.BatchNorm2d(o))
+
+    def forward(self, x):
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class _ResNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
+        self.layers = nn.Sequential(_BasicBlock(16, 16), _BasicBlock(16, 16), _BasicBlock(16, 32, 2),
+                                    _BasicBlock(32, 32))
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+def test_a_storage_written_in_place_before_its_first_save_is_measured_from_its_producer():
+    """The CPU executor dated a storage's birth from its grad_fn, which the in-place ops after BatchNorm move to
+    the relu_ two ops later: on a ResNet stack under offload_all_prefetch the measured peak read 19% under the
+    storages really alive (which the plan had right), so an overrun there could not be seen (Note [Measured
+    from birth] in csrc/torch/saved_tensor_path.cpp). Measured within 1% of the plan, either way."""
+    torch.manual_seed(0)
+    model = _ResNet()
+    with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.01), budget=0.7,
+                           planner="offload_all_prefetch") as run:
+        for s in range(STEPS):
+            torch.manual_seed(s)
+            model(torch.randn(8, 3, 16, 16)).square().mean().backward()
+            run.step()
+    planned = max(planned_activation_curve(run.trace, run.plan))
+    measured = [s.peak_bytes for s in run.step_stats if s.mode == "planned"]
+    assert len(measured) == STEPS - 1
+    assert all(abs(m - planned) <= TOLERANCE * planned for m in measured), (measured, planned)
