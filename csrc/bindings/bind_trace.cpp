@@ -117,6 +117,9 @@ void bind_trace(py::module_& m) {
       .def_readwrite("held_until_op", &TensorRecord::held_until_op,
                      "last forward op a non-graph reference (a caller's frame) holds it; -1: none "
                      "(Note [Held by the caller] in csrc/core/trace.h)")
+      .def_readwrite("save_counters", &TensorRecord::save_counters,
+                     "version counters its saves came through (Note [Saves through several counters] in "
+                     "csrc/core/trace.h)")
       .def_property("label", text_getter(&TensorRecord::label), text_setter(&TensorRecord::label))
       .def("__repr__", [](const TensorRecord& t) {
         return "TensorRecord(id=" + std::to_string(t.id) + ", bytes=" + std::to_string(t.bytes) +

@@ -83,6 +83,9 @@ void bind_trace_builder(py::module_& m) {
       .def("tensor_held", &TraceBuilder::tensor_held, py::arg("key"),
            "Something besides the step's saves holds this storage during the last op begun "
            "(Note [Held by the caller] in csrc/core/trace.h).")
+      .def("tensor_save_counters", &TraceBuilder::tensor_save_counters, py::arg("key"), py::arg("counters"),
+           "The saves of this storage came through `counters` version counters (Note [Saves through several "
+           "counters] in csrc/core/trace.h).")
       .def("upgrade_kind",
            [](TraceBuilder& b, uint64_t key, const std::string& kind, const std::string& label) {
              b.upgrade_kind(key, tensor_kind_from_string(kind), label);

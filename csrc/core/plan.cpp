@@ -94,6 +94,9 @@ OffloadAnalysis analyze_offload(const Trace& trace) {
     // Held into the backward pass by the caller (Note [Held by the caller] in trace.h): leaving the
     // device would free nothing while it is held, and its fetch would add a second copy.
     if (t.held_until_op >= beta) continue;
+    // Saved through several version counters: each would come back as a copy of its own (Note [Saves
+    // through several counters] in trace.h).
+    if (t.save_counters > 1) continue;
     OffloadCandidate c;
     c.tensor_id = t.id;
     c.bytes = t.bytes;

@@ -182,6 +182,8 @@ void Trace::validate() const {
                      "] field 'freed_after_op' (", t.freed_after_op, ") is before its last use (op ",
                      t.uses.back(), ")");
     }
+    MEMSCHED_CHECK(t.save_counters >= 1, "trace: tensors[", j, "] field 'save_counters' is ", t.save_counters,
+                   "; it must be at least 1 (the version counters its saves came through)");
     if (t.held_until_op != kNotHeld) {
       MEMSCHED_CHECK(op_in_range(t.held_until_op), "trace: tensors[", j, "] field 'held_until_op' is ",
                      t.held_until_op, " but there are ", n_ops, " ops (use -1 for 'held by nothing but its saves')");

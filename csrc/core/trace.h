@@ -33,6 +33,19 @@
 //   device anyway); a save dropped during the forward (a discarded branch)
 //   can make a storage look released early.
 //
+// Note [Saves through several counters]
+//   Rationale: autograd checks a saved tensor by its version counter, and not every alias shares
+//   its storage's: ATen's CPU LSTM and GRU cells split the gates with unsafe_chunk and save several
+//   pieces, each with a counter of its own. The executor gives each counter a host copy of the whole
+//   storage (equal versions on two counters prove nothing: Note [Version counter identity] in
+//   csrc/torch/tensor_adapter.h), and each comes back as a device storage of its own, so an offloaded
+//   gate storage was resident up to four times where the plan counted it once: nn.LSTMCell under dp
+//   at 0.5 measured 118% over the plan and 86% over the budget (found by a helper).
+//   Approach: the profiler counts the distinct version counters the saves of each storage came
+//   through (`save_counters`, written to JSON when above 1), and analyze_offload() leaves a storage
+//   saved through more than one out of the candidates: it stays on the device, as planned.
+//   Limitations: such a storage is not recomputed either (the hybrid planner could, exactly).
+//
 // Note [The executor's size floor]
 //   Rationale: the executor never offloads a storage below memsched.optimize's
 //   min_offload_bytes (1 MiB on CUDA by default: a copy that small costs its
@@ -131,6 +144,7 @@ struct TensorRecord {
   std::vector<int64_t> uses;           // ops that read it, ascending
   int64_t freed_after_op = kAfterStep; // last op during which it is live
   int64_t held_until_op = kNotHeld;    // last forward op a non-graph reference holds it (Note [Held by the caller])
+  int64_t save_counters = 1;           // version counters its saves came through (Note [Saves through several counters])
   std::string label;                   // optional: "module_path:call#:shape" for matching
 };
 

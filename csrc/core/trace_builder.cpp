@@ -143,6 +143,11 @@ void TraceBuilder::tensor_held(uint64_t key) {
   if (!ops_.empty()) records_[index].held_until_op = std::max(records_[index].held_until_op, ops_.back().id);
 }
 
+void TraceBuilder::tensor_save_counters(uint64_t key, int64_t counters) {
+  TensorRecord& r = records_[live_record(key, "tensor_save_counters")];
+  r.save_counters = std::max(r.save_counters, counters);
+}
+
 void TraceBuilder::upgrade_kind(uint64_t key, TensorKind kind, const std::string& label) {
   TensorRecord& r = records_[live_record(key, "upgrade_kind")];
   if (kind_rank(kind) > kind_rank(r.kind)) r.kind = kind;

@@ -24,6 +24,8 @@
 //     tensor_held(key)           something besides the step's saves holds it
 //                                during the last op begun: held_until_op
 //                                (Note [Held by the caller] in trace.h)
+//     tensor_save_counters(key, n) its saves came through n version counters
+//                                (Note [Saves through several counters])
 //     upgrade_kind(key, kind)    raise the kind, never lower it, in the order
 //                                temporary < activation < gradient <
 //                                optimizer_state < parameter (e.g. a temporary
@@ -72,6 +74,7 @@ class TraceBuilder {
   void tensor_used(uint64_t key);
   void tensor_freed(uint64_t key);
   void tensor_held(uint64_t key);
+  void tensor_save_counters(uint64_t key, int64_t counters);
   void upgrade_kind(uint64_t key, TensorKind kind, const std::string& label = "");
 
   bool is_live(uint64_t key) const { return live_.count(key) != 0; }

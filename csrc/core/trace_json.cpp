@@ -96,6 +96,7 @@ TensorRecord tensor_from_json(const json& j, size_t index) {
   }
   t.freed_after_op = get_int(j, where, "freed_after_op");
   if (j.contains("held_until_op")) t.held_until_op = get_int(j, where, "held_until_op");
+  if (j.contains("save_counters")) t.save_counters = get_int(j, where, "save_counters");
   if (j.contains("label")) t.label = get_string(j, where, "label");
   return t;
 }
@@ -210,6 +211,7 @@ std::string trace_to_json(const Trace& trace, int indent) {
                 {"uses", t.uses},
                 {"freed_after_op", t.freed_after_op}};
     if (t.held_until_op != kNotHeld) rec["held_until_op"] = t.held_until_op;  // optional, default -1
+    if (t.save_counters != 1) rec["save_counters"] = t.save_counters;          // optional, default 1
     if (!t.label.empty()) rec["label"] = t.label;
     tensors.push_back(std::move(rec));
   }

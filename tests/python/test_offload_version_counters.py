@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from memsched import _C
 from memsched.optimize import optimize
+from memsched.profiler import recorder
 
 
 def test_version_counter_key_tells_shared_counters_from_separate_ones():
@@ -42,7 +43,12 @@ class ChunkedGates(nn.Module):
 @pytest.mark.parametrize("make", [ChunkedGates, lambda: nn.GRUCell(3, 4), lambda: nn.LSTMCell(3, 4),
                                   lambda: nn.GRU(3, 4), lambda: nn.LSTM(3, 4, proj_size=2)],
                          ids=["unsafe_chunk", "GRUCell", "LSTMCell", "GRU", "LSTM-proj"])
-def test_chunks_changed_in_place_train_bitwise_as_plain(make, planner):
+def test_chunks_changed_in_place_train_bitwise_as_plain(make, planner, monkeypatch):
+    """The executor's host copy per version counter: the planners leave a storage saved through several
+    counters on the device (Note [Saves through several counters] in csrc/core/trace.h), so the profiler's
+    count is switched off here, and the copies per counter -- the executor's answer to a step whose saves
+    the trace does not show -- are what runs."""
+    monkeypatch.setattr(recorder, "_version_counter_key", lambda t: 0)
     torch.manual_seed(0)
     model = make()
     twin = copy.deepcopy(model)

@@ -88,6 +88,7 @@ from memsched.profiler.module_paths import ModulePathStack
 from memsched.saved_tensors import ActivationNumbering, dtype_name, storage_key
 
 _storage_use_count = torch._C._storage_Use_Count  # StorageImpl references (Note [Held outside the graph])
+_version_counter_key = _C.version_counter_key  # Note [Saves through several counters] in csrc/core/trace.h
 _current_node = torch._C._current_autograd_node  # the node the engine runs now, or None
 _kept_pack = _C.kept_pack
 _NO_SEQUENCE = 2**64 - 1                          # sequence_nr of nodes outside the count (AccumulateGrad)
@@ -215,6 +216,7 @@ class Recorder:
         # Note [Held outside the graph]: saved storage key -> saves of it (each holds one alias), and
         # the keys that something besides those saves still held at the last check.
         self._saves: Dict[int, int] = {}
+        self._counters: Dict[int, set] = {}  # storage key -> version counters of its saves
         self._held: Dict[int, None] = {}
         self._on_free: Callable = self._make_free_callback()
         self._stack_list = self.stack.stack if self.stack is not None else []
@@ -276,6 +278,14 @@ class Recorder:
                     if key not in self._watch:  # never seen made: it existed before the step
                         self.register_existing(t, "activation")
                     self.builder.upgrade_kind(key, "activation", act.label)
+                # See Note [Saves through several counters] in csrc/core/trace.h
+                counters = self._counters.get(key)
+                if counters is None or act.is_first_pack:  # (a key names a new storage after a free)
+                    counters = self._counters[key] = set()
+                n = len(counters)
+                counters.add(_version_counter_key(t))
+                if len(counters) > max(n, 1):
+                    self.builder.tensor_save_counters(key, len(counters))
         return act
 
     def pack(self, t: torch.Tensor):
@@ -454,6 +464,7 @@ class Recorder:
         self._watch.clear()
         self._held.clear()
         self._saves.clear()
+        self._counters.clear()
         self.backward_map.clear()
 
 

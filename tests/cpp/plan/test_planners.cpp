@@ -11,6 +11,7 @@
 #include "core/prefetch_placement.h"
 #include "core/simulator.h"
 #include "core/synthetic_trace.h"
+#include "core/trace_json.h"
 #include "trace_fixtures.h"
 
 namespace memsched {
@@ -187,6 +188,25 @@ TEST(Planners, AnActivationHeldByTheCallerLeavesOnlyWhenReleased) {
   EXPECT_EQ(least_budget_bytes(a), 2048);
   t.tensors[0].held_until_op = 0;  // held no longer than its uses: the last use decides
   EXPECT_EQ(analyze_offload(t).candidates[0].last_forward_use, 1);
+}
+
+TEST(Planners, AStorageSavedThroughSeveralVersionCountersIsNoCandidate) {
+  // Note [Saves through several counters]: each counter's copy would come back as a storage of its own.
+  Trace t;
+  test_traces::add_ops(t, std::vector<std::string>(6, "op"), 3);
+  test_traces::add_tensor(t, 1024, TensorKind::kActivation, 0, {1, 5}, 5);
+  test_traces::add_tensor(t, 1024, TensorKind::kActivation, 1, {2, 4}, 4);
+  t.tensors[1].save_counters = 2;
+  t.validate();
+  const OffloadAnalysis a = analyze_offload(t);
+  ASSERT_EQ(a.candidates.size(), 1u);
+  EXPECT_EQ(a.candidates[0].tensor_id, 0);
+  EXPECT_EQ(a.candidate_index[1], -1);
+  const Trace back = trace_from_json(trace_to_json(t));
+  EXPECT_EQ(back.tensors[1].save_counters, 2);
+  EXPECT_EQ(back.tensors[0].save_counters, 1);
+  t.tensors[1].save_counters = 0;
+  EXPECT_THROW(t.validate(), Error);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@ import memsched
 from device_helpers import slow_copies
 from memsched.offload.report import planned_activation_curve
 from memsched.offload.recompute import ForwardOpLog, RecomputeStats, Recipe
+from memsched.profiler import recorder
 
 
 def _record(fn, *args):
@@ -756,9 +757,12 @@ def _unsafe_chunk_steps(model, run=None):
             run.step()
 
 
-def test_a_later_save_of_a_storage_written_since_its_recipe_was_taken_is_not_replayed_from_it():
+def test_a_later_save_of_a_storage_written_since_its_recipe_was_taken_is_not_replayed_from_it(monkeypatch):
     """The second piece's save reused the first piece's recipe (same storage, equal versions of two
-    counters), taken before the second piece's tanh_: replayed without it, 1e-3 off, reported as recomputed."""
+    counters), taken before the second piece's tanh_: replayed without it, 1e-3 off, reported as recomputed.
+    (The planners leave a storage saved through several counters out (Note [Saves through several counters]
+    in csrc/core/trace.h): the profiler's count is switched off so that the executor's own check runs.)"""
+    monkeypatch.setattr(recorder, "_version_counter_key", lambda t: 0)
     torch.manual_seed(0)
     plain = _UnsafeChunked()
     model = copy.deepcopy(plain)
