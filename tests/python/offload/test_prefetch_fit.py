@@ -112,11 +112,9 @@ class _Lstm(nn.Module):
         return self.o(self.r(x)[0])
 
 
-def test_a_prefetch_planned_at_a_gradient_accumulation_op_starts_no_earlier():
-    """dp under gradient accumulation prefetched the second micro-batch's LSTM workspace at AccumulateGrad's
-    add_, which no hook sees; the executor started it one node earlier, while the other layer's workspace
-    was alive: measured 72.6% over the plan's peak, and over the budget. Starting it earlier would break
-    the budget, so the plan fetches it later instead."""
+def _lstm_two_micro_batches(planner):
+    """(run, plain, model): the _Lstm trained with two micro-batches per step at budget 0.7 under `planner`,
+    and its plain twin."""
     torch.manual_seed(0)
     plain, model = _Lstm(), _Lstm()
     model.load_state_dict(plain.state_dict())
@@ -127,8 +125,17 @@ def test_a_prefetch_planned_at_a_gradient_accumulation_op_starts_no_earlier():
             yield m(x).square().mean() / 2
 
     _train(plain, None, losses)
-    with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.01), budget=0.7, planner="dp") as run:
+    with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.01), budget=0.7, planner=planner) as run:
         _train(model, run, losses)
+    return run, plain, model
+
+
+def test_a_prefetch_planned_at_a_gradient_accumulation_op_starts_no_earlier():
+    """dp under gradient accumulation prefetched the second micro-batch's LSTM workspace at AccumulateGrad's
+    add_, which no hook sees; the executor started it one node earlier, while the other layer's workspace
+    was alive: measured 72.6% over the plan's peak, and over the budget. Starting it earlier would break
+    the budget, so the plan fetches it later instead."""
+    run, plain, model = _lstm_two_micro_batches("dp")
     assert run.plan.num_offloaded() > 0
     _check(run, plain, model)
 
@@ -136,19 +143,7 @@ def test_a_prefetch_planned_at_a_gradient_accumulation_op_starts_no_earlier():
 def test_prefetches_move_later_one_by_one_only_where_earlier_would_pass_the_budget():
     """offload_all_prefetch under gradient accumulation: moving every early-starting prefetch later, as soon
     as one of them had to, put 20 of the LSTM's 26 prefetches on demand; two need to be."""
-    torch.manual_seed(0)
-    plain, model = _Lstm(), _Lstm()
-    model.load_state_dict(plain.state_dict())
-    batches = [torch.randn(16, 10, 16, generator=torch.Generator().manual_seed(m)) for m in range(2)]
-
-    def losses(m, s):
-        for x in batches:
-            yield m(x).square().mean() / 2
-
-    _train(plain, None, losses)
-    with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.01), budget=0.7,
-                           planner="offload_all_prefetch") as run:
-        _train(model, run, losses)
+    run, plain, model = _lstm_two_micro_batches("offload_all_prefetch")
     planned = [s for s in run.step_stats if s.mode == "planned"]
     assert planned and all(s.offloaded > 20 for s in planned)
     assert all(s.on_demand <= 4 for s in planned), [(s.prefetched, s.on_demand) for s in planned]
