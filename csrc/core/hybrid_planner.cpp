@@ -164,6 +164,7 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
   Plan best;
   double best_time = std::numeric_limits<double>::infinity();
   int64_t best_bytes = 0;
+  double best_stall = 0.0;
   bool found = false;
   auto consider = [&](Plan p, const std::string& source) {
     const SimResult r = simulate(trace, p, device);
@@ -173,6 +174,7 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
     found = true;
     best_time = r.step_time_us;
     best_bytes = moved;
+    best_stall = r.stall_us;
     p.planner = name();
     p.budget_bytes = budget_bytes;
     p.objective = r.step_time_us;
@@ -265,9 +267,10 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
   }
   consider_planner(kDp, dp_plan.get());
 
-  // (d) When no plan so far recomputes: each other planner's off-device set, recomputed where a chain
-  // can recreate it (See Note [Hybrid planner]: the DP's plans may not survive on micro-batch traces).
-  const bool offload_only = !found || best.num_recomputed() == 0;
+  // (d) When no plan so far recomputes and the best one stalls on copies: each other planner's off-device
+  // set, recomputed where a chain can recreate it (See Note [Hybrid planner]: the DP's plans may not
+  // survive on micro-batch traces).
+  const bool offload_only = !found || (best.num_recomputed() == 0 && best_stall > 0.0);
   for (const auto& [source, actions] : other_sets) {
     if (!any_recomputable || !offload_only) break;
     std::vector<Action> trial = actions;

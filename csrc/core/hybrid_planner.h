@@ -49,9 +49,10 @@
 //   128 candidates, a local search then changes one tensor's action at a
 //   time (keep / offload / recompute, chains rebuilt, prefetches placed at
 //   slack 1) and keeps any change the simulator finds faster, for at most two
-//   rounds over all tensors. (d) When no plan so far recomputes anything:
-//   each plan of (a) with its offloaded tensors recomputed wherever a chain
-//   can recreate them (chains rebuilt, prefetches at slack 1). On traces of
+//   rounds over all tensors. (d) When no plan so far recomputes anything and
+//   the best one stalls on copies (where copies hide, a replay only adds
+//   time): each plan of (a) with its offloaded tensors recomputed wherever a
+//   chain can recreate them (chains rebuilt, prefetches at slack 1). On traces of
 //   several micro-batches the DP's plans may all fail hybrid_decisions'
 //   budget check, and beyond 128 candidates (c) is off, so a plan that
 //   offloads over a slow link stood where recomputing the same tensors
