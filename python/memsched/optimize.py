@@ -1348,15 +1348,11 @@ class Run:
                     raise _C.MemschedError(f"budget {self._budget_echo()}{str(err)[len(head):]}") from None
                 raise
         points = PrefetchPoints(trace, self.node_of_op_)
+        moved_later = {}  # id(plan) -> (prefetches started later than planned, of them on demand)
 
         def fit(plan):  # See Note [Prefetches where they fire] (offload/prefetch_fit.py)
             plan, later, on_demand = fit_prefetches(trace, plan, points)
-            self.prefetch_note_ = (f"{counted(later, 'prefetch', 'prefetches')} of the plan "
-                                   f"{'starts' if later == 1 else 'start'} later than planned "
-                                   f"({on_demand} of them on demand): starting {'it' if later == 1 else 'them'} "
-                                   f"where the executor can (at "
-                                   f"the start of a backward node) would have passed the budget or come before "
-                                   f"their backward pass (Note [Prefetches where they fire])") if later else ""
+            moved_later[id(plan)] = (later, on_demand)
             return plan
 
         self.plan = fit(self.plan)
@@ -1384,6 +1380,12 @@ class Run:
                                      f"[Plans within host_memory_limit])")
             warnings.warn(f"memsched.optimize: {self.host_limit_note_}; pass a larger host_memory_limit to run the "
                           f"{planner} plan", RuntimeWarning, stacklevel=user_stacklevel())
+        later, on_demand = moved_later.get(id(self.plan), (0, 0))  # of the plan that runs
+        self.prefetch_note_ = (f"{counted(later, 'prefetch', 'prefetches')} of the plan "
+                               f"{'starts' if later == 1 else 'start'} later than planned ({on_demand} of them on "
+                               f"demand): starting {'it' if later == 1 else 'them'} where the executor can (at the "
+                               f"start of a backward node) would have passed the budget or come before their "
+                               f"backward pass (Note [Prefetches where they fire])") if later else ""
         self.simulation = simulate(trace, self.plan, self.device_model) if self.plan is not None else None
         self.schedule = schedule
         self.executor.set_schedule(self.schedule)

@@ -4,6 +4,7 @@ import contextlib
 import io
 import re
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -112,9 +113,9 @@ class _Lstm(nn.Module):
         return self.o(self.r(x)[0])
 
 
-def _lstm_two_micro_batches(planner):
-    """(run, plain, model): the _Lstm trained with two micro-batches per step at budget 0.7 under `planner`,
-    and its plain twin."""
+def _lstm_two_micro_batches(planner, **options):
+    """(run, plain, model): the _Lstm trained with two micro-batches per step at budget 0.7 under `planner`
+    (and optimize()'s `options`), and its plain twin."""
     torch.manual_seed(0)
     plain, model = _Lstm(), _Lstm()
     model.load_state_dict(plain.state_dict())
@@ -125,7 +126,8 @@ def _lstm_two_micro_batches(planner):
             yield m(x).square().mean() / 2
 
     _train(plain, None, losses)
-    with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.01), budget=0.7, planner=planner) as run:
+    with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.01), budget=0.7, planner=planner,
+                           **options) as run:
         _train(model, run, losses)
     return run, plain, model
 
@@ -148,8 +150,27 @@ def test_prefetches_move_later_one_by_one_only_where_earlier_would_pass_the_budg
     assert planned and all(s.offloaded > 20 for s in planned)
     assert all(s.on_demand <= 4 for s in planned), [(s.prefetched, s.on_demand) for s in planned]
     _check(run, plain, model)
-    report = io.StringIO()
-    with contextlib.redirect_stdout(report):
+    assert _moved_later_note(run), _report(run)
+
+
+def _report(run):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
         run.report()
-    assert re.search(r"\d+ prefetch(es)? of the plan starts? later than planned \(\d+ of them on demand\)",
-                     report.getvalue()), report.getvalue()
+    return out.getvalue()
+
+
+def _moved_later_note(run):
+    """run.report()'s count of the prefetches that start later than planned, or None."""
+    m = re.search(r"(\d+) prefetch(es)? of the plan starts? later than planned \(\d+ of them on demand\)", _report(run))
+    return int(m.group(1)) if m else None
+
+
+def test_the_report_counts_the_moved_prefetches_of_the_plan_that_runs():
+    """Under host_memory_limit the Run plans again with other planners and runs one that fits: the count was of
+    the last plan fitted, not of the one that ran (dp here, one prefetch moved later, and no word of it)."""
+    with pytest.warns(RuntimeWarning, match="host_memory_limit"):
+        run, plain, model = _lstm_two_micro_batches("offload_all_prefetch", host_memory_limit="700KiB")
+    assert "ran the dp" in _report(run)
+    assert _moved_later_note(run) == 1, _report(run)
+    _check(run, plain, model)
