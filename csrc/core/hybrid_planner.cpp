@@ -270,9 +270,9 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
   // (d) When no plan so far recomputes and the best one stalls on copies: each other planner's off-device
   // set, recomputed where a chain can recreate it (See Note [Hybrid planner]: the DP's plans may not
   // survive on micro-batch traces).
-  const bool offload_only = !found || (best.num_recomputed() == 0 && best_stall > 0.0);
+  const bool stalls_without_recompute = !found || (best.num_recomputed() == 0 && best_stall > 0.0);
   for (const auto& [source, actions] : other_sets) {
-    if (!any_recomputable || !offload_only) break;
+    if (!any_recomputable || !stalls_without_recompute) break;
     std::vector<Action> trial = actions;
     bool changed = false;
     for (size_t k = 0; k < trial.size(); ++k) {
