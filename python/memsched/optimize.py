@@ -469,6 +469,7 @@ class Run:
         self.cast_warmup_profiles_ = 0  # COUNT of profiles dropped as ooo began deferring under autocast
         self.unused_forward_profiles_ = 0  # COUNT of profiles dropped for a forward no backward read
         self.mismatches = 0          # COUNT of steps that did not match the trace
+        self.accumulation_mismatches_ = 0  # COUNT of those whose mismatch came at a later forward of other shapes
         self.mismatch_run_ = 0       # consecutive mismatching steps (Note [A lone mismatching step])
         self.reprofiles_denied_ = 0  # COUNT of re-profiles due but past max_reprofiles
         self.warned_ = False
@@ -482,6 +483,8 @@ class Run:
         self.forwards_since_boundary_ = 0  # root forwards since the last run.step() / optimizer.step()
         self.boundary_was_framework_step_ = False  # the last boundary was the loop's optimizer.step()
         self.eval_grad_forward_ = False    # this step ran a forward in eval mode with gradients enabled
+        self.other_shape_forward_ = None   # (n, signature): this step's n-th forward had other input shapes than
+                                           #   the plan's step (Note [One plan per input shape]); named on a mismatch
         self.forward_in_backward_ = False  # a forward of the model ran inside a backward pass (a reentrant
                                            # checkpoint around the whole model recomputes it there)
         self.profile_eval_grad_ = False    # ... and so did the step the plan was profiled from
@@ -1192,7 +1195,13 @@ class Run:
     def _root_pre(self, module, args, kwargs):
         if self.forwards_since_boundary_ == 0:
             self.eval_grad_forward_ = self.forward_in_backward_ = False
+            self.other_shape_forward_ = None
         self.forwards_since_boundary_ += 1
+        if self.forwards_since_boundary_ > 1 and self.other_shape_forward_ is None and self.plan_sig_ is not None \
+                and torch.is_grad_enabled() and self.profile_ is None:
+            sig = step_signature(args, kwargs)  # a later micro-batch: keyed by the first (Note [One plan per ...])
+            if sig is not None and sig != self.plan_sig_:
+                self.other_shape_forward_ = (self.forwards_since_boundary_, sig)
         if not module.training and torch.is_grad_enabled():
             self.eval_grad_forward_ = True  # part of this step's saves: named if the step mismatches
         if torch._C._current_graph_task_id() != -1:
@@ -1569,6 +1578,13 @@ class Run:
                     "steps run plainly. Checkpoint inside the model (its blocks), use use_reentrant=False (then "
                     "the steps run plainly from the start, with a warning), or drop the checkpoint and let the "
                     "budget decide what to keep")
+        elif self.other_shape_forward_ is not None:
+            n, sig = self.other_shape_forward_
+            why += (f"; forward {n} of this step had inputs {describe(sig)}, and its plan was made for steps whose "
+                    f"first forward had {describe(self.plan_sig_)}: a step's plan is chosen by its first forward, "
+                    f"so with gradient accumulation every micro-batch of a step should have the shapes of the "
+                    f"first {_ACCUMULATION_FIX}")
+            self.accumulation_mismatches_ += 1
         elif self.eval_grad_forward_:
             why += ("; this step ran the model in eval mode (model.eval()) with gradients enabled, and that "
                     "forward's saves count as the step's: an evaluation forward belongs under torch.no_grad() (or "
@@ -1723,6 +1739,11 @@ class Run:
         if self.mismatches:
             notes.append(f"{counted(self.mismatches, 'step')} did not match the profiled trace and ran without "
                          f"offloading from the mismatch on; {counted(self.reprofiles, 're-profile')}")
+            if self.accumulation_mismatches_:
+                notes.append(f"of those, {counted(self.accumulation_mismatches_, 'step')} had a later forward (a "
+                             f"micro-batch of gradient accumulation) of other input shapes than the first: a step's "
+                             f"plan is chosen by its first forward, so every micro-batch of a step should have the "
+                             f"shapes of the first {_ACCUMULATION_FIX}")
             if self.reprofiles_denied_:
                 notes.append(f"max_reprofiles ({self.max_reprofiles}) is reached: a step that does not match "
                              f"the plan is no longer re-profiled and runs plainly from its mismatch on. A forward "
@@ -1951,6 +1972,11 @@ PROFILE_MODES = ("auto", "offload", "keep")
 #   profiled instead, at most twice per Run -- a loop that does this at every step (a forward whose graph
 #   it drops, each step) is then planned as it is.
 #   Limitations: a forward whose graph the loop keeps for a later step's backward looks the same here.
+
+
+# Note [One plan per input shape] (offload/shape_plans.py), Limitations
+_ACCUMULATION_FIX = ("(pad them to one length; a collator's pad_to_multiple_of= keeps the lengths few, each costing "
+                     "one profiled step)")
 
 
 def _a_forward_no_backward_read(trace, forward_starts):

@@ -22,7 +22,8 @@ Note [One plan per input shape]
   An evaluation under no_grad that began the executor's step (it saved nothing) does not stop the
   switch, and a profile is filed under the shapes of its first forward with gradients.
   Limitations: with gradient accumulation a step is keyed by its first micro-batch: micro-batches of
-  other shapes in one step mismatch its plan (pad the micro-batches of a step to one length). Past
+  other shapes in one step mismatch its plan (pad the micro-batches of a step to one length); the
+  mismatch's warning and run.report() name the later forward's shapes and that fix. Past
   max_shape_plans signatures, a new one runs against the current plan as before (a
   mismatch, then re-profiles up to max_reprofiles). The signature does not see non-tensor arguments
   or shapes made inside the forward; a step they change mismatches as before. Under torch.distributed

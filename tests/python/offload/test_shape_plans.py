@@ -190,3 +190,54 @@ def test_the_report_after_a_shorter_last_batch_shows_the_plan_that_ran():
     assert report.steps_planned == 3 and report.measured, report.table
     assert "the figures are those of the plan for inputs [32, 16, 16] float32" in report.table
     assert run.plan_sig_[0][0] == (32, 8, 16)  # the Run itself still holds the last plan
+
+
+def test_a_micro_batch_of_other_shapes_than_the_first_names_the_fix_and_trains_as_plain():
+    """Gradient accumulation whose second micro-batch has another length than the first (dynamic padding per
+    micro-batch): the step's plan is chosen by its first forward, so it mismatches; the warning and the report
+    say why and what to do (Note [One plan per input shape], Limitations)."""
+    steps = [(8, 8), (8, 16), (8, 8), (8, 16)]
+    plain, m = _Tagger(), _Tagger()
+    batches = _batches([n for step in steps for n in step])
+    for run_kwargs in (None, dict(budget=0.6)):
+        model = plain if run_kwargs is None else m
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with (memsched.optimize(model, opt, **run_kwargs) if run_kwargs else _NoRun(opt)) as run, \
+                pytest.warns(RuntimeWarning) if run_kwargs else _nothing() as caught:
+            for i in range(len(steps)):
+                for x in batches[2 * i:2 * i + 2]:
+                    model(tokens=x).pow(2).mean().backward()
+                run.step()
+    assert run.mismatches >= 1
+    warned = " ".join(str(w.message) for w in caught)
+    assert "forward 2 of this step had inputs [32, 16, 16] float32" in warned
+    assert "made for steps whose first forward had [32, 8, 16] float32" in warned and "pad_to_multiple_of" in warned
+    report = run.report(file=open("/dev/null", "w")).table
+    assert f"of those, {run.mismatches} step" in report and "micro-batch of gradient accumulation" in report
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
+
+
+class _NoRun:
+    """Plain PyTorch's loop under the same `with` as a Run: step() is optimizer.step() and zero_grad()."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+class _nothing:
+    def __enter__(self):
+        return []
+
+    def __exit__(self, *exc):
+        return False
