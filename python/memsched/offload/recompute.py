@@ -104,9 +104,14 @@ Note [A recipe built when its saving op has run]
   counter (`y = h.sigmoid(); y.data.mul_(0.5)`: no version check sees it, and plain PyTorch's saved y
   has the new bytes), makes the recipe take its slice again, with that write, or keep the storage
   (ForwardOpLog._rewritten; building at once had lost such a write one op later: 2e-5 off plain,
-  found by a helper reviewing the change).
+  found by a helper reviewing the change). A write of a built recipe's storage that its slice cannot take
+  in -- the recipe has replayed already (an outside input of it was written in place, too large to copy),
+  or the writer is not recorded (an op under torch.inference_mode()) -- makes it keep the storage: both had
+  been lost, 1.3e-3 off plain (found by a helper reviewing the change; _keep_storage).
   Limitations: a save made inside an op's own kernel (no dispatch of ours in between) waits for the
-  next counted op to end.
+  next counted op to end. A write of a recomputed activation through another version counter after the
+  forward has returned (`out = model(x); model.y.data.mul_(0.5); loss.backward()`) is not seen: the replay
+  returns the forward's values, where plain PyTorch's saved tensor has the write (as for offloaded saves).
 
 Note [What holds a replay's inputs]
   Rationale: a recorded op's external inputs (a ReLU output that the recorded max_pool2d reads) are
@@ -762,6 +767,8 @@ class ForwardOpLog:
                 continue
             if key in self.live:
                 self.tainted.add(key)
+                if key in self.built:
+                    self._written_unrecorded(key, t)
             self._before_write(key, t)
 
     # -- packing and replay ----------------------------------------------------------------------------
@@ -839,21 +846,38 @@ class ForwardOpLog:
         Note [A recipe built when its saving op has run])."""
         for ref in self.built.get(key, ()):
             recipe = ref()
-            if recipe is None or recipe.held is not None or recipe.value is not None or recipe.unpacks \
-                    or index in recipe.indices:
+            if recipe is None or recipe.held is not None or recipe.unpacks or index in recipe.indices:
+                continue
+            if recipe.value is not None:
+                # replayed already (before an in-place write of one of its inputs): its value lacks this write
+                self._keep_storage(recipe, x, "written in place after its replay in the forward")
                 continue
             why, records = self._slice(recipe)
             if not why:
                 recipe.set_records(records)
                 self._adopt(recipe)
                 continue
-            recipe.held = x.detach()  # any tensor on the storage: unpack views it with the save's geometry
-            recipe.keep(why)
-            self.stats.recomputed -= 1
-            self.stats.recomputed_bytes -= recipe.nbytes
-            self.stats.keep(why)
-            if self.pending.pop(recipe.ordinal, None) is recipe and recipe.shared:
-                self.shared_pending[recipe.key].remove(recipe)
+            self._keep_storage(recipe, x, why)
+
+    def _written_unrecorded(self, key, x):
+        """An op the log does not record (under torch.inference_mode()) writes storage `key` (through x) after
+        recipes of it were built: each keeps the storage, as plain PyTorch's saved tensor sees the write."""
+        for ref in self.built.get(key, ()):
+            recipe = ref()
+            if recipe is not None and recipe.held is None and not recipe.unpacks:
+                self._keep_storage(recipe, x, "tainted")
+
+    def _keep_storage(self, recipe, x, why):
+        """A built recipe keeps its storage after all, through x (any tensor on it: unpack views it with the
+        save's geometry), and is counted as kept instead of recomputed."""
+        recipe.held = x.detach()
+        recipe.value = recipe.stream = None
+        recipe.keep(why)
+        self.stats.recomputed -= 1
+        self.stats.recomputed_bytes -= recipe.nbytes
+        self.stats.keep(why)
+        if self.pending.pop(recipe.ordinal, None) is recipe and recipe.shared:
+            self.shared_pending[recipe.key].remove(recipe)
 
     def _slice(self, recipe):
         """(reason, records): the recorded ops that write recipe's storage and what they read, in log order;

@@ -1101,3 +1101,67 @@ def test_a_write_through_data_after_an_output_save_is_replayed():
         assert all(torch.equal(a, b) for a, b in zip(g, h))
     peak = max(planned_activation_curve(run.trace, run.plan))
     assert all(s.peak_bytes <= 1.01 * peak for s in planned), ([s.peak_bytes for s in planned], peak)
+
+
+
+class _HalvedAfterItsSave(nn.Module):
+    """`y = sigmoid(x[:, :256] + bias)` (the recomputed activation: an output save), then `y.data.mul_(0.5)` --
+    after the large batch x was written in place (`after_replay`: its readers' recipes replay at once, before
+    the write, Note [Unpack-time recompute]) or under torch.inference_mode() (`unrecorded`: the log does not
+    record the write)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.bias = nn.Parameter(torch.randn(256) * 0.1)
+        self.layers = nn.ModuleList([nn.Linear(256, 256) for _ in range(3)])
+        self.d = nn.Linear(256, 8)
+
+    def forward(self, x):
+        y = torch.sigmoid(x[:, :256] + self.bias)
+        if self.how == "after_replay":
+            x.mul_(0.0)  # 1.2 MiB: past kScratchBytes, so its readers replay now rather than copy it
+            y.data.mul_(0.5)
+        else:
+            with torch.inference_mode():
+                y.data.mul_(0.5)
+        h = y
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.d(h)
+
+
+@pytest.mark.parametrize("how", ["after_replay", "unrecorded"])
+def test_a_write_of_an_activation_after_its_recipe_was_built_keeps_its_storage(how):
+    """An output save's recipe is built when its op returns; a later write of its storage that the recipe
+    could not take in -- after the recipe had replayed in the forward, or by an op the log does not record --
+    was missing from what backward read: gradients 1.3e-3 off plain's (found by a helper reviewing the change).
+    The save keeps its storage instead, as plain PyTorch's does."""
+    torch.manual_seed(0)
+    plain = _HalvedAfterItsSave(how)
+    model = copy.deepcopy(plain)
+
+    def loop(m, run):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if run is None else None
+        grads = []
+        for s in range(3):
+            x = torch.randn(1024, 300, generator=torch.Generator().manual_seed(s))
+            m(x).square().mean().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            if run is None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                run.step()
+        return grads
+
+    expected = loop(plain, None)
+    with memsched.optimize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), budget=9064396, planner="hybrid",
+                           device_model=slow_copies()) as run:
+        got = loop(model, run)
+    assert any(d.recompute for d in run.plan.decisions)
+    for g, h in zip(expected, got):
+        assert all(torch.equal(a, b) for a, b in zip(g, h)), max((a - b).abs().max().item() for a, b in zip(g, h))
+    planned = [s for s in run.step_stats if s.mode == "planned"]
+    why = "written in place after its replay in the forward" if how == "after_replay" else "tainted"
+    assert planned and all(why in s.recompute_kept_reasons for s in planned), [s.recompute_kept_reasons for s in planned]
