@@ -318,6 +318,34 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
       }
     }
   }
+  // (e) Beyond (c)'s size: one pass over the best plan's recomputed tensors, earliest first, each tried as an
+  // offload (See Note [Hybrid planner]: the copy bandwidth the forward has left, which the DP's separable
+  // costs do not see).
+  if (found && n > kMaxCandidatesForLocalSearch && n <= kMaxCandidatesForSlacks && best.num_recomputed() > 0) {
+    const std::string start = best.objective_name;
+    std::vector<Action> current(n);
+    for (size_t k = 0; k < n; ++k) current[k] = action_of(best.decisions[k]);
+    std::vector<size_t> order;
+    for (size_t k = 0; k < n; ++k)
+      if (current[k] == Action::kRecompute) order.push_back(k);
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return analysis.candidates[a].earliest_offload_op < analysis.candidates[b].earliest_offload_op;
+    });
+    for (size_t k : order) {
+      if (current[k] != Action::kRecompute) continue;
+      std::vector<Action> trial = current;
+      trial[k] = Action::kOffload;
+      std::vector<TensorDecision> d = hybrid_decisions(trace, analysis, trial, budget_bytes);
+      place_prefetch_latest_hiding(trace, device, analysis, d);
+      if (!fit_prefetches_to_budget(analysis, d, budget_bytes)) continue;
+      Plan p = keep_all_plan(analysis, budget_bytes);
+      p.decisions = std::move(d);
+      const double before = best_time;
+      consider(std::move(p), "hybrid:offload_pass(" + start + ")");
+      if (best_time < before)
+        for (size_t q = 0; q < n; ++q) current[q] = action_of(best.decisions[q]);
+    }
+  }
   if (!found) {
     for (const Family& family : families)
       least_model_budget = std::min(
