@@ -15,7 +15,10 @@
 //   through any alias before backward is seen at unpack, as plain PyTorch sees it -- the Python
 //   handle could only watch the packed tensor's Python object while that lived. Prefetches fire
 //   from a trigger table (op -> ordinals) on the engine's C++ streams; unpack waits for the
-//   prefetch or fetches on demand and rebuilds the view on the fetched bytes. The ops made here
+//   prefetch or fetches on demand and rebuilds the view on the fetched bytes, with its lazy
+//   conjugate and negative bits: a first save that has them is kept, but a later save through the
+//   same counter (`z.conj() * z` saves z and z.conj()) shares the first's copy, and without its bit
+//   came back as z (gradients 0.15 off plain, found by a helper's random programs). The ops made here
 //   (the flat byte views, the fetched tensor) exclude the Python dispatch keys, so a caller's
 //   TorchDispatchMode (the recompute plan's op log) does not see them, as the Python path paused
 //   the log. Python keeps only the recomputed saves (recompute.py).
@@ -99,6 +102,8 @@ struct OffloadedSave {
   std::vector<int64_t> sizes;
   std::vector<int64_t> strides;
   int64_t offset;
+  bool conj;  // the save's lazy conjugate and negative bits (z.conj(), z.conj().imag): a later save of
+  bool neg;   // an offloaded storage through its counter may be such a view (See Note [Offloaded saves in C++])
 };
 
 void offloaded_dealloc(PyObject* self) {
@@ -124,6 +129,8 @@ PyObject* make_offloaded(std::shared_ptr<OffloadHandle> handle, std::shared_ptr<
   new (&save->strides) std::vector<int64_t>(t.strides().begin(), t.strides().end());
   save->dtype = t.scalar_type();
   save->offset = t.storage_offset();
+  save->conj = t.is_conj();
+  save->neg = t.is_neg();
   return reinterpret_cast<PyObject*>(save);
 }
 
@@ -488,6 +495,8 @@ PyObject* SavedTensorPath::unpack_offloaded(PyObject* packed) {
     out = at::empty({0}, dev.options().dtype(save->dtype))
               .set_(dev.storage(), save->offset, save->sizes, save->strides);
   }
+  out.unsafeGetTensorImpl()->_set_conj(save->conj);  // read through its bits, as the save was
+  out.unsafeGetTensorImpl()->_set_neg(save->neg);
   // On the saved tensor's own version counter, as SavedVariable::unpack does: a backward that changes
   // this tensor in place is seen by every other save of it (Note [Version counter of a saved tensor],
   // saved_tensors.py).
