@@ -614,12 +614,19 @@ class OffloadExecutor:
     def _start_recording(self, args=()):
         """Record this forward's chain ops; its first op is the trace's n-th forward start. args: the
         forward's arguments (ForwardOpLog.push)."""
-        if not torch.is_grad_enabled():
-            return  # Note [Forwards that save nothing] (recompute.py): not one of the plan's forwards
         n = len(self.oplogs_)
         starts = self.schedule.forward_starts
-        if n >= len(starts) or self.diverged_ or torch._C._len_torch_dispatch_stack() > 0:
-            return  # not matchable (or under a caller's dispatch mode): its recomputes keep their tensors
+        if torch._C._len_torch_dispatch_stack() > 0:
+            return  # under a caller's dispatch mode: not matchable, its recomputes keep their tensors
+        if not torch.is_grad_enabled() or n >= len(starts) or self.diverged_:
+            # Not one of the plan's forwards (Note [Forwards that save nothing] in recompute.py), or not
+            # matchable: it records nothing, but its in-place writes are watched for the earlier forwards'
+            # recipes (Note [Writes in a forward that records nothing] in recompute.py)
+            if self.oplogs_:
+                log = ForwardOpLog(frozenset(), frozenset(), self.recompute_stats, self.oplogs_)
+                log.push(0)
+                self.oplog_ = log
+            return
         if n == 0:  # once per step (p.data = ... between steps gives a parameter another storage)
             # parameters an update inside backward may change: a post-accumulate-grad hook's (the fused
             # update's, or the caller's optimizer in backward: Note [A replay that reads a parameter ...])

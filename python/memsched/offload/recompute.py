@@ -142,6 +142,19 @@ Note [Forwards that save nothing]
   Approach: the profiler notes where each forward that runs with grad enabled begins
   (ProfilerSession.note_forward(), called from the Run's root pre-hook), OffloadSchedule.build takes
   those as forward_starts, and the executor records only forwards that run with grad enabled.
+
+Note [Writes in a forward that records nothing]
+  Rationale: a forward the log does not record -- under no_grad between a step's forward and its
+  backward (a metric on another batch), or one the plan cannot match (more forwards than the profiled
+  step had, or after the step diverged) -- ran without the mode, so its in-place writes of what an earlier
+  forward's recorded ops read (nn.Embedding(max_norm=...) renormalising its weight, a running mean
+  updated in place) went unseen: the replay raised in backward, where plain PyTorch trains (found by a
+  helper's random programs).
+  Approach: while the step has recorded forwards, such a forward runs under a log that records nothing
+  and counts nothing useful; it only sees writes, and each write of an earlier log's outside input is
+  copied for its readers first (or makes them replay now), as a write in a later recorded forward is.
+  Limitations: that forward pays the mode's cost per op (a step whose plan recomputes, between its first
+  forward and run.step() only).
 """
 from __future__ import annotations
 

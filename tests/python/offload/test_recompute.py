@@ -3,6 +3,7 @@ recorded forward ops recreate an activation bitwise, and whatever could change i
 save keep its tensor (or raise at unpack, as PyTorch does for a modified saved tensor)."""
 import copy
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -1218,3 +1219,54 @@ def test_a_gate_computed_without_gradient_is_recomputed_unless_an_update_runs_in
     else:
         assert all(s.recomputed > 0 and not s.recompute_kept for s in planned), \
             [(s.recomputed, s.recompute_kept_reasons) for s in planned]
+
+
+class _EmaScaled(nn.Module):
+    """Scales its input by a running mean it updates in place at every forward (under no_grad): lin1 saves
+    u = x * ema, which the plan recomputes from x and the buffer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1, self.lin2 = nn.Linear(16, 64), nn.Linear(64, 8)
+        self.register_buffer("ema", torch.ones(16))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.lin2(torch.tanh(self.lin1(x * self.ema)))
+
+
+@pytest.mark.parametrize("later", ["no_grad", "unplanned"])
+def test_a_forward_that_records_nothing_still_has_its_writes_seen_by_earlier_recipes(later):
+    """A forward between a step's forward and its backward that the log does not record -- under no_grad (a
+    metric on another batch), or one more than the plan's step had (the step runs plainly from there) -- wrote
+    the buffer a recorded op of the first forward read: its replay raised in backward where plain PyTorch
+    trains (found by a helper's random programs). Note [Writes in a forward that records nothing]."""
+    xs = [torch.randn(2048, 16, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+
+    def loop(m, opt, run):
+        for i, x in enumerate(xs):
+            loss = m(x).pow(2).mean()
+            if i > 0 and later == "no_grad":
+                with torch.no_grad():
+                    m(xs[0][:64])
+            elif i > 0:
+                loss = loss + m(xs[0]).pow(2).mean()  # a second forward the profiled step did not have
+            loss.backward()
+            if run is None:
+                opt.step()
+                opt.zero_grad()
+            else:
+                run.step()
+
+    plain, m = _EmaScaled(), _EmaScaled()
+    loop(plain, torch.optim.AdamW(plain.parameters(), lr=0.01), None)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the unplanned forward's mismatch
+        with memsched.optimize(m, opt, budget=0.8, planner="hybrid", device_model=slow_copies()) as run:
+            loop(m, opt, run)
+    assert any(s.recomputed > 0 for s in list(run.step_stats)[1:])
+    for p, q in zip(list(plain.parameters()) + list(plain.buffers()), list(m.parameters()) + list(m.buffers())):
+        assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
