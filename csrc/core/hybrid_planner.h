@@ -67,7 +67,7 @@
 //   it freed, matmuls included, where the first blocks' copies hide in the
 //   forward: a GPT-2-medium-shaped decoder (24 blocks, 416 candidates, H100
 //   roofline, bf16) at 0.5 of its activations simulated 1.056x keep_all's
-//   step, 1.039x with the pass (at 0.7: 1.050x, 1.033x), for one simulation
+//   step, 1.038x with the pass (at 0.7: 1.050x, 1.033x), for one simulation
 //   per recomputed tensor (300 -> 720 ms of planning there). On its 8-block
 //   form (145 candidates) the pass found the plans (c) finds, in 40% of
 //   (c)'s planning time.
