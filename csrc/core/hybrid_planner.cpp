@@ -267,6 +267,20 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
   }
   consider_planner(kDp, dp_plan.get());
 
+  // A candidate from per-tensor actions (chains rebuilt, prefetches placed at slack 1 and fitted): true
+  // when the simulator finds it faster than the best so far, which it then is.
+  auto try_actions = [&](const std::vector<Action>& actions, const std::string& source) {
+    std::vector<TensorDecision> d = hybrid_decisions(trace, analysis, actions, budget_bytes);
+    place_prefetch_latest_hiding(trace, device, analysis, d);
+    if (!fit_prefetches_to_budget(analysis, d, budget_bytes)) return false;
+    Plan p = keep_all_plan(analysis, budget_bytes);
+    p.decisions = std::move(d);
+    const bool before_found = found;
+    const double before = best_time;
+    consider(std::move(p), source);
+    return found && (!before_found || best_time < before);
+  };
+
   // (d) When no plan so far recomputes and the best one stalls on copies: each other planner's off-device
   // set, recomputed where a chain can recreate it (See Note [Hybrid planner]: the DP's plans may not
   // survive on micro-batch traces).
@@ -280,13 +294,7 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
       trial[k] = Action::kRecompute;
       changed = true;
     }
-    if (!changed) continue;
-    std::vector<TensorDecision> d = hybrid_decisions(trace, analysis, trial, budget_bytes);
-    place_prefetch_latest_hiding(trace, device, analysis, d);
-    if (!fit_prefetches_to_budget(analysis, d, budget_bytes)) continue;
-    Plan p = keep_all_plan(analysis, budget_bytes);
-    p.decisions = std::move(d);
-    consider(std::move(p), "hybrid:recompute(" + source + ")");
+    if (changed) try_actions(trial, "hybrid:recompute(" + source + ")");
   }
 
   // (c) Local search from the best plan: one tensor's action at a time (See Note [Hybrid planner]).
@@ -303,14 +311,7 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
           if (alt == current[k] || (alt == Action::kRecompute && recompute_cost[k] < 0)) continue;
           std::vector<Action> trial = current;
           trial[k] = alt;
-          std::vector<TensorDecision> d = hybrid_decisions(trace, analysis, trial, budget_bytes);
-          place_prefetch_latest_hiding(trace, device, analysis, d);
-          if (!fit_prefetches_to_budget(analysis, d, budget_bytes)) continue;
-          Plan p = keep_all_plan(analysis, budget_bytes);
-          p.decisions = std::move(d);
-          const double before = best_time;
-          consider(std::move(p), "hybrid:local(" + start + ")");
-          if (best_time < before) {
+          if (try_actions(trial, "hybrid:local(" + start + ")")) {
             for (size_t q = 0; q < n; ++q) current[q] = action_of(best.decisions[q]);
             improved = true;
           }
@@ -335,14 +336,7 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
       if (current[k] != Action::kRecompute) continue;
       std::vector<Action> trial = current;
       trial[k] = Action::kOffload;
-      std::vector<TensorDecision> d = hybrid_decisions(trace, analysis, trial, budget_bytes);
-      place_prefetch_latest_hiding(trace, device, analysis, d);
-      if (!fit_prefetches_to_budget(analysis, d, budget_bytes)) continue;
-      Plan p = keep_all_plan(analysis, budget_bytes);
-      p.decisions = std::move(d);
-      const double before = best_time;
-      consider(std::move(p), "hybrid:offload_pass(" + start + ")");
-      if (best_time < before)
+      if (try_actions(trial, "hybrid:offload_pass(" + start + ")"))
         for (size_t q = 0; q < n; ++q) current[q] = action_of(best.decisions[q]);
     }
   }

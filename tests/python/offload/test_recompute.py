@@ -1063,6 +1063,21 @@ def test_a_save_whose_replay_reads_a_weight_without_its_gradient_keeps_its_tenso
         assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
 
 
+def _grads_per_step(model, opt, run, batches):
+    """Each batch's gradients, after `model(x).square().mean().backward()`; the step ends with run.step()
+    (memsched) or opt.step() and zero_grad (plain PyTorch, run None)."""
+    grads = []
+    for x in batches:
+        model(x).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if run is None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            run.step()
+    return grads
+
+
 class _HalvedSigmoidMlp(nn.Module):
     """Each activation is `y = sigmoid(h); y.data.mul_(0.5)`: SigmoidBackward saves y (an output save), and the
     write through .data bumps no version, so plain PyTorch's backward reads the halved bytes."""
@@ -1088,23 +1103,11 @@ def test_a_write_through_data_after_an_output_save_is_replayed():
     plain = _HalvedSigmoidMlp()
     model = copy.deepcopy(plain)
 
-    def loop(m, run):
-        opt = torch.optim.SGD(m.parameters(), lr=0.01)
-        grads = []
-        for s in range(3):
-            m(torch.randn(2048, 32, generator=torch.Generator().manual_seed(s))).square().mean().backward()
-            grads.append([p.grad.clone() for p in m.parameters()])
-            if run is None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            else:
-                run.step()
-        return grads
-
-    expected = loop(plain, None)
-    with memsched.optimize(model, torch.optim.SGD(model.parameters(), lr=0.01), budget=0.8, planner="hybrid",
-                           device_model=slow_copies()) as run:
-        got = loop(model, run)
+    batches = [torch.randn(2048, 32, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    expected = _grads_per_step(plain, torch.optim.SGD(plain.parameters(), lr=0.01), None, batches)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsched.optimize(model, opt, budget=0.8, planner="hybrid", device_model=slow_copies()) as run:
+        got = _grads_per_step(model, opt, run, batches)
     planned = [s for s in run.step_stats if s.mode == "planned"]
     assert planned and all(s.recomputed > 0 for s in planned), [s.recomputed for s in planned]
     for g, h in zip(expected, got):
@@ -1151,24 +1154,13 @@ def test_a_write_of_an_activation_after_its_recipe_was_built_keeps_its_storage(h
     plain = _HalvedAfterItsSave(how)
     model = copy.deepcopy(plain)
 
-    def loop(m, run):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if run is None else None
-        grads = []
-        for s in range(3):
-            x = torch.randn(1024, 300, generator=torch.Generator().manual_seed(s))
-            m(x).square().mean().backward()
-            grads.append([p.grad.clone() for p in m.parameters()])
-            if run is None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            else:
-                run.step()
-        return grads
+    def batches():  # fresh ones for each loop: the forward writes them
+        return [torch.randn(1024, 300, generator=torch.Generator().manual_seed(s)) for s in range(3)]
 
-    expected = loop(plain, None)
-    with memsched.optimize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), budget=9064396, planner="hybrid",
-                           device_model=slow_copies()) as run:
-        got = loop(model, run)
+    expected = _grads_per_step(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), None, batches())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with memsched.optimize(model, opt, budget=9064396, planner="hybrid", device_model=slow_copies()) as run:
+        got = _grads_per_step(model, opt, run, batches())
     assert any(d.recompute for d in run.plan.decisions)
     for g, h in zip(expected, got):
         assert all(torch.equal(a, b) for a, b in zip(g, h)), max((a - b).abs().max().item() for a, b in zip(g, h))
