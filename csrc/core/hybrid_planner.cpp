@@ -22,6 +22,8 @@ namespace {
 constexpr size_t kMaxCandidatesForSlacks = 2048;  // beyond: one prefetch placement per set (planning time)
 constexpr size_t kMaxCandidatesForLocalSearch = 128;  // local search: up to 2 * rounds * n simulations
 constexpr int kLocalSearchRounds = 2;
+constexpr int kOffloadPassPatience = 32;  // (e) stops after this many tried offloads in a row found no faster,
+constexpr int kOffloadPassTrials = 128;   // or after this many in all (planning time: one simulation each)
 
 double cost_cap(const OffloadAnalysis& analysis) {  // any sum of n capped costs fits in an int64
   return static_cast<double>((int64_t{1} << 62) / std::max<int64_t>(1, analysis.candidates.size()));
@@ -332,12 +334,19 @@ Plan HybridPlanner::make_plan(const Trace& trace, const DeviceModel& device, int
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
       return analysis.candidates[a].earliest_offload_op < analysis.candidates[b].earliest_offload_op;
     });
+    int misses = 0, trials = 0;  // (once the forward's copy bandwidth is spent, later offloads only stall)
     for (size_t k : order) {
+      if (misses == kOffloadPassPatience || trials == kOffloadPassTrials) break;
       if (current[k] != Action::kRecompute) continue;
+      ++trials;
       std::vector<Action> trial = current;
       trial[k] = Action::kOffload;
-      if (try_actions(trial, "hybrid:offload_pass(" + start + ")"))
+      if (try_actions(trial, "hybrid:offload_pass(" + start + ")")) {
         for (size_t q = 0; q < n; ++q) current[q] = action_of(best.decisions[q]);
+        misses = 0;
+      } else {
+        ++misses;
+      }
     }
   }
   if (!found) {
