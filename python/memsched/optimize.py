@@ -454,6 +454,8 @@ class Run:
         self.plans_ = {}             # step signature -> the fields of its plan (PLAN_FIELDS)
         self.plan_sig_ = None        # the signature of the current plan's profiled step
         self.profile_sig_ = None     # ... of the open profile's step
+        self.plan_sigs_ = ()         # the signatures of each forward with gradients of the plan's step
+        self.profile_sigs_ = []      # ... of the open profile's step
         self.plan_index_ = 0         # the current plan: its profile's number (StepStats.plan_index)
         self.shape_profiles = 0      # COUNT of profiles of a step with new input shapes
         self.shape_profile_from_ = None  # while one is open: the signature of the plan it left
@@ -470,6 +472,7 @@ class Run:
         self.unused_forward_profiles_ = 0  # COUNT of profiles dropped for a forward no backward read
         self.mismatches = 0          # COUNT of steps that did not match the trace
         self.accumulation_mismatches_ = 0  # COUNT of those whose mismatch came at a later forward of other shapes
+        self.steps_without_room_ = 0  # COUNT of steps of new shapes past max_shape_plans (Note [One plan per ...])
         self.mismatch_run_ = 0       # consecutive mismatching steps (Note [A lone mismatching step])
         self.reprofiles_denied_ = 0  # COUNT of re-profiles due but past max_reprofiles
         self.warned_ = False
@@ -891,6 +894,9 @@ class Run:
             else:
                 self.plans_.clear()
             self.plan_sig_ = self.profile_sig_
+            self.plan_sigs_ = tuple(self.profile_sigs_)
+            while self.plans_ and len(set(self.plans_) | {self.plan_sig_}) > self.max_shape_plans:
+                del self.plans_[next(iter(self.plans_))]  # a re-profile's new shapes at the cap: the oldest goes
             self.state_check_ = self.state_at_profile_
             return None
         if self.profile_armed_:
@@ -1075,6 +1081,8 @@ class Run:
         if self.step_stats:
             self.step_stats[-1].try_resolve()
         self.step_stats.append(stats)
+        if stats.mode == "diverged" and self._nothing_to_match():
+            stats.mode = "planned"  # See Note [Nothing to match under budget=None]
         if stats.mode == "diverged" or self._count_mismatch(stats):
             self.mismatches += 1
             self.mismatch_run_ += 1
@@ -1103,12 +1111,18 @@ class Run:
         shapes = "this step has" in (stats.mismatch or "")
         # the inputs kept their shapes: the forward makes its shapes from their values (found by a helper: an
         # nn.LSTM over pack_padded_sequence with lengths that change every batch never ran its plan)
-        inside = shapes and self.max_shape_plans > 1 and self.last_sig_same_
+        micro_batch = shapes and self.other_shape_forward_ is not None
+        inside = shapes and self.max_shape_plans > 1 and self.last_sig_same_ and not micro_batch
         warnings.warn(
             f"memsched.optimize: steps keep changing after {counted(self.reprofiles, 're-profile')} (max_reprofiles="
-            f"{self.max_reprofiles}; the last: {stats.mismatch or 'a step ran plainly'}), so no plan runs from "
-            f"here on and every step runs as plain PyTorch: a plan is for one step's shapes and control flow. "
-            + (f"This step's inputs have the profiled step's shapes, so the forward makes other shapes from their "
+            f"{self.max_reprofiles}; the last: {stats.mismatch or 'a step ran plainly'}), so no step is profiled "
+            f"again: a step that does not match its plan runs as plain PyTorch from the mismatch on (a plan is "
+            f"for one step's shapes and control flow). "
+            + (f"A later micro-batch of this step had other shapes than the plan's step had there: a step's plan "
+               f"is chosen by its first forward, so with gradient accumulation every micro-batch of a step should "
+               f"have the shapes of the first {_ACCUMULATION_FIX}, "
+               if micro_batch else
+               f"This step's inputs have the profiled step's shapes, so the forward makes other shapes from their "
                f"values (pack_padded_sequence over lengths that vary, a boolean mask, nonzero()): run the RNN over "
                f"the padded batch without packing, or bucket batches by length so that each shape recurs, "
                if inside else
@@ -1141,7 +1155,7 @@ class Run:
             return False
         if not stats.hooked:
             return self._outgrew_device(stats)
-        if stats.activations != len(self.schedule.labels):
+        if stats.activations != len(self.schedule.labels) and not self._nothing_to_match():
             why = f"the step saved {counted(stats.activations, 'activation')}, the trace {len(self.schedule.labels)}"
             self._on_mismatch(why)
             stats.mode = "diverged"
@@ -1199,9 +1213,11 @@ class Run:
         self.forwards_since_boundary_ += 1
         if self.forwards_since_boundary_ > 1 and self.other_shape_forward_ is None and self.plan_sig_ is not None \
                 and torch.is_grad_enabled() and self.profile_ is None:
-            sig = step_signature(args, kwargs)  # a later micro-batch: keyed by the first (Note [One plan per ...])
-            if sig is not None and sig != self.plan_sig_:
-                self.other_shape_forward_ = (self.forwards_since_boundary_, sig)
+            # a later micro-batch: the plan was chosen by the first (Note [One plan per input shape])
+            n = self.forwards_since_boundary_
+            sig = step_signature(args, kwargs)
+            if sig is not None and n <= len(self.plan_sigs_) and sig != self.plan_sigs_[n - 1]:
+                self.other_shape_forward_ = (n, sig, self.plan_sigs_[n - 1])
         if not module.training and torch.is_grad_enabled():
             self.eval_grad_forward_ = True  # part of this step's saves: named if the step mismatches
         if torch._C._current_graph_task_id() != -1:
@@ -1239,6 +1255,7 @@ class Run:
             self.profile_armed_ = False
             self.profile_forwards_ = 0
             self.profile_sig_ = step_signature(args, kwargs) if torch.is_grad_enabled() else None  # (or below)
+            self.profile_sigs_ = []
             self.profile_iterations_ = self.ooo_.completed_iterations() if self.ooo_ is not None else 0
             self.state_at_profile_ = self._optimizer_state_bytes()
             if self.executor.engine.pending_count():
@@ -1254,6 +1271,8 @@ class Run:
             else:
                 self.profile_ = start_profile(self.model, self.optimizer, self.device)
         if self.profile_ is not None:
+            if torch.is_grad_enabled():
+                self.profile_sigs_.append(step_signature(args, kwargs))
             note_forward = getattr(self.profile_, "note_forward", None)  # a stand-in profiler may lack it
             if note_forward is not None:
                 note_forward()
@@ -1411,7 +1430,13 @@ class Run:
         plan's step: run that signature's plan, or profile this step for one while there is room."""
         state = self.plans_.get(sig)
         if state is None and len(set(self.plans_) | {self.plan_sig_}) >= self.max_shape_plans:
-            return  # no room: matched against the current plan, as a step of other shapes always was
+            # no room: matched against the current plan, as a step of other shapes always was
+            self.steps_without_room_ += 1
+            if self.steps_without_room_ == 1 and self.max_shape_plans > 1:
+                warnings.warn(f"memsched.optimize: a step with new input shapes ({describe(sig)}) finds no room for a "
+                              f"plan of its own: {_no_room(self.max_shape_plans)} Warned once", RuntimeWarning,
+                              stacklevel=user_stacklevel())
+            return
         self.plans_[self.plan_sig_] = self._plan_state()
         if state is None:
             self.shape_profiles += 1
@@ -1570,7 +1595,20 @@ class Run:
                 f"({format_bytes(budget_bytes)}), so saved activations may stay above {fraction:g} of plain's "
                 f"({format_bytes(act_peak)}) where that does not raise the step's peak")
 
+    # Note [Nothing to match under budget=None]
+    #   Rationale: budget=None without a plan keeps every activation: a step of other shapes runs exactly as
+    #   the profiled one would. Its steps push no hooks (Note [A plan with nothing to do]) -- except with
+    #   timeline=True, whose samples need them: there each step of another length than the first was
+    #   "diverged", warned that it "runs without offloading" and had steps re-profiled, with advice to pad
+    #   (found by a helper trying budget=None with dynamic padding as a new user).
+    #   Approach: with nothing to hold and nothing planned, a label mismatch is no mismatch: no warning, no
+    #   re-profile, and the step counts as run to plan.
+    def _nothing_to_match(self):
+        return self.budget_spec is None and self.plan is None
+
     def _on_mismatch(self, why):
+        if self._nothing_to_match():
+            return  # See Note [Nothing to match under budget=None]
         if self.forward_in_backward_ or self.profile_forward_in_backward_:
             why += ("; the model's forward ran inside a backward pass, as torch.utils.checkpoint(model, ..., "
                     "use_reentrant=True) around the whole model recomputes it: memsched profiles what the step "
@@ -1579,11 +1617,11 @@ class Run:
                     "the steps run plainly from the start, with a warning), or drop the checkpoint and let the "
                     "budget decide what to keep")
         elif self.other_shape_forward_ is not None:
-            n, sig = self.other_shape_forward_
-            why += (f"; forward {n} of this step had inputs {describe(sig)}, and its plan was made for steps whose "
-                    f"first forward had {describe(self.plan_sig_)}: a step's plan is chosen by its first forward, "
-                    f"so with gradient accumulation every micro-batch of a step should have the shapes of the "
-                    f"first {_ACCUMULATION_FIX}")
+            n, sig, planned = self.other_shape_forward_
+            why += (f"; forward {n} of this step had inputs {describe(sig)}, where the step its plan was made from "
+                    f"had {describe(planned)}: a step's plan is chosen by its first forward (here "
+                    f"{describe(self.plan_sig_)}), so with gradient accumulation every micro-batch of a step should "
+                    f"have the shapes of the first {_ACCUMULATION_FIX}")
             self.accumulation_mismatches_ += 1
         elif self.eval_grad_forward_:
             why += ("; this step ran the model in eval mode (model.eval()) with gradients enabled, and that "
@@ -1739,6 +1777,9 @@ class Run:
         if self.mismatches:
             notes.append(f"{counted(self.mismatches, 'step')} did not match the profiled trace and ran without "
                          f"offloading from the mismatch on; {counted(self.reprofiles, 're-profile')}")
+            if self.steps_without_room_:
+                notes.append(f"{counted(self.steps_without_room_, 'step')} of new input shapes found no room for a "
+                             f"plan of their own: {_no_room(self.max_shape_plans)}")
             if self.accumulation_mismatches_:
                 notes.append(f"of those, {counted(self.accumulation_mismatches_, 'step')} had a later forward (a "
                              f"micro-batch of gradient accumulation) of other input shapes than the first: a step's "
@@ -1975,8 +2016,14 @@ PROFILE_MODES = ("auto", "offload", "keep")
 
 
 # Note [One plan per input shape] (offload/shape_plans.py), Limitations
-_ACCUMULATION_FIX = ("(pad them to one length; a collator's pad_to_multiple_of= keeps the lengths few, each costing "
-                     "one profiled step)")
+def _no_room(max_shape_plans):
+    return (f"max_shape_plans={max_shape_plans} plans are kept, one per input shape, so such a step runs against the "
+            f"current plan, and plainly from where it does not match; pad to fewer lengths (a collator's "
+            f"pad_to_multiple_of=...) or pass optimize(..., max_shape_plans=N).")
+
+
+_ACCUMULATION_FIX = ("(pad them to one length: the Hugging Face Trainer collates each micro-batch on its own, so "
+                     "pad to a fixed length there, padding='max_length')")
 
 
 def _a_forward_no_backward_read(trace, forward_starts):

@@ -21,9 +21,13 @@ Note [One plan per input shape]
   first step's is (before, such a step ran plainly over the budget after a mismatch).
   An evaluation under no_grad that began the executor's step (it saved nothing) does not stop the
   switch, and a profile is filed under the shapes of its first forward with gradients.
+  A step of new shapes past max_shape_plans warns once, naming the cap, and run.report() counts such
+  steps; a re-profile of new shapes at the cap drops the oldest plan (it had filed one beyond the cap).
   Limitations: with gradient accumulation a step is keyed by its first micro-batch: micro-batches of
-  other shapes in one step mismatch its plan (pad the micro-batches of a step to one length); the
-  mismatch's warning and run.report() name the later forward's shapes and that fix. Past
+  other shapes in one step mismatch its plan (pad the micro-batches of a step to one length; the Hugging
+  Face Trainer collates each micro-batch on its own, so padding='max_length' there); the mismatch's
+  warning and run.report() name the later forward's shapes against the plan's step's at that position,
+  and that fix. Past
   max_shape_plans signatures, a new one runs against the current plan as before (a
   mismatch, then re-profiles up to max_reprofiles). The signature does not see non-tensor arguments
   or shapes made inside the forward; a step they change mismatches as before. Under torch.distributed
@@ -41,7 +45,7 @@ MAX_SHAPE_PLANS = 8
 # What a Run's plan is made of, saved and restored when it switches plans (Run._plan_state)
 PLAN_FIELDS = ("trace", "budget_bytes", "plan", "schedule", "simulation", "host_limit_note_", "prefetch_note_",
                "node_of_op_", "forward_starts_", "unmodeled_bytes_", "profile_stats", "profile_eval_grad_",
-               "profile_forward_in_backward_", "optimizer_state_extra_", "plan_index_", "plan_checked_")
+               "profile_forward_in_backward_", "optimizer_state_extra_", "plan_index_", "plan_checked_", "plan_sigs_")
 
 
 def step_signature(args, kwargs):

@@ -70,6 +70,43 @@ def test_more_lengths_than_plans_run_as_before_and_train_as_plain():
         assert torch.equal(p, q)
 
 
+def test_a_shape_past_max_shape_plans_is_named_and_the_plans_kept_stay_within_it():
+    """A step of a new shape past max_shape_plans ran against the current plan and mismatched with no word of
+    the cap; a re-profile there filed a plan beyond the cap (9 of 8; found by a helper training with dynamic
+    padding as a new user)."""
+    lengths = [8, 12, 16, 20, 20, 24, 24, 8, 28, 28, 12]
+    plain, m = _Tagger(), _Tagger()
+    _train(plain, _batches(lengths))
+    with pytest.warns(RuntimeWarning) as caught:
+        run = _train(m, _batches(lengths), dict(budget=0.6, max_shape_plans=3))
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q)
+    no_room = [str(w.message) for w in caught if "finds no room for a plan of its own" in str(w.message)]
+    assert len(no_room) == 1 and "max_shape_plans=3" in no_room[0] and "[32, 20, 16] float32" in no_room[0], no_room
+    assert run.reprofiles > 0  # the lengths that stayed got their plan by a re-profile
+    assert len(set(run.plans_) | {run.plan_sig_}) <= 3
+    report = run.report(file=open("/dev/null", "w")).table
+    assert f"{run.steps_without_room_} steps of new input shapes found no room" in report, report
+
+
+def test_budget_none_with_a_timeline_runs_every_length_without_a_word():
+    """budget=None keeps everything, for any shape: with timeline=True (hooks pushed for its samples) each step
+    of another length than the first was "diverged", warned about, and steps were re-profiled (found by a helper
+    as a new user). Note [Nothing to match under budget=None]."""
+    import warnings
+
+    lengths = [16, 32, 48, 16, 32, 48, 16, 8]
+    plain, m = _Tagger(), _Tagger()
+    _train(plain, _batches(lengths))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run = _train(m, _batches(lengths), dict(budget=None, timeline=True))
+    assert run.steps_profiled == 1 and run.mismatches == 0 and run.reprofiles == 0
+    assert [s.mode for s in run.step_stats] == ["planned"] * (len(lengths) - 1)
+    for p, q in zip(plain.parameters(), m.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_an_evaluation_forward_under_no_grad_does_not_pick_a_plan():
     """An evaluation batch of another shape, under no_grad between steps, is no step of that shape."""
     lengths = [8, 8, 8]
@@ -211,11 +248,34 @@ def test_a_micro_batch_of_other_shapes_than_the_first_names_the_fix_and_trains_a
     assert run.mismatches >= 1
     warned = " ".join(str(w.message) for w in caught)
     assert "forward 2 of this step had inputs [32, 16, 16] float32" in warned
-    assert "made for steps whose first forward had [32, 8, 16] float32" in warned and "pad_to_multiple_of" in warned
+    assert "where the step its plan was made from had [32, 8, 16] float32" in warned
+    assert "padding='max_length'" in warned
     report = run.report(file=open("/dev/null", "w")).table
     assert f"of those, {run.mismatches} step" in report and "micro-batch of gradient accumulation" in report
     for p, q in zip(plain.parameters(), m.parameters()):
         assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
+
+
+def test_a_micro_batch_compared_with_the_same_micro_batch_of_the_plans_step():
+    """The profiled step's micro-batches had lengths 16 and 32; later steps pad theirs to one length, 16 and 16,
+    as the advice says: each mismatches at its second micro-batch, and the warning says so (it compared with
+    the first micro-batch, found it equal and said nothing of micro-batches; found by a helper trying the
+    advice as a new user)."""
+    steps = [(16, 32), (16, 16), (16, 16), (16, 16)]
+    m = _Tagger()
+    batches = _batches([n for step in steps for n in step])
+    with memsched.optimize(m, torch.optim.AdamW(m.parameters(), lr=1e-2), budget=0.6, max_reprofiles=0) as run, \
+            pytest.warns(RuntimeWarning) as caught:
+        for i in range(len(steps)):
+            for x in batches[2 * i:2 * i + 2]:
+                m(tokens=x).pow(2).mean().backward()
+            run.step()
+    assert run.mismatches == 3
+    warned = " ".join(str(w.message) for w in caught)
+    assert "forward 2 of this step had inputs [32, 16, 16] float32, where the step its plan was made from had " \
+           "[32, 32, 16] float32" in warned, warned
+    report = run.report(file=open("/dev/null", "w")).table
+    assert "of those, 3 steps had a later forward" in report, report
 
 
 class _NoRun:
