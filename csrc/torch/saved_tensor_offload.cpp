@@ -16,9 +16,10 @@
 //   handle could only watch the packed tensor's Python object while that lived. Prefetches fire
 //   from a trigger table (op -> ordinals) on the engine's C++ streams; unpack waits for the
 //   prefetch or fetches on demand and rebuilds the view on the fetched bytes, with its lazy
-//   conjugate and negative bits: a first save that has them is kept, but a later save through the
-//   same counter (`z.conj() * z` saves z and z.conj()) shares the first's copy, and without its bit
-//   came back as z (gradients 0.15 off plain, found by a helper's random programs). The ops made here
+//   conjugate and negative bits: a later save through the same counter (`z.conj() * z` saves z and
+//   z.conj()) shares the first's copy, and without its bit came back as z (gradients 0.15 off plain,
+//   found by a helper's random programs); a first save with a bit is offloaded too (it was kept, 25%
+//   over a plan that counted it off the device). The ops made here
 //   (the flat byte views, the fetched tensor) exclude the Python dispatch keys, so a caller's
 //   TorchDispatchMode (the recompute plan's op log) does not see them, as the Python path paused
 //   the log. Python keeps only the recomputed saves (recompute.py).
@@ -253,8 +254,8 @@ void SavedTensorPath::reset_offloads() {
 bool SavedTensorPath::offloadable(PyObject* obj, const at::Tensor& t, int64_t nbytes) {
   // See Note [What is never offloaded] (executor.py).
   if (!(nbytes >= min_bytes && nbytes > 0 && t.device() == device_ && t.layout() == at::kStrided &&
-        Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(THPVariableClass) && !t.is_conj() && !t.is_neg() &&
-        !t.is_quantized() && t.unsafeGetTensorImpl()->version_counter().enabled())) {
+        Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(THPVariableClass) && !t.is_quantized() &&
+        t.unsafeGetTensorImpl()->version_counter().enabled())) {
     return false;
   }
   if (engine_ == nullptr) return false;

@@ -154,7 +154,8 @@ Note [Writes in a forward that records nothing]
   and counts nothing useful; it only sees writes, and each write of an earlier log's outside input is
   copied for its readers first (or makes them replay now), as a write in a later recorded forward is.
   Limitations: that forward pays the mode's cost per op (a step whose plan recomputes, between its first
-  forward and run.step() only).
+  forward and run.step() only). Under a caller's own dispatch mode (a FLOP counter) it is not watched,
+  and a write there makes the replay raise, as before.
 """
 from __future__ import annotations
 
