@@ -484,6 +484,7 @@ class Run:
         self.profile_armed_ = False  # the next forward starts a profiler session
         self.profile_iterations_ = 0  # ooo's completed backward passes when the open profile began
         self.forwards_since_boundary_ = 0  # root forwards since the last run.step() / optimizer.step()
+        self.grad_forwards_ = 0            # ... of them with gradients enabled
         self.boundary_was_framework_step_ = False  # the last boundary was the loop's optimizer.step()
         self.eval_grad_forward_ = False    # this step ran a forward in eval mode with gradients enabled
         self.other_shape_forward_ = None   # (n, signature): this step's n-th forward had other input shapes than
@@ -893,10 +894,12 @@ class Run:
                 self.plans_.pop(self.profile_sig_, None)
             else:
                 self.plans_.clear()
+            if self.plan_sig_ in self.plans_:  # the plan in use until now goes last
+                self.plans_[self.plan_sig_] = self.plans_.pop(self.plan_sig_)
             self.plan_sig_ = self.profile_sig_
             self.plan_sigs_ = tuple(self.profile_sigs_)
             while self.plans_ and len(set(self.plans_) | {self.plan_sig_}) > self.max_shape_plans:
-                del self.plans_[next(iter(self.plans_))]  # a re-profile's new shapes at the cap: the oldest goes
+                del self.plans_[next(iter(self.plans_))]  # a re-profile's new shapes at the cap: the least recent goes
             self.state_check_ = self.state_at_profile_
             return None
         if self.profile_armed_:
@@ -1081,7 +1084,7 @@ class Run:
         if self.step_stats:
             self.step_stats[-1].try_resolve()
         self.step_stats.append(stats)
-        if stats.mode == "diverged" and self._nothing_to_match():
+        if stats.mode == "diverged" and self._nothing_to_match() and stats.label_mismatch:
             stats.mode = "planned"  # See Note [Nothing to match under budget=None]
         if stats.mode == "diverged" or self._count_mismatch(stats):
             self.mismatches += 1
@@ -1115,9 +1118,10 @@ class Run:
         inside = shapes and self.max_shape_plans > 1 and self.last_sig_same_ and not micro_batch
         warnings.warn(
             f"memsched.optimize: steps keep changing after {counted(self.reprofiles, 're-profile')} (max_reprofiles="
-            f"{self.max_reprofiles}; the last: {stats.mismatch or 'a step ran plainly'}), so no step is profiled "
-            f"again: a step that does not match its plan runs as plain PyTorch from the mismatch on (a plan is "
-            f"for one step's shapes and control flow). "
+            f"{self.max_reprofiles}; the last: {stats.mismatch or 'a step ran plainly'}), so a step that does not "
+            f"match its plan is not profiled again: it runs as plain PyTorch from the mismatch on (a plan is for "
+            f"one step's shapes and control flow; a step of new input shapes is still profiled while "
+            f"max_shape_plans has room). "
             + (f"A later micro-batch of this step had other shapes than the plan's step had there: a step's plan "
                f"is chosen by its first forward, so with gradient accumulation every micro-batch of a step should "
                f"have the shapes of the first {_ACCUMULATION_FIX}, "
@@ -1153,9 +1157,9 @@ class Run:
         """Fewer activations than the trace (a shorter control-flow path): mismatch, found at step end."""
         if self.schedule is None or stats.mode != "planned":
             return False
-        if not stats.hooked:
-            return self._outgrew_device(stats)
-        if stats.activations != len(self.schedule.labels) and not self._nothing_to_match():
+        if not stats.hooked or self._nothing_to_match():
+            return self._outgrew_device(stats)  # (hooked for a timeline: Note [Nothing to match under budget=None])
+        if stats.activations != len(self.schedule.labels):
             why = f"the step saved {counted(stats.activations, 'activation')}, the trace {len(self.schedule.labels)}"
             self._on_mismatch(why)
             stats.mode = "diverged"
@@ -1210,11 +1214,14 @@ class Run:
         if self.forwards_since_boundary_ == 0:
             self.eval_grad_forward_ = self.forward_in_backward_ = False
             self.other_shape_forward_ = None
+            self.grad_forwards_ = 0
         self.forwards_since_boundary_ += 1
-        if self.forwards_since_boundary_ > 1 and self.other_shape_forward_ is None and self.plan_sig_ is not None \
+        if torch.is_grad_enabled():
+            self.grad_forwards_ += 1  # the step's forwards with gradients: plan_sigs_ lists the plan step's
+        if self.grad_forwards_ > 1 and self.other_shape_forward_ is None and self.plan_sig_ is not None \
                 and torch.is_grad_enabled() and self.profile_ is None:
             # a later micro-batch: the plan was chosen by the first (Note [One plan per input shape])
-            n = self.forwards_since_boundary_
+            n = self.grad_forwards_
             sig = step_signature(args, kwargs)
             if sig is not None and n <= len(self.plan_sigs_) and sig != self.plan_sigs_[n - 1]:
                 self.other_shape_forward_ = (n, sig, self.plan_sigs_[n - 1])
@@ -1437,6 +1444,7 @@ class Run:
                               f"plan of its own: {_no_room(self.max_shape_plans)} Warned once", RuntimeWarning,
                               stacklevel=user_stacklevel())
             return
+        self.plans_.pop(self.plan_sig_, None)  # (re-filed last: the plans left longest ago go first at the cap)
         self.plans_[self.plan_sig_] = self._plan_state()
         if state is None:
             self.shape_profiles += 1
@@ -1601,13 +1609,16 @@ class Run:
     #   timeline=True, whose samples need them: there each step of another length than the first was
     #   "diverged", warned that it "runs without offloading" and had steps re-profiled, with advice to pad
     #   (found by a helper trying budget=None with dynamic padding as a new user).
-    #   Approach: with nothing to hold and nothing planned, a label mismatch is no mismatch: no warning, no
-    #   re-profile, and the step counts as run to plan.
+    #   Approach: with nothing to hold and nothing planned, a mismatch of an activation's label or of the
+    #   activation count is no mismatch: no warning, no re-profile, and the step counts as run to plan. The
+    #   other causes stay (the caller's own saved-tensor hooks, another Run's open step), and a step whose
+    #   peak passes the share of the device budget=None keeps everything within is still a mismatch, hooked
+    #   or not (_outgrew_device), as a hooked step's label mismatch had made it.
     def _nothing_to_match(self):
         return self.budget_spec is None and self.plan is None
 
     def _on_mismatch(self, why):
-        if self._nothing_to_match():
+        if self._nothing_to_match() and self.executor.stats.label_mismatch:
             return  # See Note [Nothing to match under budget=None]
         if self.forward_in_backward_ or self.profile_forward_in_backward_:
             why += ("; the model's forward ran inside a backward pass, as torch.utils.checkpoint(model, ..., "
@@ -1618,7 +1629,8 @@ class Run:
                     "budget decide what to keep")
         elif self.other_shape_forward_ is not None:
             n, sig, planned = self.other_shape_forward_
-            why += (f"; forward {n} of this step had inputs {describe(sig)}, where the step its plan was made from "
+            why += (f"; forward {n} with gradients of this step had inputs {describe(sig)}, where the step its plan "
+                    f"was made from "
                     f"had {describe(planned)}: a step's plan is chosen by its first forward (here "
                     f"{describe(self.plan_sig_)}), so with gradient accumulation every micro-batch of a step should "
                     f"have the shapes of the first {_ACCUMULATION_FIX}")

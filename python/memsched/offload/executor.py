@@ -196,6 +196,7 @@ class StepStats:
     peak_bytes: int = 0            # max sampled memory (see memory_source)
     memory_source: str = ""        # what the samples measure
     mismatch: str = ""             # first identity mismatch, "" if none
+    label_mismatch: bool = False   # it was an activation's label (shapes, control flow), not another cause
     hooked: bool = True            # False: a keep-all plan ran without saved-tensor hooks (Note [A plan with
                                    # nothing to do]): activations, activation_bytes and (CPU) peak_bytes not counted
     plan_index: int = 0            # the Run's steps_profiled when it ran: which plan (a re-profile makes a new one)
@@ -686,6 +687,7 @@ class OffloadExecutor:
         module, want = split(expected)
         got = split(label)[1]
         where = f" in module '{module}'" if module else ""
+        self.stats.label_mismatch = True  # (Note [Nothing to match under budget=None] in optimize.py)
         if expected is None:
             self._diverge(f"activation {k}: the trace has no such activation, this step saves {got}")
         else:

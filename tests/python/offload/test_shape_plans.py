@@ -2,6 +2,7 @@
 sequence length changes from step to step run a plan after the first step of each length, with
 gradients equal to plain PyTorch's."""
 import copy
+import sys
 
 import pytest
 import torch
@@ -89,6 +90,19 @@ def test_a_shape_past_max_shape_plans_is_named_and_the_plans_kept_stay_within_it
     assert f"{run.steps_without_room_} steps of new input shapes found no room" in report, report
 
 
+def test_plans_past_the_cap_go_least_recently_used_first():
+    """max_shape_plans=2: lengths 8, 12, then 8 again, then 16 three times (no room: two mismatches, then a
+    re-profile files 16's plan). The plan dropped to stay within the cap is 12's, left longest ago, so the last
+    8-step runs its plan; dropping by first filing dropped 8's."""
+    lengths = [8, 12, 8, 16, 16, 16, 8]
+    m = _Tagger()
+    with pytest.warns(RuntimeWarning):
+        run = _train(m, _batches(lengths), dict(budget=0.6, max_shape_plans=2))
+    assert run.reprofiles == 1 and len(set(run.plans_) | {run.plan_sig_}) == 2
+    assert [s.mode for s in run.step_stats][-1] == "planned", [s.mode for s in run.step_stats]
+    assert {sig[0][0][1] for sig in set(run.plans_) | {run.plan_sig_}} == {8, 16}
+
+
 def test_budget_none_with_a_timeline_runs_every_length_without_a_word():
     """budget=None keeps everything, for any shape: with timeline=True (hooks pushed for its samples) each step
     of another length than the first was "diverged", warned about, and steps were re-profiled (found by a helper
@@ -105,6 +119,27 @@ def test_budget_none_with_a_timeline_runs_every_length_without_a_word():
     assert [s.mode for s in run.step_stats] == ["planned"] * (len(lengths) - 1)
     for p, q in zip(plain.parameters(), m.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("timeline", [False, True])
+def test_budget_none_still_re_profiles_a_step_that_outgrows_the_device(timeline, monkeypatch):
+    """The label check stays silent under budget=None, but a step past the share of the device budget=None keeps
+    everything within is still a mismatch, warned and re-profiled, hooked for a timeline or not (the silence had
+    covered it; found by a helper reviewing the change). The device's reads are stood in for."""
+    import types
+
+    run_module = sys.modules["memsched.optimize"]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=1))
+    m = _Tagger()
+    with pytest.warns(RuntimeWarning, match="of the device's memory"):
+        with memsched.optimize(m, torch.optim.AdamW(m.parameters(), lr=1e-2), budget=None, timeline=timeline) as run:
+            for k, x in enumerate(_batches([8, 8, 8, 8])):
+                if k == 1:
+                    monkeypatch.setattr(run, "_measures_device_peak", lambda: True)
+                    monkeypatch.setattr(run_module, "_DEVICE_MEMORY_FRACTION", -1.0)  # every step outgrows it
+                m(tokens=x).pow(2).mean().backward()
+                run.step()
+    assert run.mismatches >= 2 and run.reprofiles >= 1
 
 
 def test_an_evaluation_forward_under_no_grad_does_not_pick_a_plan():
@@ -247,7 +282,7 @@ def test_a_micro_batch_of_other_shapes_than_the_first_names_the_fix_and_trains_a
                 run.step()
     assert run.mismatches >= 1
     warned = " ".join(str(w.message) for w in caught)
-    assert "forward 2 of this step had inputs [32, 16, 16] float32" in warned
+    assert "forward 2 with gradients of this step had inputs [32, 16, 16] float32" in warned
     assert "where the step its plan was made from had [32, 8, 16] float32" in warned
     assert "padding='max_length'" in warned
     report = run.report(file=open("/dev/null", "w")).table
@@ -256,23 +291,27 @@ def test_a_micro_batch_of_other_shapes_than_the_first_names_the_fix_and_trains_a
         assert torch.equal(p, q), f"max |diff| {(p - q).abs().max().item():.3g}"
 
 
-def test_a_micro_batch_compared_with_the_same_micro_batch_of_the_plans_step():
+@pytest.mark.parametrize("evaluate_first", [False, True], ids=["train_only", "no_grad_forward_first"])
+def test_a_micro_batch_compared_with_the_same_micro_batch_of_the_plans_step(evaluate_first):
     """The profiled step's micro-batches had lengths 16 and 32; later steps pad theirs to one length, 16 and 16,
     as the advice says: each mismatches at its second micro-batch, and the warning says so (it compared with
     the first micro-batch, found it equal and said nothing of micro-batches; found by a helper trying the
-    advice as a new user)."""
+    advice as a new user). An evaluation forward under no_grad before them does not shift the position."""
     steps = [(16, 32), (16, 16), (16, 16), (16, 16)]
     m = _Tagger()
     batches = _batches([n for step in steps for n in step])
     with memsched.optimize(m, torch.optim.AdamW(m.parameters(), lr=1e-2), budget=0.6, max_reprofiles=0) as run, \
             pytest.warns(RuntimeWarning) as caught:
         for i in range(len(steps)):
+            if evaluate_first and i > 0:
+                with torch.no_grad():
+                    m(tokens=batches[0][:, :8])
             for x in batches[2 * i:2 * i + 2]:
                 m(tokens=x).pow(2).mean().backward()
             run.step()
     assert run.mismatches == 3
     warned = " ".join(str(w.message) for w in caught)
-    assert "forward 2 of this step had inputs [32, 16, 16] float32, where the step its plan was made from had " \
+    assert "forward 2 with gradients of this step had inputs [32, 16, 16] float32, where the step its plan was made from had " \
            "[32, 32, 16] float32" in warned, warned
     report = run.report(file=open("/dev/null", "w")).table
     assert "of those, 3 steps had a later forward" in report, report
