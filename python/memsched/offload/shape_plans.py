@@ -22,7 +22,8 @@ Note [One plan per input shape]
   An evaluation under no_grad that began the executor's step (it saved nothing) does not stop the
   switch, and a profile is filed under the shapes of its first forward with gradients.
   A step of new shapes past max_shape_plans warns once, naming the cap, and run.report() counts such
-  steps; a re-profile of new shapes at the cap drops the oldest plan (it had filed one beyond the cap).
+  steps; a re-profile of new shapes at the cap drops the plan left longest ago (it had filed one beyond
+  the cap).
   Limitations: with gradient accumulation a step is keyed by its first micro-batch: micro-batches of
   other shapes in one step mismatch its plan (pad the micro-batches of a step to one length; the Hugging
   Face Trainer collates each micro-batch on its own, so padding='max_length' there); the mismatch's
