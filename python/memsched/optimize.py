@@ -436,7 +436,7 @@ class Run:
         self.host = HostBuffers(pinned=self.device.type == "cuda", limit_bytes=limit, limit_text=limit_text)
         self.profile_saves_ = None   # OffloadedSaves of the profiled steps, made at the first one
         self.executor = OffloadExecutor(model, self.device, self.host, min_bytes=self.min_offload_bytes,
-                                        on_mismatch=self._on_mismatch, timeline=self.timeline)
+                                        on_mismatch=self._on_label_mismatch, timeline=self.timeline)
         # Note [optimizer.step() without run.step()] (step_hook.py)
         self.step_hook_ = (OptimizerStepHook(self.optimizer, self._framework_step, self.optimizer_wrapper_)
                            if isinstance(self.optimizer, torch.optim.Optimizer) else None)
@@ -1085,7 +1085,7 @@ class Run:
             self.step_stats[-1].try_resolve()
         self.step_stats.append(stats)
         if stats.mode == "diverged" and self._nothing_to_match() and stats.label_mismatch:
-            stats.mode = "planned"  # See Note [Nothing to match under budget=None]
+            stats.mode, stats.mismatch = "planned", ""  # See Note [Nothing to match under budget=None]
         if stats.mode == "diverged" or self._count_mismatch(stats):
             self.mismatches += 1
             self.mismatch_run_ += 1
@@ -1111,7 +1111,7 @@ class Run:
         """Steps keep changing after max_reprofiles re-profiles: from here on no plan runs. The mismatch
         warning came once, long before; this was said only in run.report() (found by a helper training a
         Hugging Face model on dynamically padded batches: 3 profiled, 0 planned, 5 plain steps). Said once."""
-        shapes = "this step has" in (stats.mismatch or "")
+        shapes = "this step has" in (stats.mismatch or "") and self.budget_spec is not None  # (per-shape plans)
         # the inputs kept their shapes: the forward makes its shapes from their values (found by a helper: an
         # nn.LSTM over pack_padded_sequence with lengths that change every batch never ran its plan)
         micro_batch = shapes and self.other_shape_forward_ is not None
@@ -1120,8 +1120,9 @@ class Run:
             f"memsched.optimize: steps keep changing after {counted(self.reprofiles, 're-profile')} (max_reprofiles="
             f"{self.max_reprofiles}; the last: {stats.mismatch or 'a step ran plainly'}), so a step that does not "
             f"match its plan is not profiled again: it runs as plain PyTorch from the mismatch on (a plan is for "
-            f"one step's shapes and control flow; a step of new input shapes is still profiled while "
-            f"max_shape_plans has room). "
+            f"one step's shapes and control flow"
+            + ("; a step of new input shapes is still profiled while max_shape_plans has room). "
+               if self.budget_spec is not None else "). ")
             + (f"A later micro-batch of this step had other shapes than the plan's step had there: a step's plan "
                f"is chosen by its first forward, so with gradient accumulation every micro-batch of a step should "
                f"have the shapes of the first {_ACCUMULATION_FIX}, "
@@ -1617,9 +1618,13 @@ class Run:
     def _nothing_to_match(self):
         return self.budget_spec is None and self.plan is None
 
-    def _on_mismatch(self, why):
+    def _on_label_mismatch(self, why):
+        """The executor's callback at a step's first mismatch (an activation's label, or another cause)."""
         if self._nothing_to_match() and self.executor.stats.label_mismatch:
             return  # See Note [Nothing to match under budget=None]
+        self._on_mismatch(why)
+
+    def _on_mismatch(self, why):
         if self.forward_in_backward_ or self.profile_forward_in_backward_:
             why += ("; the model's forward ran inside a backward pass, as torch.utils.checkpoint(model, ..., "
                     "use_reentrant=True) around the whole model recomputes it: memsched profiles what the step "

@@ -133,13 +133,15 @@ def test_budget_none_still_re_profiles_a_step_that_outgrows_the_device(timeline,
     m = _Tagger()
     with pytest.warns(RuntimeWarning, match="of the device's memory"):
         with memsched.optimize(m, torch.optim.AdamW(m.parameters(), lr=1e-2), budget=None, timeline=timeline) as run:
-            for k, x in enumerate(_batches([8, 8, 8, 8])):
+            for k, x in enumerate(_batches([8, 8, 16, 24])):  # longer batches: labels differ too
                 if k == 1:
                     monkeypatch.setattr(run, "_measures_device_peak", lambda: True)
                     monkeypatch.setattr(run_module, "_DEVICE_MEMORY_FRACTION", -1.0)  # every step outgrows it
                 m(tokens=x).pow(2).mean().backward()
                 run.step()
     assert run.mismatches >= 2 and run.reprofiles >= 1
+    diverged = [s for s in run.step_stats if s.mode == "diverged"]
+    assert diverged and all("of the device's memory" in s.mismatch for s in diverged), [s.mismatch for s in diverged]
 
 
 def test_an_evaluation_forward_under_no_grad_does_not_pick_a_plan():
