@@ -43,9 +43,15 @@ def test_memsched_never_hands_out_a_block_a_stream_may_still_touch():
 @pytest.mark.requires_cuda
 def test_stress_checks_catch_a_user_who_forgets_record_stream():
     # Without record_stream the allocator may legally reuse a block at once; the checks must see it.
+    # The random loop's sleeps are too short to leave such a reuse on a fast GPU (none on an H100), so
+    # the script first builds one by construction (Note [A hazard the checks must see] in alloc_stress.py).
     r, s = run_stress("--ops", str(OPS), "--allocator", "memsched", "--forget-record-stream")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert s["busy_reuse"] > 0, s
+    probe = s["probe"]
+    assert probe["reused"], f"the probe's second allocation got another block: it proved nothing; {s}"
+    assert probe["busy_reuse"] > 0, f"busy-reuse check missed a block reused while stream 1 slept: {s}"
+    assert probe["canary_errors"] > 0, f"canary missed stream 1's late write into the reused block: {s}"
+    assert s["busy_reuse"] >= probe["busy_reuse"] and s["canary_errors"] > 0, s
 
 
 @pytest.mark.requires_cuda

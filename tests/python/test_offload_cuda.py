@@ -97,7 +97,13 @@ def test_executed_steps_and_run_step_never_wait_for_the_gpu(planner):
     torch.manual_seed(0)
     model = Deep(width=512, layers=6).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    xs = [torch.randn(256, 512, device="cuda") for _ in range(4)]
+    # 1024 x 512 fp32: 2 MiB activations, above the executor's 1 MiB default floor on CUDA (Note [The
+    # executor's size floor] in csrc/core/trace.h), and the step's peak where they are, so budget 0.5 needs
+    # some off the device. At 256 rows (0.5 MiB) every save was below the floor: the plans kept all 7 and
+    # the planned steps offloaded nothing (the H100 run), proving nothing about their copies; nor would
+    # min_offload_bytes=0 have done for dp, as the peak then lay in backward's gradients, where 0.5
+    # resolves to that peak and nothing needs to move (reproduced on CPU with the same floor).
+    xs = [torch.randn(1024, 512, device="cuda") for _ in range(4)]
     with optimize(model, opt, budget=0.5, planner=planner) as run:
         _run(model, opt, xs[:2], run=run)  # profiled, then the first planned step
         torch.cuda.synchronize()
@@ -128,7 +134,12 @@ def test_a_reprofile_starts_with_no_copies_of_the_planned_steps_in_flight():
         # mismatching step]) the next step is profiled right after the second.
         layers = model.layers
         model.layers = layers[:-1]
-        _run(model, opt, xs[2:4], run=run)
+        _run(model, opt, xs[2:3], run=run)
+        # Keep the GPU ~0.1 s behind the host for the second such step (its copies wait for this
+        # compute-stream work), so they are provably in flight when the host looks: on an H100 they
+        # could all have finished by then, leaving nothing to wait for (the skip below).
+        torch.cuda._sleep(200_000_000)
+        _run(model, opt, xs[3:4], run=run)
         in_flight = run.executor.engine.pending_count()  # that step's copies, as the host last saw them
         model.layers = layers
         model.register_forward_pre_hook(lambda m, a: seen.append(run.executor.engine.pending_count()))

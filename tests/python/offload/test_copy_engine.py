@@ -20,6 +20,23 @@ def _sources(device, sizes, seed=0):
     return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device) for n in sizes]
 
 
+# torch.cuda._sleep's cycles on the compute stream, enqueued right before offload_many, keep its copies
+# in flight while the test looks (about 25 ms on an H100; the host needs microseconds). Enqueue it after
+# the sources exist: _sources' .to("cuda") is a blocking copy from pageable memory, which synchronises
+# the compute stream and so would consume a sleep enqueued before it.
+_SLEEP_CYCLES = 50_000_000
+
+
+def _warm(engine, sizes):
+    """One offload of `sizes`, drained, before a test's sleep: the pool then has its pinned segments cached
+    and the engine its streams and events, so the offload under test calls no cudaHostAlloc or stream
+    creation -- driver calls that may wait for the device, i.e. for the sleep -- while it is issued."""
+    warm = engine.offload_many(_sources("cuda", sizes, seed=1))
+    _drain(engine, "cuda")
+    del warm
+    assert engine.host_live_bytes() == 0
+
+
 def _drain(engine, device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -109,9 +126,13 @@ def test_engine_rejects_a_missing_pool():
 def test_cuda_sources_are_held_until_their_copy_completes_and_drained_in_order():
     engine, _ = _engine("cuda")
     engine.begin_step()
-    torch.cuda._sleep(50_000_000)  # the D2H stream waits for this compute-stream work
+    _warm(engine, [1 << 20] * 8)
     src = _sources("cuda", [1 << 20] * 8)
     ptrs = [s.data_ptr() for s in src]
+    # Only now, after _sources' blocking .to("cuda") (a pageable H2D copy synchronises the compute
+    # stream; a sleep enqueued before it had ended before the copies were issued and they all completed
+    # at once on an H100): the D2H stream waits for this compute-stream work, so every copy is in flight.
+    torch.cuda._sleep(_SLEEP_CYCLES)
     tickets = engine.offload_many(src)
     del src
     assert engine.pending_count() == 8 and not tickets[-1].is_complete()
@@ -162,8 +183,12 @@ def test_cuda_destinations_stay_held_when_their_tickets_die_before_the_copy():
     go back to the pool (nor a fetch's device block to the allocator) before the copies complete."""
     engine, _ = _engine("cuda")
     engine.begin_step()
-    torch.cuda._sleep(50_000_000)
-    tickets = engine.offload_many(_sources("cuda", [1 << 20] * 4))
+    _warm(engine, [1 << 20] * 4)
+    src = _sources("cuda", [1 << 20] * 4)
+    torch.cuda._sleep(_SLEEP_CYCLES)  # after _sources' synchronising .to("cuda"): the copies stay in flight
+    tickets = engine.offload_many(src)
+    del src
+    assert not any(t.is_complete() for t in tickets), "the copies finished before the check: it proved nothing"
     del tickets
     assert engine.host_live_bytes() >= 4 << 20
     _drain(engine, "cuda")

@@ -2,6 +2,7 @@
 to do] in memsched/offload/executor.py): plain PyTorch's saves, speed and checks, while every plan
 that could move something keeps them."""
 import io
+import sys
 import warnings
 
 import pytest
@@ -108,7 +109,9 @@ def test_callers_own_saved_tensor_hooks_work_inside_a_step():
 def test_a_step_that_outgrows_the_device_is_re_profiled(monkeypatch):
     """budget=None keeps all within 90% of the device (Note [Budgets]); a keep-all step above that
     is a mismatch, and two in a row re-profile (Note [A lone mismatching step])."""
-    import memsched.optimize as opt_module
+    # `import memsched.optimize as m` binds the attribute memsched.optimize -- the function, which
+    # shadows its module -- so patching it raised AttributeError; the module is in sys.modules.
+    opt_module = sys.modules["memsched.optimize"]
     model = _SeesHooks().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(16, 8, device="cuda")
