@@ -29,11 +29,13 @@ Note [Budget forms]
     numbers, 0.0, booleans -- is a ValueError naming budget and these forms, before any work.
   - None: no budget.
 """
+import json
 import math
 import numbers
+import os
 
 from memsched import _C
-from memsched.device import resolve_device
+from memsched.device import _FIELDS as _DEVICE_FIELDS, resolve_device
 from memsched.units import format_bytes, parse_bytes
 
 Plan = _C.Plan
@@ -258,8 +260,11 @@ def plan(trace, budget=None, planner="dp", device=None, durations="auto"):
         raise ValueError(f"planner: unknown planner {planner!r}; known planners: {', '.join(planner_names())}")
     model = resolve_device(device, trace, durations)
     spec = parse_budget(budget)
+    budget_bytes = resolve_budget(spec, trace)
+    if _DUMP_ENV in os.environ:
+        dump_planning_input(os.environ[_DUMP_ENV], trace, model, budget_bytes, planner)
     try:
-        return _C.make_plan(trace, model, resolve_budget(spec, trace), planner)
+        return _C.make_plan(trace, model, budget_bytes, planner)
     except _C.MemschedError as err:
         if isinstance(spec, float) and "least budget" in str(err):
             raise fraction_refusal(trace, spec, err, planner,
@@ -269,6 +274,45 @@ def plan(trace, budget=None, planner="dp", device=None, durations="auto"):
             raise percent_refusal(budget, planner, least, trace.peak_bytes(), resolve_budget(spec, trace),
                                   "the trace's keep_all peak") from None
         raise
+
+
+# Note [Planning inputs kept for a crash]
+#   Rationale: the first H100 run had the planner crash (SIGSEGV inside _C.make_plan) on traces only a
+#   GPU makes -- CUDA-timed durations, the allocator's unmodeled memory, CUDA op names -- while every
+#   CPU trace, and thousands of fuzzed ones under AddressSanitizer, plan cleanly: without the trace the
+#   crash cannot be replayed where there is no GPU.
+#   Approach: with MEMSCHED_PLAN_DUMP_DIR set, plan() writes each call's inputs before it plans -- the
+#   trace as JSON and one JSON of the device model, budget and planner beside it -- so the last pair
+#   in the folder is the call that crashed. replay_planning_input(path) plans it again (here, or in a
+#   sanitizer build). Opt-in: nothing is written without the variable; a step never reaches it
+#   (planning is once per profile).
+_DUMP_ENV = "MEMSCHED_PLAN_DUMP_DIR"
+_dumped = [0]
+
+
+def dump_planning_input(folder, trace, model, budget_bytes, planner):
+    """Write plan()'s inputs into `folder` (Note [Planning inputs kept for a crash]); returns the path
+    of the JSON that replay_planning_input() reads."""
+    os.makedirs(folder, exist_ok=True)
+    _dumped[0] += 1
+    stem = os.path.join(folder, f"plan-{os.getpid()}-{_dumped[0]:04d}")
+    trace.to_json(stem + ".trace.json")
+    spec = {"trace": os.path.basename(stem + ".trace.json"), "budget_bytes": budget_bytes, "planner": planner,
+            "device": {f: getattr(model, f) for f in _DEVICE_FIELDS + ("name", "use_measured_durations")}}
+    with open(stem + ".json", "w") as f:
+        json.dump(spec, f, indent=1)  # closed before the planner runs: a crash there keeps it
+    return stem + ".json"
+
+
+def replay_planning_input(path):
+    """Plan again what dump_planning_input() wrote at `path`: the Plan, or the planner's MemschedError."""
+    with open(path) as f:
+        spec = json.load(f)
+    trace = _C.Trace.from_json(os.path.join(os.path.dirname(os.path.abspath(path)), spec["trace"]))
+    model = _C.DeviceModel()
+    for field, value in spec["device"].items():
+        setattr(model, field, value)
+    return _C.make_plan(trace, model, spec["budget_bytes"], spec["planner"])
 
 
 def simulate(trace, plan, device=None, durations="auto"):

@@ -167,3 +167,24 @@ def test_cli_plan_table_and_png(synthetic, tmp_path, capsys):
     rc = cli_main(["plan", str(path), "--budget", "1KiB", "--planner", "dp", "--out", str(png)])
     assert rc == 1
     assert "below the least budget" in capsys.readouterr().out
+
+
+def test_plan_keeps_its_inputs_for_a_crash_only_when_asked(synthetic, tmp_path, monkeypatch):
+    """Note [Planning inputs kept for a crash]: with MEMSCHED_PLAN_DUMP_DIR set every plan() call leaves
+    its trace, device model, budget and planner there, and replaying them plans the same decisions;
+    without it nothing is written."""
+    device = memsched.load_device("h100-pcie")
+    device.d2h_latency_us = 7.5  # a field off the preset: the replay must use the model as planned
+    monkeypatch.chdir(tmp_path)
+    memsched.plan(synthetic, budget="60%", planner="hybrid", device=device)
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setenv("MEMSCHED_PLAN_DUMP_DIR", str(tmp_path / "dump"))
+    plans = [memsched.plan(synthetic, budget=b, planner=p, device=device)
+             for b, p in (("60%", "hybrid"), ("70%", "dp"))]
+    specs = sorted(str(p) for p in (tmp_path / "dump").glob("plan-*[0-9].json"))
+    assert len(specs) == 2 and len(list((tmp_path / "dump").glob("*.trace.json"))) == 2
+    for spec, plan in zip(specs, plans):
+        again = planning.replay_planning_input(spec)
+        assert again.planner == plan.planner and again.budget_bytes == plan.budget_bytes
+        assert [(d.action, d.offload_after_op, d.prefetch_at_op, d.recompute_at_op) for d in again.decisions] == \
+               [(d.action, d.offload_after_op, d.prefetch_at_op, d.recompute_at_op) for d in plan.decisions]
