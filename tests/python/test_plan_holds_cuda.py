@@ -8,6 +8,8 @@ the budget would raise (Note [A budget the guard cannot meet]).
 
 Skipped without a GPU (`requires_cuda`); test_plan_holds_cpu.py is the CPU counterpart.
 """
+import warnings
+
 import pytest
 import torch
 
@@ -28,7 +30,9 @@ def test_planned_steps_stay_within_the_budget_on_cuda(name, budget):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = models.example_batch(name, BATCH, "realistic", device="cuda")
     try:
-        with memsched.optimize(model, opt, budget=budget, planner="dp") as run:
+        with warnings.catch_warnings(record=True) as warned, memsched.optimize(model, opt, budget=budget,
+                                                                               planner="dp") as run:
+            warnings.simplefilter("always")
             for _ in range(STEPS):
                 # bf16 autocast (its weight cache is memory too), except the LSTM: cuDNN's RNN kernels
                 # are not this test's subject
@@ -41,6 +45,19 @@ def test_planned_steps_stay_within_the_budget_on_cuda(name, budget):
             pytest.skip(f"{name} at {budget}: below what the planner reaches ({err})")
         raise
     limit = run._budget_with_state() * 1.02
+    update = run.profiled_update_peak_
+    if update > limit:
+        # A fraction budget is of the saved activations' memory; the optimizer update (AdamW's foreach
+        # temporaries: the MLP at 0.7 on an H100, 18% over) is not, and no plan moves it, so memsched
+        # warns at the profiled step (Note [A budget the guard cannot meet]) and every step peaks there.
+        # The plan holds when forward and backward stay within the budget and the update where it was.
+        assert any("the optimizer update (optimizer.step())" in str(w.message) for w in warned), \
+            f"{name} at {budget}: the update peaked over the budget and memsched said nothing"
+        for s in run.step_stats[1:]:
+            # phase peaks never restart (Note [Where the peak went]): backward's is the step's before its update
+            assert s.phase_peaks.backward <= limit, (f"{name} at {budget}: forward/backward peaked at "
+                                                     f"{s.phase_peaks.backward} B over the budget {limit} B")
+        limit = update * 1.02
     planned = [s for s in run.step_stats if s.mode == "planned"]
     assert len(planned) == STEPS - 1 and run.mismatches == 0
     for s in planned:
