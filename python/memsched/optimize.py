@@ -1029,6 +1029,13 @@ class Run:
             return None
         return explain_peak_gap(planned, max(steps, key=lambda s: s.peak_bytes))
 
+    def _gap_of(self, stats):
+        """explain_peak_gap's lines for one planned step, one line; "" where there is nothing to explain."""
+        planned = self.planned_figures().get("peak_bytes")
+        if not planned or stats.phase_peaks is None:
+            return ""
+        return " ".join(line.strip() for line in str(explain_peak_gap(planned, stats)).splitlines())
+
     def _drop_gradients(self):
         """A refused step's gradients go (set to None, as run.step() leaves them after every step), so a
         retry with the budget the error names trains as plain PyTorch would."""
@@ -1058,6 +1065,9 @@ class Run:
                 + "; memory that no copy holds (parameters, gradients, optimizer state, what the plan keeps, "
                 f"workspaces) needs more. The least budget this step met is {stats.peak_bytes} bytes "
                 f"({format_bytes(stats.peak_bytes)}): raise the budget to at least that")
+        gap = self._gap_of(stats)
+        if gap:  # where the peak came and what the plan did not count: the next fix starts there
+            what += f". Where it went: {gap}"
         if self.ooo_ is not None:
             # out-of-order backward has updated (fused) or counts this step already: warn, train on
             warnings.warn(f"memsched.optimize: {what} (Note [A budget the guard cannot meet])", RuntimeWarning,

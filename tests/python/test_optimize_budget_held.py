@@ -108,3 +108,27 @@ def test_a_re_profiled_plans_first_step_is_checked_too(monkeypatch):
             _peaks_at(monkeypatch, run, 1.10)
             with pytest.raises(memsched.MemschedError, match=r"the first planned step peaked at .*10\.0% over"):
                 step(32)
+
+
+def test_the_refusal_says_in_which_phase_the_step_peaked_and_what_the_plan_did_not_count(monkeypatch):
+    """The H100's first refusal named only the peak; where it came (forward or backward) and what it
+    was made of (Note [Where the peak went]) is what the next fix starts from."""
+    from memsched.offload.peak_gap import PhasePeaks
+    model, opt, x = _setup()
+    with optimize(model, opt, budget=0.7, planner="dp") as run:
+        model(x).sum().backward()
+        run.step()
+        monkeypatch.setattr(run, "_measures_device_peak", lambda: True)
+        end_step = run.executor.end_step
+
+        def measured():
+            stats = end_step()
+            stats.peak_bytes = int(run._budget_with_state() * 1.3)
+            stats.phase_peaks = PhasePeaks(forward=run._budget_with_state() // 2, backward=stats.peak_bytes)
+            return stats
+
+        monkeypatch.setattr(run.executor, "end_step", measured)
+        model(x).sum().backward()
+        with pytest.raises(memsched.MemschedError, match=r"Where it went: peak gap .*reached in the backward\) is "
+                                                         r".* over the planned .*: +not in the profiled step"):
+            run.step()
