@@ -5,6 +5,7 @@ each way and 94 GB/s both ways at once (../shared/evidence). This measures the e
 nothing else on the GPU, beside torch's own non_blocking copies as the peer:
 
     python benchmarks/gpu/bench_copy_engine.py [--device cuda] [--mib 64] [--count 16] [--rounds 5] [--out F]
+                                               [--time-budget SECONDS]
 
 Rows (GB/s = 1e9 bytes per second; median over --rounds):
   memsched d2h   offload_many of count x mib MiB device tensors (the D2H stream, pinned
@@ -17,17 +18,25 @@ Rows (GB/s = 1e9 bytes per second; median over --rounds):
                  timed by CUDA events around the copies: the link without memsched.
 On CPU the same code runs with host memcpy and the wall clock (reduced sizes with --small); those
 figures are not GPU numbers and the output says so.
+Time: the sources are drawn on the device (the H100 run of 2026-11-28 drew its 2 x 16 x 64 MiB on the
+CPU, ~0.5 s each, and gpu_check's 14 s ran out before the first round); --time-budget S starts no round
+once S seconds have passed since the script started, after at least one measured round past the warm-up
+round, and the JSON's "rounds" says how many ran.
 """
 import argparse
+import faulthandler
 import json
 import platform
 import statistics
 import sys
 import time
 
-import torch
+STARTED = time.monotonic()  # --time-budget counts from here: torch's and memsched's imports included
+faulthandler.enable()  # a crash in the extension names its Python frame
 
-from memsched import _C
+import torch  # noqa: E402
+
+from memsched import _C  # noqa: E402
 
 
 def _spans(copies):
@@ -51,8 +60,8 @@ def _copies_of(engine, log, device):
 
 
 def _sources(device, count, nbytes, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).to(device) for _ in range(count)]
+    g = torch.Generator(device).manual_seed(seed)  # drawn where they live: on the GPU, not ~0.4 s per 64 MiB
+    return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g, device=device) for _ in range(count)]
 
 
 def memsched_round(engine, device, sources, later):
@@ -114,7 +123,9 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def measure(device, mib, count, rounds):
+def measure(device, mib, count, rounds, time_budget=None):
+    """time_budget: seconds since the script started after which no further round starts (at least one
+    measured round runs after the warm-up round)."""
     device = torch.device(device)
     nbytes = mib << 20
     engine = _C.CopyEngine(device, _C.HostTensorPool(device.type == "cuda"), -1, True)
@@ -122,12 +133,15 @@ def measure(device, mib, count, rounds):
     later = _sources(device, count, nbytes, 1)
     pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda") for _ in range(count)]
     samples = {}
-    for _ in range(rounds + 1):  # the first round warms the pools and the streams
+    for i in range(rounds + 1):  # the first round warms the pools and the streams
+        if i >= 2 and time_budget is not None and time.monotonic() - STARTED > time_budget:
+            break
         row = memsched_round(engine, device, sources, later)
         row.update(torch_round(device, sources, pinned))
         for k, v in row.items():
             samples.setdefault(k, []).append(v)
     engine.release()
+    rounds = len(next(iter(samples.values()))) - 1
     rows = {k: {"gbps_median": statistics.median(v[1:]), "gbps_rounds": v[1:]} for k, v in samples.items()}
     for d in ("d2h", "h2d"):  # memsched's rate as a share of torch's own copies, rounds side by side
         rows[f"memsched {d}"]["vs_torch"] = rows[f"memsched {d}"]["gbps_median"] / rows[f"torch {d}"]["gbps_median"]
@@ -153,12 +167,14 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--small", action="store_true", help="4 x 1 MiB, 2 rounds (CPU smoke)")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds from the start after which no further round starts (at least one measured round)")
     args = p.parse_args(argv)
     mib, count, rounds = (1, 4, 2) if args.small else (args.mib, args.count, args.rounds)
     for name, v in (("--mib", mib), ("--count", count), ("--rounds", rounds)):
         if v < 1:
             p.error(f"{name} must be at least 1, got {v}")
-    res = measure(args.device, mib, count, rounds)
+    res = measure(args.device, mib, count, rounds, args.time_budget)
     print(format_rows(res))
     if args.out:
         with open(args.out, "w") as f:

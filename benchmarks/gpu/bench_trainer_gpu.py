@@ -22,6 +22,7 @@ one after another in one process; a row that fails (out of memory) is recorded w
 next runs. A CPU run prints CPU numbers and says so.
 """
 import argparse
+import faulthandler
 import gc
 import json
 import os
@@ -32,6 +33,7 @@ import time
 
 import torch
 
+faulthandler.enable()  # a crash (a segfault in the extension) names its Python frame in the log
 ROWS = ("plain", "checkpointing", "memsched-dp-50%", "memsched-hybrid-50%")
 
 

@@ -13,28 +13,38 @@ Parts, in order (a part that fails or runs out of time is recorded with its log 
                   needs nlohmann_json: a system package, or the git-ignored third_party/include/nlohmann that
                   `make gpu-check-deps` fills and the device call carries. Skipped by --cpu-smoke (it uses
                   the extension already built here) unless --build.
-  cuda_tests      pytest -m requires_cuda tests/python (JUnit XML parsed: counts, failed tests, messages)
+  cuda_tests      pytest -m requires_cuda tests/python  (one process; each test's outcome recorded as it ends,
+                                                       so a test that crashes the process is recorded as
+                                                       crashed, with its innermost Python frame, and the
+                                                       tests after it run in a new process: Note [CUDA
+                                                       tests that crash])
   copy            bench_copy_engine.py                (the CopyEngine's GB/s per direction and both at once,
                                                        beside torch's non_blocking copies)
-  offload_gpt     bench_offload.py --models gpt       (rows, then largest-batch searches, under --time-budget)
+  offload_gpt     bench_offload.py --models gpt       (rows in OFFLOAD_ORDER, then largest-batch searches,
+                                                       under --time-budget; torch.compile only where the
+                                                       budget holds its ~57 s)
   offload_resnet  bench_offload.py --models resnet
   ooo             bench_ooo_gpu.py                    (plain, ooo, ooo_fused, optim_in_bwd: PyTorch's recipe)
-  allocator       bench_allocator_gpu.py
+  allocator       bench_allocator_gpu.py              (step rounds first, every family's round 0 before round 1)
   trainer         bench_trainer_gpu.py                (Hugging Face Trainer: plain, gradient_checkpointing,
                                                        MemschedCallback dp/hybrid 50%)
   stress          tests/python/alloc_stress.py --ops 1000000   (only with --parts naming it: issue 14's 1M
                                                        operations; run it in a second device call with
                                                        --parts stress --budget 500)
-Time: --budget (default 500 s, so under 9 minutes in all) is shared by the parts, in proportion to fixed
-weights; time a part leaves unused goes to the parts after it. Each benchmark gets --time-budget a little
-under its timeout so it ends on its own with what it measured; at the timeout its process group is killed
-and its JSON (rewritten after every row) is still read.
+Time: --budget (default 460 s, so under 9 minutes in all with the kill graces) is shared by the parts, in
+proportion to fixed weights (WEIGHTS: sized from the H100 run's times); time a part leaves unused goes to the
+parts after it. Each benchmark gets --time-budget a little under its timeout so it ends on its own with what
+it measured; at the timeout its process group is killed and its JSON (rewritten after every row) is still
+read. A benchmark row or CUDA test that kills its process (a segfault) is recorded as crashed, with the
+Python frame faulthandler printed, and the rows or tests after it run in a new process.
 Verdicts: gpu_check.md's "## Done when" table and gpu_check.json's "verdicts" list judge every GPU "Done
 when" criterion of issues 10, 11, 12, 13, 14 and 17 from the parts' results: issue, criterion, measured,
 goal, and "met", "NOT met" or "not measured: <why>" (part failed, row missing, a figure no bench records);
 a CPU run judges nothing ("not measured (CPU run)"). See Note [Verdicts].
 Output: DIR (--out, else $GPU_CHECK_OUT, else gpu_check_out/) gets gpu_check.md, gpu_check.json and
-gpu_check.log (every part's whole output) -- three files, within the device tool's eight. The tree digest
+gpu_check.log (every part's whole output) -- three files, within the device tool's eight -- and,
+when a process died of a signal, crash_inputs.tar.gz: the planning input it had in flight (Note [A crash's
+planning input comes back]). The tree digest
 (sha256 of the sources; `--digest` prints it here) ties a result to a checkout where .git did not travel.
 Exit status 0 when every part ended ok or skipped, 1 otherwise (the files are written either way).
 """
@@ -42,6 +52,8 @@ import argparse
 import collections
 import datetime
 import hashlib
+import importlib.util
+import itertools
 import json
 import os
 import re
@@ -51,24 +63,58 @@ import sys
 import tempfile
 import threading
 import time
-import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_DIR = os.path.join(ROOT, "benchmarks", "gpu")
 GIB = 2 ** 30
 
-# Share of the budget per part (seconds out of ~500 on an H100: build 31 s measured, the rest estimated
-# from the first GPU run's figures; see ../shared/evidence in the project's history).
-WEIGHTS = collections.OrderedDict([("build", 110), ("cuda_tests", 120), ("copy", 15), ("offload_gpt", 140),
-                                   ("offload_resnet", 55), ("ooo", 45), ("allocator", 65), ("trainer", 50)])
+# Share of the budget per part, in seconds of the default 460 s budget (`env`'s 60 s timeout comes first and
+# is not shared). Time a part leaves unused goes to the parts after it, in these proportions. Sized from the
+# H100 run of 2026-11-28 (torch 2.11, bare machine): env 18 s; build 69 s (pip 65 s, import 4 s); cuda_tests
+# ~120-150 s in one pytest process (collection ~20 s; test_alloc_install's fresh processes alone ~45 s);
+# copy ~8 s once its sources are made on the GPU; offload_gpt ~12 s start-up + rows (plain 4.3, budget None
+# 1.6, dp 70% 3.9, checkpoint 1.2, dp 50% 5.2, offload_all_prefetch 12.6, TRL 8.5, save_on_cpu 5.9 s;
+# torch.compile 57 s, see OFFLOAD_EST_S); offload_resnet ~10 s start-up + ~2 s a row; ooo 16 s; allocator
+# ~10 s per worker process (6 per round, so its --time-budget keeps round 0 of every family first);
+# trainer ~15 s start-up + ~12 s a row (a GPT-2-medium built on the CPU per row). Everything wanted does
+# not fit 460 s: the order below is the priority, and a part that runs out of time keeps what it wrote.
+WEIGHTS = collections.OrderedDict([("build", 85), ("cuda_tests", 135), ("copy", 12), ("offload_gpt", 70),
+                                   ("offload_resnet", 38), ("ooo", 18), ("allocator", 58), ("trainer", 44)])
+DEFAULT_BUDGET_S = 460.0
 # Parts run only when --parts names them (they take minutes): the 1M-operation allocator stress test of
 # issue 14 (tests/python/alloc_stress.py; cuda_tests runs it at 20,000 operations).
 OPTIONAL_WEIGHTS = collections.OrderedDict([("stress", 200)])
 ALL_WEIGHTS = collections.OrderedDict(list(WEIGHTS.items()) + list(OPTIONAL_WEIGHTS.items()))
-# bench_offload rows in order of what the issue asks first, so a short budget drops the least wanted.
-OFFLOAD_ORDER = ["plain", "memsched budget None", "torch.compile budget 0.5", "trl OffloadActivations", "offload_all_prefetch",
-                 "memsched dp 70%", "memsched dp 50%", "checkpoint", "save_on_cpu", "memsched hybrid 50%",
-                 "memsched hybrid 30%", "memsched dp 30%", "memsched greedy 50%"]
+# bench_offload rows in order of what the issues ask first, so a short budget drops the least wanted: plain
+# and the overhead rows (issue 10), checkpoint (issue 12's reference), the hybrid rows (issue 12), dp 50%
+# (issue 11's budget, issue 10's copy bound), then the slow peers: offload_all_prefetch and TRL (issue
+# 10's prefetch-vs-TRL criterion, ~21 s together on the H100), dp 30% / greedy, save_on_cpu (no
+# criterion), and torch.compile last (no criterion; ~57 s of compilation on the H100, which stalled both
+# offload parts of the first run: see OFFLOAD_EST_S).
+OFFLOAD_ORDER = ["plain", "memsched budget None", "memsched dp 70%", "checkpoint", "memsched hybrid 50%",
+                 "memsched hybrid 30%", "memsched dp 50%", "offload_all_prefetch", "trl OffloadActivations",
+                 "memsched dp 30%", "memsched greedy 50%", "save_on_cpu", "torch.compile budget 0.5"]
+COMPILE_ROW = "torch.compile budget 0.5"
+# Seconds per bench_offload row on the H100 (measured 2026-11-28 where given; the others are guesses of the
+# same size as their neighbours), with "startup" the process's own (imports, measure_device). bench_offload
+# checks its --time-budget only before a row starts, so a row that takes a minute started late runs past
+# the part's timeout; gpu_check therefore passes the torch.compile row only when the bench's budget holds
+# every row's estimate with it (a second device call with `--parts offload_gpt,offload_resnet --budget 400`
+# runs it), and records it as skipped otherwise.
+OFFLOAD_EST_S = {
+    "gpt": {"startup": 12, "plain": 4.3, "memsched budget None": 1.6, "memsched dp 70%": 3.9, "checkpoint": 1.2,
+            "memsched hybrid 50%": 6, "memsched hybrid 30%": 6, "memsched dp 50%": 5.2, "offload_all_prefetch": 12.6,
+            "trl OffloadActivations": 8.5, "memsched dp 30%": 6, "memsched greedy 50%": 6, "save_on_cpu": 5.9,
+            COMPILE_ROW: 57},
+    "resnet": {"startup": 10, "plain": 1.7, "memsched budget None": 0.9, COMPILE_ROW: 50},  # others: 3 s each
+    # --cpu-smoke's reduced sizes on a 2-core CPU: rows ~1 s; inductor took over 2 minutes for the compile row
+    "cpu-smoke": {"startup": 5, "default": 1, COMPILE_ROW: 150},
+}
+# bench_trainer_gpu.py's rows, in the order they run (passed as --rows, so a resumed run knows the rest)
+TRAINER_ROWS = ("plain", "checkpointing", "memsched-dp-50%", "memsched-hybrid-50%")
+# pytest-timeout (where installed): a CUDA test that runs longer than this is ended (its stacks dumped) and
+# counted as crashed, and the tests after it run on (Note [CUDA tests that crash]).
+CUDA_TEST_TIMEOUT_S = 90
 
 PROBE = r"""
 import json, os, platform, shutil, subprocess
@@ -148,12 +194,19 @@ class Runner:
     """Runs one command at a time in its own process group, streaming its output with a prefix to
     stdout and to the log, keeping a tail, killing the group at the timeout."""
 
-    def __init__(self, log, env):
+    def __init__(self, log, env, dump_root=None):
         self.log = log
         self.env = env
+        self.dump_root = dump_root  # Note [A crash's planning input comes back]; None: no dumps
+        self.calls = 0
 
     def __call__(self, name, cmd, timeout, extra_env=None):
         env = dict(self.env, **(extra_env or {}))
+        self.calls += 1
+        dumps = None
+        if self.dump_root is not None:
+            dumps = os.path.join(self.dump_root, "all", f"{name}.{self.calls}")
+            env["MEMSCHED_PLAN_DUMP_DIR"] = dumps
         tail = collections.deque(maxlen=400)
         shown = " ".join("<probe script>" if "\n" in c else c for c in cmd)
         self.log.write(f"\n===== {name}: {shown} (timeout {timeout:.0f} s)\n")
@@ -195,7 +248,57 @@ class Runner:
         reader.join(timeout=5)
         wall = time.monotonic() - t0
         self.log.flush()
-        return {"rc": proc.returncode, "timed_out": timed_out, "wall_s": round(wall, 1), "tail": list(tail)}
+        out = {"rc": proc.returncode, "timed_out": timed_out, "wall_s": round(wall, 1), "tail": list(tail)}
+        if dumps is not None:
+            kept = keep_crash_input(dumps, os.path.join(self.dump_root, "kept", f"{name}.{self.calls}"),
+                                    proc.returncode)
+            if kept:
+                out["crash_input"] = kept
+                self.log.write(f"(kept the planning input of the crashed process: {kept})\n")
+        return out
+
+
+# Note [A crash's planning input comes back]
+#   The H100 run of 2026-11-28 crashed in the planner (SIGSEGV in _C.make_plan) on traces only a GPU makes;
+#   no CPU trace reproduced it. Every process a part runs gets its own MEMSCHED_PLAN_DUMP_DIR (Note
+#   [Planning inputs kept for a crash] in python/memsched/planning.py): plan() writes its inputs there
+#   before planning. When the process dies of a signal the newest pair -- the call in flight, if the
+#   crash was in the planner -- is kept; otherwise the folder goes. The kept inputs come back as one file,
+#   crash_inputs.tar.gz, and `memsched.planning.replay_planning_input(path)` plans them again anywhere.
+def keep_crash_input(dumps, keep, rc):
+    """Move the newest planning input in `dumps` to `keep` if the process died of a signal (rc < 0);
+    remove `dumps`. Returns the kept spec's path relative to the kept root, or None."""
+    import shutil
+    kept = None
+    try:
+        if rc is not None and rc < 0 and os.path.isdir(dumps):
+            specs = sorted(f for f in os.listdir(dumps) if f.startswith("plan-") and f.endswith(".json")
+                           and not f.endswith(".trace.json"))
+            if specs:
+                newest = max(specs, key=lambda f: os.path.getmtime(os.path.join(dumps, f)))
+                os.makedirs(keep, exist_ok=True)
+                for f in (newest, newest[:-len(".json")] + ".trace.json"):
+                    if os.path.exists(os.path.join(dumps, f)):
+                        shutil.copy2(os.path.join(dumps, f), os.path.join(keep, f))
+                kept = os.path.join(os.path.basename(keep), newest)
+    finally:
+        shutil.rmtree(dumps, ignore_errors=True)
+    return kept
+
+
+def pack_crash_inputs(dump_root, out_dir, limit_bytes=15 << 20):
+    """crash_inputs.tar.gz in out_dir from the kept planning inputs; returns its name, or why not."""
+    import tarfile
+    kept = os.path.join(dump_root, "kept")
+    if not os.path.isdir(kept) or not os.listdir(kept):
+        return None
+    path = os.path.join(out_dir, "crash_inputs.tar.gz")
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(kept, arcname="crash_inputs")
+    if os.path.getsize(path) > limit_bytes:
+        os.remove(path)
+        return f"not written: the kept inputs compress to over {limit_bytes >> 20} MiB (the device tool's limit)"
+    return "crash_inputs.tar.gz"
 
 
 def read_json(path):
@@ -206,30 +309,392 @@ def read_json(path):
         return None
 
 
-def parse_junit(path):
-    try:
-        root = ET.parse(path).getroot()
-    except (OSError, ET.ParseError):
+# -- parts that keep going after a crash ------------------------------------------------------------
+# Note [CUDA tests that crash]
+#   The H100 run of 2026-11-28 ran `pytest -m requires_cuda tests/python` as one process; a planner
+#   segfault in the 13th of 56 tests killed it, and pytest writes its JUnit file only at its end, so no
+#   result came back at all. One process per test file would survive that, but pays Python's, torch's and
+#   memsched's start-up (~4-5 s on that machine) per file: 295 s for all files, far over the part's share.
+#   So the tests still run in one process, with a small plugin (RECORDER, written into the work folder and
+#   loaded with -p) that appends each test's start and each phase's outcome to a JSON-lines file as they
+#   happen, a line at a time: a crash loses nothing that ended. When the process ends with a test started
+#   and not ended, that test is recorded as crashed, with the signal and faulthandler's innermost Python
+#   frame (pytest enables faulthandler; PYTHONFAULTHANDLER is set too), and a new process runs the collected
+#   tests that have no result yet: their files, the others deselected by exact node id through the same
+#   plugin (pytest's --deselect matches prefixes: test_a would take test_ab with it). That repeats after
+#   each crash while the part's time lasts. A test still running when the part's time ends, and every test
+#   after it, is "not run". Where pytest-timeout is installed, a test that hangs past CUDA_TEST_TIMEOUT_S is
+#   ended by it (thread method: it dumps the stacks and exits the process), which counts as that test's
+#   crash, and the rest go on.
+RECORDER = '''"""gpu_check.py's pytest plugin (Note [CUDA tests that crash] in benchmarks/gpu/gpu_check.py): each
+test's start and each phase's outcome, one JSON line each, written as it happens."""
+import json
+import os
+
+import pytest
+
+_out = open(os.environ["GPU_CHECK_RECORD"], "a", buffering=1)
+_skip = set()
+if os.environ.get("GPU_CHECK_DESELECT"):
+    with open(os.environ["GPU_CHECK_DESELECT"]) as f:
+        _skip = set(json.load(f))
+
+
+def _write(**kw):
+    _out.write(json.dumps(kw) + "\\n")
+    _out.flush()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    drop = [item for item in items if item.nodeid in _skip]
+    if drop:
+        items[:] = [item for item in items if item.nodeid not in _skip]
+        config.hook.pytest_deselected(items=drop)
+
+
+def pytest_collection_finish(session):
+    _write(collected=[item.nodeid for item in session.items], rootdir=str(session.config.rootpath))
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _write(start=nodeid)
+
+
+def _message(report):
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None and getattr(crash, "message", None):
+        return crash.message
+    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:  # a skip: (path, line, reason)
+        return str(report.longrepr[2])
+    text = str(report.longrepr or "").strip().splitlines()
+    return text[-1] if text else ""
+
+
+def pytest_runtest_logreport(report):
+    _write(nodeid=report.nodeid, when=report.when, outcome=report.outcome,
+           message="" if report.outcome == "passed" else _message(report)[:500])
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _write(finish=nodeid)
+'''
+RECORDER_MODULE = "gpu_check_recorder"
+
+
+def offload_methods(model, budget_s, smoke=False):
+    """OFFLOAD_ORDER for bench_offload's --methods, less the torch.compile row where the bench's budget
+    cannot hold it after the other rows' estimates (OFFLOAD_EST_S: the H100's, or --cpu-smoke's). Returns
+    (methods, [(method, why)] of the rows left out), the latter recorded as skipped rows."""
+    est = OFFLOAD_EST_S["cpu-smoke"] if smoke else OFFLOAD_EST_S.get(model, {})
+    others = est.get("startup", 10) + sum(est.get(m, est.get("default", 3)) for m in OFFLOAD_ORDER if m != COMPILE_ROW)
+    compile_s = est.get(COMPILE_ROW, 60)
+    if budget_s >= others + compile_s:
+        return list(OFFLOAD_ORDER), []
+    why = (f"skipped: not started: its compilation takes ~{compile_s} s {'on this CPU' if smoke else 'on an H100'}, "
+           f"past this part's {budget_s:.0f} s once the other rows (~{others:.0f} s) ran; "
+           f"`gpu_check.py --parts offload_{model} --budget {max(400, int(2 * (others + compile_s)) + 60)}` runs it")
+    return [m for m in OFFLOAD_ORDER if m != COMPILE_ROW], [(COMPILE_ROW, why)]
+
+
+def keep_all_fidelity(rows):
+    """bench_offload.py's keep_all_fidelity (issue 11's first figure), for rows whose process did not reach
+    its end (killed at the timeout, or resumed after a crash): keep_all's simulated peak from a memsched
+    row's trace against plain's measured max_memory_allocated; None without both."""
+    plain = next((r for r in rows if r.get("method") == "plain" and r.get("peak_bytes")), None)
+    traced = next((r for r in rows if r.get("keep_all_sim_peak_bytes")), None)
+    if plain is None or traced is None:
         return None
-    out = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "outcomes": {}}
-    for case in root.iter("testcase"):
-        out["tests"] += 1
-        # module::test[params]; the split keeps dots inside the parameters ("[0.7-mlp]")
-        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name', '')}"
-        bad = [c for c in case if c.tag in ("failure", "error")]
-        if bad:
-            kind = "failed" if bad[0].tag == "failure" else "errors"
-            out[kind] += 1
-            msg = (bad[0].get("message") or (bad[0].text or "")).strip().splitlines()
-            out["failures"].append({"test": name, "kind": bad[0].tag, "message": (msg[0] if msg else "")[:300]})
-            out["outcomes"][name] = kind
-        elif any(c.tag == "skipped" for c in case):
-            out["skipped"] += 1
-            out["outcomes"][name] = "skipped"
-        else:
-            out["passed"] += 1
-            out["outcomes"][name] = "passed"
+    sim, measured = traced["keep_all_sim_peak_bytes"], plain["peak_bytes"]
+    return {"sim_peak_bytes": sim, "plain_peak_bytes": measured, "ratio": sim / measured, "trace_of": traced["method"],
+            "line": f"keep_all simulated peak ({traced['method']}'s trace) {fmt_bytes(sim)} vs plain's measured "
+                    f"{fmt_bytes(measured)}: {sim / measured:.3f}x (goal within 3%; computed by gpu_check)"}
+
+
+def read_jsonl(path):
+    out = []
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:  # a line cut by the crash
+                    pass
+    except OSError:
+        pass
     return out
+
+
+def short_test_name(nodeid):
+    """'tests/python/x/test_mod.py::test_f[p]' -> 'test_mod::test_f[p]'; in a class: 'TestC::test_f' (the
+    names the JUnit file's classname gave before: its last dotted part, then the test)."""
+    parts = nodeid.split("::")
+    if len(parts) > 2:
+        return f"{parts[-2]}::{parts[-1]}"
+    return f"{os.path.splitext(os.path.basename(parts[0]))[0]}::{parts[-1]}"
+
+
+def describe_exit(rc):
+    if rc is None:
+        return "did not start"
+    if rc < 0:
+        try:
+            return f"rc {rc}, {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"rc {rc}"
+    return f"rc {rc}"
+
+
+_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
+
+
+def crash_frame(tail):
+    """The innermost Python frame of the last crash in a log tail: faulthandler's first frame under "Current
+    thread ... (most recent call first)", else pytest-timeout's last frame of the main thread's stack;
+    'python/memsched/planning.py:262 in plan' (paths under the checkout relative to it), or None."""
+    def fmt(m):
+        path = m.group("path")
+        if path.startswith(ROOT + os.sep):
+            path = os.path.relpath(path, ROOT)
+        return f"{path}:{m.group('line')} in {m.group('func')}"
+
+    for i in range(len(tail) - 1, -1, -1):
+        if tail[i].startswith("Current thread") and "most recent call first" in tail[i]:
+            for line in tail[i + 1:]:
+                m = _FRAME.search(line)
+                if m:
+                    return fmt(m)
+                if not line.strip():
+                    break
+            return None
+    for i in range(len(tail) - 1, -1, -1):  # pytest-timeout: "~~~ Stack of MainThread (...) ~~~", innermost last
+        if "Stack of MainThread" in tail[i]:
+            found = None
+            for line in tail[i + 1:]:
+                if line.startswith(("~", "+")):
+                    break
+                found = _FRAME.search(line) or found
+            return fmt(found) if found else None
+    return None
+
+
+def crash_summary(tail, rc):
+    """'Fatal Python error: Segmentation fault; rc -11, SIGSEGV in python/memsched/planning.py:262 in plan'."""
+    what = describe_exit(rc)
+    if any("+ Timeout +" in x for x in tail):
+        what += ", ended by pytest-timeout"
+    # pytest -v prints the test's name first, on the same line
+    fatal = next((x[x.index("Fatal Python error"):].strip() for x in reversed(tail) if "Fatal Python error" in x), None)
+    frame = crash_frame(tail)
+    return (f"{fatal}; " if fatal else "") + what + (f" in {frame}" if frame else "")
+
+
+def _test_outcome(phases):
+    """(kind, message) of one test from its phases' reports [(when, outcome, message)], counted as the
+    JUnit file counted them: a failed call 'failed', a failed setup or teardown 'errors', a skip or an
+    xfail 'skipped'."""
+    for when, outcome, message in phases:
+        if outcome == "failed":
+            return ("failed", message) if when == "call" else ("errors", f"{when}: {message}")
+    for when, outcome, message in phases:
+        if outcome == "skipped":
+            return "skipped", message
+    return "passed", ""
+
+
+def summarize_tests(order, results, crashes, processes, not_run_why):
+    """The cuda_tests result: counts, failures (failed, errors, crashed), each test's outcome, the crashes
+    and the processes."""
+    out = {"tests": len(order), "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "crashed": 0, "not_run": 0,
+           "failures": [], "outcomes": {}, "crashes": crashes, "processes": processes}
+    for nodeid in order:
+        name = short_test_name(nodeid)
+        kind, message = results.get(nodeid, ("not run", ""))
+        out[kind.replace(" ", "_")] += 1
+        out["outcomes"][name] = kind
+        if kind in ("failed", "errors", "crashed"):
+            out["failures"].append({"test": name, "kind": {"failed": "failure", "errors": "error"}.get(kind, kind),
+                                    "message": message[:300]})
+    if out["not_run"]:
+        out["not_run_why"] = not_run_why or "not reached"
+    return out
+
+
+# Note [A crash's C++ frames]
+#   faulthandler names the Python frame of a segfault (planning.py:262 in plan, on the H100), not the C++
+#   one; the GPU image has no gdb, but cuda-gdb debugs host code too. The first test that crashes is run
+#   once more, alone, under `cuda-gdb -batch` (when it is on PATH and the part has 90 s left), and the
+#   native backtrace of the faulting thread (and the first frames of every thread) goes into the part's
+#   crash record and gpu_check.md. A test that does not crash again under the debugger says so.
+_GDB_FRAME = re.compile(r"^#\d+\s")
+
+
+def native_backtrace(run, name, py, nodeid, left, pythonpath, needed_s=90.0):
+    """The C++ backtrace of `nodeid` crashing again under cuda-gdb: a list of frame lines, or a one-line
+    reason in a list when there is none (no debugger, no time, no crash)."""
+    import shutil
+    gdb = shutil.which("cuda-gdb")
+    if gdb is None:
+        return ["no backtrace: cuda-gdb is not on PATH"]
+    if left < needed_s:
+        return [f"no backtrace: {left:.0f} s left in the part, under the {needed_s:.0f} s a debugger run takes"]
+    cmd = [gdb, "-q", "-batch", "-ex", "set pagination off", "-ex", "set print thread-events off",
+           "-ex", "set cuda break_on_launch none", "-ex", "run", "-ex", "bt 40", "-ex", "thread apply all bt 6",
+           "--args", py, "-m", "pytest", nodeid, "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    r = run(f"{name}-gdb", cmd, min(left - 10.0, 150.0), {"PYTHONPATH": pythonpath})
+    tail = r["tail"]
+    signalled = next((i for i, x in enumerate(tail) if "received signal" in x), None)
+    if signalled is None:
+        return [f"no backtrace: the test did not crash again under cuda-gdb (rc {r['rc']}"
+                + (", timed out" if r["timed_out"] else "") + ")"]
+    frames = [x for x in tail[signalled:] if _GDB_FRAME.match(x)]
+    return [tail[signalled].strip()] + frames[:60]
+
+
+def run_pytest_part(run, name, py, targets, timeout, work, marker="requires_cuda", test_timeout=None):
+    """Run `pytest [-m marker] targets` so that a test that kills its process costs that test only (Note
+    [CUDA tests that crash]). Returns (result or None when nothing was collected, part fields: status,
+    wall_s, commands, log_tail)."""
+    started = time.monotonic()
+    plugin_dir = os.path.join(work, "pytest_plugin")
+    os.makedirs(plugin_dir, exist_ok=True)
+    with open(os.path.join(plugin_dir, RECORDER_MODULE + ".py"), "w") as f:
+        f.write(RECORDER)
+    pythonpath = os.pathsep.join(x for x in (plugin_dir, run.env.get("PYTHONPATH")) if x)
+    order, rootdir, results, crashes, processes, commands, tails = None, None, {}, [], [], [], []
+    args, deselect, status, not_run_why = list(targets), [], "ok", None
+    for k in itertools.count():
+        left = timeout - (time.monotonic() - started)
+        if left < 5:
+            status = f"timeout after {timeout:.0f} s (the tests that ended are kept)"
+            not_run_why = "the part's time ran out before they started"
+            break
+        record = os.path.join(work, f"{name}.{k}.jsonl")
+        extra = {"GPU_CHECK_RECORD": record, "PYTHONPATH": pythonpath, "PYTHONFAULTHANDLER": "1"}
+        if deselect:
+            extra["GPU_CHECK_DESELECT"] = os.path.join(work, f"{name}.{k}.deselect.json")
+            with open(extra["GPU_CHECK_DESELECT"], "w") as f:
+                json.dump(deselect, f)
+        cmd = ([py, "-m", "pytest", *args, "-v", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", RECORDER_MODULE]
+               + (["-m", marker] if marker else [])
+               + ([f"--timeout={test_timeout:.0f}", "--timeout-method=thread"] if test_timeout else []))
+        r = run(name, cmd, left, extra)
+        tails += r["tail"]
+        processes.append({"command": " ".join(cmd) + (f" ({len(deselect)} deselected by node id)" if deselect else ""),
+                          "env": {}, "rc": r["rc"], "wall_s": r["wall_s"]})
+        phases, running = collections.defaultdict(list), []
+        for ev in read_jsonl(record):
+            if "collected" in ev:
+                if k == 0:
+                    order, rootdir = ev["collected"], ev.get("rootdir")
+            elif "start" in ev:
+                running.append(ev["start"])
+            elif "finish" in ev:
+                if ev["finish"] in running:
+                    running.remove(ev["finish"])
+                results[ev["finish"]] = _test_outcome(phases.pop(ev["finish"], []))
+            elif "nodeid" in ev:
+                phases[ev["nodeid"]].append((ev["when"], ev["outcome"], ev.get("message", "")))
+        if order is None:
+            status = (f"timeout after {timeout:.0f} s" if r["timed_out"] else f"failed ({describe_exit(r['rc'])})") \
+                + ": pytest ended before its collection did" \
+                + (f" ({crash_summary(r['tail'], r['rc'])})" if (r["rc"] or 0) < 0 else "")
+            break
+        if r["timed_out"]:
+            status = f"timeout after {timeout:.0f} s (the tests that ended are kept)"
+            not_run_why = (f"the part's time ran out while {short_test_name(running[-1])} ran" if running
+                           else "the part's time ran out")
+            break
+        if not running:  # pytest ended on its own: 0 all passed, 1 some failed, 5 none selected
+            if r["rc"] not in (0, 1, 5):
+                where = "after its last test" if any(ev.get("start") for ev in read_jsonl(record)) else \
+                    "before its first test"
+                status = f"failed ({describe_exit(r['rc'])}" + (
+                    f": {crash_summary(r['tail'], r['rc'])}, {where})" if (r["rc"] or 0) < 0 else ")")
+            break
+        nodeid = running[-1]
+        why = crash_summary(r["tail"], r["rc"])
+        ended = [w for w, _, _ in phases.get(nodeid, [])]  # the phases that reported before the crash
+        during = "teardown" if "call" in ended else "call" if "setup" in ended else "setup"
+        results[nodeid] = ("crashed", f"the test process died in the test's {during} ({why})")
+        crash = {"test": short_test_name(nodeid), "nodeid": nodeid, "rc": r["rc"], "frame": crash_frame(r["tail"]),
+                 "summary": why, "input": r.get("crash_input")}
+        if not crashes:  # the first crash only: a debugger run costs a minute (Note [A crash's C++ frames])
+            left = timeout - (time.monotonic() - started)
+            crash["backtrace"] = native_backtrace(run, name, py, os.path.join(rootdir, nodeid) if rootdir else nodeid,
+                                                  left, pythonpath)
+        crashes.append(crash)
+        rest = [n for n in order if n not in results]
+        say(f"{name}: {short_test_name(nodeid)} crashed ({why})"
+            + (f"; the {len(rest)} tests without a result run in a new process" if rest else ""))
+        if not rest:
+            break
+        files = list(collections.OrderedDict.fromkeys(n.split("::")[0] for n in rest))
+        args = [os.path.join(rootdir, f) if rootdir else f for f in files]
+        deselect = [n for n in order if n in results and n.split("::")[0] in files]
+    result = summarize_tests(order, results, crashes, processes, not_run_why) if order is not None else None
+    if result and status == "ok" and (result["failed"] or result["errors"] or result["crashed"]):
+        status = "failed (" + ", ".join(f"{result[k]} {k}" for k in ("failed", "errors", "crashed") if result[k]) + ")"
+    part = {"status": status, "wall_s": round(time.monotonic() - started, 1), "commands": processes,
+            "log_tail": tails[-60:]}
+    return result, part
+
+
+def run_resumable(run, name, items, make_cmd, result_file, rows_of, key, timeout, empty, min_restart_s=20.0):
+    """Run a benchmark that rewrites its JSON after every row (bench_offload, bench_trainer_gpu) so that a row
+    that kills its process (a signal: a segfault in the extension) costs that row only: the row it was running
+    (the first of `items` with no row written) is recorded with the error 'crashed: ...' and faulthandler's
+    innermost frame, and a new process runs the rows after it while at least min_restart_s of the part's
+    time is left. make_cmd(items, out_file, seconds_left) -> argv; rows_of(result) -> its list of rows (dicts
+    keyed by `key`), which later processes' rows are appended to; empty() -> a result with no rows, for a
+    process that died before it wrote one. Returns (merged result or None, part fields: status, wall_s,
+    commands, log_tail)."""
+    started = time.monotonic()
+    todo, merged, commands, tails, crashed, status = list(items), None, [], [], [], None
+    for k in itertools.count():
+        left = timeout - (time.monotonic() - started)
+        out = result_file if k == 0 else f"{result_file}.{k}"
+        if os.path.exists(out):  # never read an earlier run's rows as this one's
+            os.remove(out)
+        cmd = make_cmd(todo, out, left)
+        r = run(name, cmd, left)
+        tails += r["tail"]
+        commands.append({"command": " ".join(cmd), "env": {}, "rc": r["rc"], "wall_s": r["wall_s"]})
+        res = read_json(out)
+        done = {row.get(key) for row in (rows_of(res) if res else [])}
+        if merged is None:
+            merged = res
+        elif res is not None:
+            rows_of(merged).extend(rows_of(res))
+        if r["timed_out"]:
+            status = f"timeout after {timeout:.0f} s (what it wrote is kept)"
+            break
+        if r["rc"] is None or r["rc"] >= 0:
+            status = None if r["rc"] == 0 else f"failed ({describe_exit(r['rc'])})"
+            break
+        why = crash_summary(r["tail"], r["rc"])
+        rest = [m for m in todo if m not in done]
+        if not rest:  # after its last row: in a largest-batch search, or at the exit
+            status = f"failed ({why}, after its last row)"
+            break
+        if merged is None:  # before it wrote its first row
+            merged = empty()
+        row, todo = rest[0], rest[1:]
+        rows_of(merged).append({key: row, "error": f"crashed: the process died ({why})"})
+        crashed.append(f"{describe_exit(r['rc'])} in row '{row}'")
+        if not todo:
+            break
+        if timeout - (time.monotonic() - started) < min_restart_s:
+            for m in todo:
+                rows_of(merged).append({key: m, "skipped": f"skipped: not run, the process crashed in '{row}' "
+                                                           "with too little time left to start another"})
+            break
+        say(f"{name}: row '{row}' crashed ({why}); the rows after it run in a new process")
+    if crashed:
+        status = f"failed ({'; '.join(crashed)}" + (f"; then {status}" if status else "") + ")"
+    part = {"status": status or "ok", "wall_s": round(time.monotonic() - started, 1), "commands": commands,
+            "log_tail": tails[-60:]}
+    return merged, part
 
 
 # -- formatting ------------------------------------------------------------------------------------
@@ -318,24 +783,30 @@ def allocator_md(res):
         native = res["step"].get(f"{fam}/native")
         steps.append([fam, mode, f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}-{r['max_ms']:.2f}",
                       f"{r['median_ms'] / native['median_ms']:.3f}" if native else "-", fmt_bytes(r["reserved"])])
-    return ("Replay (2 steps)\n\n" + md_table(["family", "allocator", "trace live", "reserved", "reserved/live",
-                                                "allocated", "us/alloc"], rep) +
-            "\n\nTraining step\n\n" + md_table(["family", "allocator", "median ms", "min-max ms", "vs native",
-                                                 "reserved"], steps))
+    extra = "".join(f"\n\n{title}:\n\n" + "\n".join(f"- {cell(x.splitlines()[0] if x else x)[:300]}" for x in res[key])
+                    for key, title in (("errors", "Workers that failed"), ("skipped", "Workers not started (time budget)"))
+                    if res.get(key))
+    return ("Training step\n\n" + md_table(["family", "allocator", "median ms", "min-max ms", "vs native",
+                                               "reserved"], steps) +
+            "\n\nReplay (2 steps)\n\n" + md_table(["family", "allocator", "trace live", "reserved", "reserved/live",
+                                                    "allocated", "us/alloc"], rep) + extra)
 
 
 def trainer_md(res):
     if not res:
         return "(no results)"
     out = []
+    plain = next((r for r in res.get("rows", []) if r["row"] == "plain" and "median_ms" in r), None)
     for r in res.get("rows", []):
         if "median_ms" not in r:
             out.append([r["row"], r.get("error") or r.get("skipped", ""), "", "", "", "", ""])
             continue
         ms = (f"{r.get('offloaded_bytes_per_step', 0) / GIB:.2f} / {r.get('recomputed_bytes_per_step', 0) / GIB:.2f} GiB"
               if "steps_planned" in r else "")
+        # the bench adds vs_plain at its end, which a crashed or resumed run does not reach
+        vs = r.get("vs_plain", r["median_ms"] / plain["median_ms"] if plain else None)
         out.append([r["row"], f"{r['median_ms']:.1f}", f"{r['min_ms']:.1f}-{r['max_ms']:.1f}",
-                    f"{r['vs_plain']:.2f}x" if "vs_plain" in r else "-", fmt_bytes(r.get("peak_allocated_bytes")),
+                    f"{vs:.2f}x" if vs is not None else "-", fmt_bytes(r.get("peak_allocated_bytes")),
                     f"{r['loss']:.4f}" if r.get("loss") is not None else "-", ms])
     return (f"{res.get('model')}, batch {res.get('batch')}, seq {res.get('seq')}\n\n" +
             md_table(["row", "median ms", "min-max ms", "vs plain", "peak alloc", "loss",
@@ -344,9 +815,21 @@ def trainer_md(res):
 
 def tests_md(t):
     if not t:
-        return "(no JUnit results)"
+        return "(no test results)"
     s = (f"{t['tests']} selected: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
-         f"{t['skipped']} skipped")
+         f"{t['skipped']} skipped" + (f", {t['crashed']} crashed" if t.get("crashed") else "")
+         + (f", {t['not_run']} not run ({t.get('not_run_why', '')})" if t.get("not_run") else ""))
+    if len(t.get("processes") or []) > 1:
+        s += f"; {len(t['processes'])} pytest processes (a new one after each crash)"
+    if t.get("crashes"):
+        s += "\n\nCrashed (the test that was running when its process died):\n\n" + md_table(
+            ["test", "how", "innermost Python frame", "planning input in flight"],
+            [[c["test"], describe_exit(c.get("rc")), c.get("frame") or "-", c.get("input") or "-"]
+             for c in t["crashes"]])
+        for c in t["crashes"]:
+            if c.get("backtrace"):  # Note [A crash's C++ frames]
+                s += (f"\n\nNative backtrace of {c['test']} (cuda-gdb):\n\n```\n" + "\n".join(c["backtrace"])
+                      + "\n```")
     if t["failures"]:
         s += "\n\n" + md_table(["test", "kind", "message"],
                                [[f["test"], f["kind"], f["message"][:200]] for f in t["failures"]])
@@ -355,11 +838,13 @@ def tests_md(t):
 
 # -- verdicts: the issues' GPU "Done when" criteria, judged from the parts' results ---------------------
 # Note [Verdicts]
-#   Every value comes from what the parts wrote (bench JSONs, JUnit); nothing is estimated. A criterion is
-#   "met" or "NOT met" only when the figures settle it; otherwise "not measured: <why>" (part failed or
-#   skipped, row missing or failed, a figure no bench records). A CPU run (--cpu-smoke, or no CUDA
-#   device) judges nothing: every verdict is "not measured (CPU run)". A lower bound settles a criterion
-#   only in the direction it bounds (max_batch ">= N (time budget)"; copy bytes / whole step time).
+#   Every value comes from what the parts wrote (bench JSONs, the tests' recorder); nothing is estimated. A
+#   criterion is "met" or "NOT met" only when the figures settle it; otherwise "not measured: <why>" (part
+#   failed or skipped, row missing or failed, a figure no bench records). A CUDA test that crashed its
+#   process counts as failed (Note [CUDA tests that crash]); tests the part's time did not reach leave "all
+#   pass" open. A CPU run (--cpu-smoke, or no CUDA device) judges nothing: every verdict is "not measured
+#   (CPU run)". A lower bound settles a criterion only in the direction it bounds (max_batch ">= N (time
+#   budget)"; copy bytes / whole step time).
 MET, NOT_MET = "met", "NOT met"
 OFFLOAD_MODELS = ("gpt", "resnet")
 PLANNED_PREFIXES = ("memsched", "offload_all_prefetch")  # rows run under memsched.optimize
@@ -488,30 +973,34 @@ def v10_copy_throughput(report):
     return _per_offload_model(report, judge)
 
 
-def _junit(report):
+def _tests(report):
     t = report.get("results", {}).get("cuda_tests")
-    return t, (None if t else _part_why(report, "cuda_tests") + ": no JUnit results")
+    return t, (None if t else _part_why(report, "cuda_tests") + ": no test results")
 
 
 def v_cuda_tests_pass(report, must_pass=()):
-    t, why = _junit(report)
+    t, why = _tests(report)
     if t is None:
         return "-", _nm(why)
-    m = f"{t['tests']} selected: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
+    m = (f"{t['tests']} selected: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
+         + (f", {t['crashed']} crashed" if t.get("crashed") else "") + (f", {t['not_run']} not run" if t.get("not_run") else ""))
     outcomes = t.get("outcomes", {})
     named = []
     for name in must_pass:
         got = [o for k, o in outcomes.items() if k.split("::")[-1].split("[")[0] == name]
         named.append((name, got))
         m += f"; {name}: {', '.join(got) or 'not run'}"
-    if t["failed"] or t["errors"] or any(g and any(o in ("failed", "errors") for o in g) for _, g in named):
-        bad = ", ".join(f["test"] for f in t.get("failures", [])[:5])
+    bad_kinds = ("failed", "errors", "crashed")
+    if t["failed"] or t["errors"] or t.get("crashed") or any(g and any(o in bad_kinds for o in g) for _, g in named):
+        bad = ", ".join(f["test"] + (" (crashed)" if f["kind"] == "crashed" else "") for f in t.get("failures", [])[:5])
         return m + (f" ({bad})" if bad else ""), NOT_MET
     if t["tests"] == 0:
         return m, _nm("no test selected")
+    if t.get("not_run"):
+        return m, _nm(f"{t['not_run']} not run ({t.get('not_run_why') or 'not reached'})")
     for name, got in named:
         if not got or any(o != "passed" for o in got):
-            return m, _nm(f"{name} not passed ({', '.join(got) or 'not in the JUnit results'})")
+            return m, _nm(f"{name} not passed ({', '.join(got) or 'not in the test results'})")
     if t["skipped"]:
         skipped = [k for k, o in outcomes.items() if o == "skipped"][:5]
         return m, _nm(f"{t['skipped']} skipped, so not every test ran" + (f" ({', '.join(skipped)})" if skipped else ""))
@@ -748,7 +1237,7 @@ def v14_stress(report):
         if s.get("ops", 0) >= 1_000_000 and s.get("allocator") == "memsched" and not s.get("forget_record_stream"):
             return m, MET
         return m, _nm("fewer than 1,000,000 operations")
-    t, why = _junit(report)
+    t, why = _tests(report)
     got = "-"
     if t is not None:
         got = ", ".join(o for k, o in t.get("outcomes", {}).items()
@@ -758,6 +1247,9 @@ def v14_stress(report):
                     "the optional part `stress` (gpu_check.py --parts stress)")
 
 
+ALLOCATOR_FAMILIES = ("transformer", "cnn", "mlp")  # bench_allocator_gpu.py's, where its JSON does not list them
+
+
 def _allocator(report):
     res = report.get("results", {}).get("allocator")
     if not res or not res.get("step_ratio"):
@@ -765,19 +1257,28 @@ def _allocator(report):
     return res["step_ratio"], None
 
 
+def _allocator_missing(report, ratios):
+    """[(family, '', not measured)] for each family with no paired step round (time budget, failed worker)."""
+    res = report.get("results", {}).get("allocator") or {}
+    families = (res.get("env") or {}).get("families") or ALLOCATOR_FAMILIES
+    return [(fam, "", _nm(f"no paired native/memsched step round ({_part_why(report, 'allocator')})"))
+            for fam in families if fam not in ratios]
+
+
 def v14_step_time(report):
     ratios, why = _allocator(report)
     if ratios is None:
         return "-", _nm(why)
-    return _combine([(fam, f"{r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}]", MET if r["median"] <= 1.02 else NOT_MET)
-                     for fam, r in ratios.items()])
+    return _combine([(fam, f"{r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}]" + (
+        f" over {r['rounds']} rounds" if "rounds" in r else ""), MET if r["median"] <= 1.02 else NOT_MET)
+        for fam, r in ratios.items()] + _allocator_missing(report, ratios))
 
 
 def v14_fragmentation(report):
     ratios, why = _allocator(report)
     if ratios is None:
         return "-", _nm(why)
-    pieces = []
+    pieces = _allocator_missing(report, ratios)
     for fam, r in ratios.items():
         frag = r.get("fragmentation") or {}
         if "memsched" not in frag or "native" not in frag:
@@ -896,6 +1397,8 @@ def render_md(report):
             ["tree digest", report["tree"]["digest"]], ["git", report["tree"]["git"] or "no .git here"],
             ["started", report["started"]],
             ["wall", f"{report['wall_s']:.0f} s of a {report['budget_s']:.0f} s budget"]]
+    if report.get("crash_inputs"):  # Note [A crash's planning input comes back]
+        head.append(["planning inputs of crashed processes", report["crash_inputs"]])
     parts = []
     for name, p in report["parts"].items():
         note = p.get("note", "")
@@ -928,9 +1431,9 @@ def main(argv=None):
                                  "judges each GPU criterion of issues 10-14 and 17 (the project's issue tracker): "
                                  "met, NOT met, or not measured with the reason.")
     ap.add_argument("--out", default=None, help="output folder (default: $GPU_CHECK_OUT, else gpu_check_out)")
-    ap.add_argument("--budget", type=float, default=500.0,
-                    help="seconds for all parts, `env` included (default 500: with the kill grace and start-up "
-                         "the whole run stays under 9 minutes)")
+    ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                    help=f"seconds for all parts, `env` included (default {DEFAULT_BUDGET_S:.0f}: with the kill grace "
+                         "and start-up the whole run stays within a device call's 10 minutes)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="no GPU: same parts with --small sizes on CPU; skips the build unless --build")
     ap.add_argument("--build", action="store_true", help="build even with --cpu-smoke")
@@ -954,13 +1457,15 @@ def main(argv=None):
         ap.error(f"--parts: unknown {unknown}; choose from {list(ALL_WEIGHTS)}")
     smoke = args.cpu_smoke
     py = sys.executable
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
+    # PYTHONFAULTHANDLER: a part's Python process that dies of a signal prints its Python frames (its log tail
+    # and the part's note then name them: crash_summary)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.path.join(ROOT, "python") + (os.pathsep + os.environ["PYTHONPATH"]
                                                           if os.environ.get("PYTHONPATH") else ""))
     if "CUDA_HOME" not in env and os.path.isdir("/usr/local/cuda"):
         env["CUDA_HOME"] = "/usr/local/cuda"
     log = open(os.path.join(out_dir, "gpu_check.log"), "w")
-    run = Runner(log, env)
+    run = Runner(log, env, dump_root=os.path.join(work, "plan_dumps"))
     report = {"tool": "memsched gpu-check", "mode": "cpu-smoke (reduced sizes; CPU numbers)" if smoke else "gpu",
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "budget_s": args.budget, "tree": {"digest": tree_digest(), "git": git_commit()},
@@ -997,15 +1502,20 @@ def main(argv=None):
         share = left * ALL_WEIGHTS[name] / sum(ALL_WEIGHTS[p] for p in pending)
         return max(5.0, share)
 
-    def bench_budget(timeout):  # the benchmark's own budget, so it ends before it is killed
-        return max(5.0, 0.85 * timeout - 10.0)
+    def bench_budget(timeout, strict=False):
+        """The benchmark's own --time-budget, so that it ends before it is killed: bench_offload and
+        bench_trainer_gpu check theirs only before a row starts, so a row started just before it runs on
+        (their slowest rows but torch.compile's take ~13 s on the H100: 15 s, or 15% of a longer timeout);
+        bench_allocator_gpu stops its worker at its budget and bench_copy_engine's rounds take a second, so
+        those (strict) end within a few seconds of theirs (6 s)."""
+        return max(5.0, timeout - (6.0 if strict else max(15.0, 0.15 * timeout)))
 
     while pending:
         name = pending[0]
         timeout = timeout_for(name)
         part = {"timeout_s": round(timeout, 1)}
-        result_file = os.path.join(work, f"{name}.xml" if name == "cuda_tests" else f"{name}.json")
-        cmds, note = [], ""
+        result_file = os.path.join(work, f"{name}.json")
+        cmds, note, ran = [], "", None
         if name == "build":
             header = os.path.join(ROOT, "third_party", "include", "nlohmann", "json.hpp")
             if (smoke and not args.build) or args.skip_build:
@@ -1019,34 +1529,70 @@ def main(argv=None):
                          {"MEMSCHED_CMAKE_ARGS": "-DMEMSCHED_BUILD_TESTS=OFF", "MAX_JOBS": str(args.jobs)}),
                         ([py, "-c", "import memsched, memsched._C as c; print('memsched._C', c.__file__)"], {})]
         elif name == "cuda_tests":
-            # -v: each test's outcome reaches the log as it ends; pytest writes the JUnit file only at the
-            # end, so a part stopped at its timeout still shows (log tail, gpu_check.log) what passed.
-            cmds = [([py, "-m", "pytest", "-m", "requires_cuda", "tests/python", "-v", "-p", "no:cacheprovider",
-                      "-o", "junit_family=xunit1", f"--junitxml={result_file}"], {})]
+            # See Note [CUDA tests that crash]: one process, a crashed test recorded and the rest resumed.
+            has_timeout_plugin = importlib.util.find_spec("pytest_timeout") is not None
+            results, ran = run_pytest_part(run, name, py, ["tests/python"], timeout, work,
+                                           test_timeout=CUDA_TEST_TIMEOUT_S if has_timeout_plugin else None)
+            report["results"]["cuda_tests"] = results
+            if results:
+                part["note"] = (f"{results['passed']} passed, {results['failed']} failed, {results['errors']} errors, "
+                                f"{results['skipped']} skipped" + (f", {results['crashed']} crashed" if results["crashed"] else "")
+                                + (f", {results['not_run']} not run" if results["not_run"] else "")
+                                + (f" ({len(ran['commands'])} pytest processes)" if len(ran["commands"]) > 1 else ""))
         elif name in ("offload_gpt", "offload_resnet"):
             model = name.split("_")[1]
-            methods = ",".join(OFFLOAD_ORDER)
-            cmds = [([py, os.path.join(GPU_DIR, "bench_offload.py"), "--models", model, "--methods", methods,
-                      "--out", result_file, "--time-budget", f"{bench_budget(timeout):.0f}"] +
-                     (small + ["--steps", "1", "--warmup", "2"] + (["--compile-on-cpu"] if model == "gpt" else [])
-                      if smoke else ["--steps", "5", "--warmup", "3"]), {})]
+            methods, dropped = offload_methods(model, bench_budget(timeout), smoke)
+            fixed = (small + ["--steps", "1", "--warmup", "2"] + (["--compile-on-cpu"] if model == "gpt" else [])
+                     if smoke else ["--steps", "5", "--warmup", "3"])
+            res, ran = run_resumable(
+                run, name, methods,
+                lambda todo, out, left: [py, os.path.join(GPU_DIR, "bench_offload.py"), "--models", model,
+                                         "--methods", ",".join(todo), "--out", out,
+                                         "--time-budget", f"{bench_budget(left):.0f}"] + fixed,
+                result_file, lambda r: r["models"][model]["rows"] if "rows" in r.get("models", {}).get(model, {})
+                else [], "method", timeout,
+                empty=lambda: {"models": {model: {"title": f"{model} (its process died before its first row)",
+                                                  "batch": "?", "rows": []}}})
+            mres = (res or {}).get("models", {}).get(model)
+            if mres is not None and "rows" in mres:
+                mres["rows"] += [{"method": m, "skipped": why} for m, why in dropped]
+                if not mres.get("keep_all_fidelity"):  # the bench computes it at its end, which a kill never reaches
+                    fid = keep_all_fidelity(mres["rows"])
+                    if fid:
+                        mres["keep_all_fidelity"] = fid
+            if res:
+                report["results"].setdefault("offload", {})[model] = mres
+                report["results"].setdefault("offload_env", res.get("environment"))
+                rows = (mres or {}).get("rows", [])
+                bad = sum(1 for x in rows if "error" in x)
+                skipped = sum(1 for x in rows if "skipped" in x)
+                part["note"] = f"{len(rows)} rows: {bad} failed, {skipped} skipped"
+                if "skipped" in (mres or {}):
+                    part["note"] = mres["skipped"]
+        elif name == "trainer":
+            rows = list(TRAINER_ROWS)
+            fixed = small + ["--steps", "2", "--warmup", "2"] if smoke else ["--steps", "6", "--warmup", "3"]
+            res, ran = run_resumable(
+                run, name, rows,
+                lambda todo, out, left: [py, os.path.join(GPU_DIR, "bench_trainer_gpu.py"), "--rows", ",".join(todo),
+                                         "--out", out, "--time-budget", f"{bench_budget(left):.0f}"] + fixed,
+                result_file, lambda r: r.setdefault("rows", []), "row", timeout, empty=lambda: {"rows": []})
+            report["results"]["trainer"] = res
+            if res is None and ran["status"] == "ok" and any("transformers is not installed" in x for x in ran["log_tail"]):
+                ran["status"], part["note"] = "skipped", "transformers is not installed"
         elif name == "stress":
             cmds = [([py, os.path.join(ROOT, "tests", "python", "alloc_stress.py"), "--ops",
                       "10" if smoke else "1000000"], {})]
         elif name == "copy":
-            cmds = [([py, os.path.join(GPU_DIR, "bench_copy_engine.py"), "--out", result_file] +
-                     (["--small"] if smoke else []), {})]
+            cmds = [([py, os.path.join(GPU_DIR, "bench_copy_engine.py"), "--out", result_file,
+                      "--time-budget", f"{bench_budget(timeout, strict=True):.0f}"] + (["--small"] if smoke else []), {})]
         elif name == "ooo":
             cmds = [([py, os.path.join(GPU_DIR, "bench_ooo_gpu.py"), "--out", result_file] +
                      (small + ["--steps", "3", "--warmup", "1", "--batch", "4"] if smoke
                       else ["--steps", "20", "--warmup", "5"]), {})]
         elif name == "allocator":
             cmds = [([py, os.path.join(GPU_DIR, "bench_allocator_gpu.py"), "--out", result_file, "--steps", "10",
-                      "--warmup", "3", "--rounds", "2"], {})]
-        elif name == "trainer":
-            cmds = [([py, os.path.join(GPU_DIR, "bench_trainer_gpu.py"), "--out", result_file,
-                      "--time-budget", f"{bench_budget(timeout):.0f}"] +
-                     (small + ["--steps", "2", "--warmup", "2"] if smoke else ["--steps", "8", "--warmup", "3"]), {})]
+                      "--warmup", "3", "--rounds", "2", "--time-budget", f"{bench_budget(timeout, strict=True):.0f}"], {})]
         tails, wall, status = [], 0.0, "ok"
         for cmd, extra in cmds:
             r = run(name, cmd, max(1.0, timeout - wall), extra)
@@ -1058,31 +1604,19 @@ def main(argv=None):
                 status = f"timeout after {timeout:.0f} s (what it wrote is kept)"
                 break
             if r["rc"] != 0:
-                status = f"failed (rc {r['rc']})"
+                status = f"failed ({describe_exit(r['rc'])})"
+                if r["rc"] is not None and r["rc"] < 0:
+                    part["note"] = crash_summary(r["tail"], r["rc"])
                 break
         if cmds:
             part.update(status=status, wall_s=round(wall, 1), log_tail=tails[-60:])
+        if ran is not None:
+            tails, status = ran["log_tail"], ran["status"]
+            part.update(ran)
         if note:
             part["note"] = note
         # results
-        if name == "cuda_tests":
-            t = parse_junit(result_file)
-            report["results"]["cuda_tests"] = t
-            if t:
-                part["note"] = f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
-        elif name.startswith("offload_"):
-            res = read_json(result_file)
-            model = name.split("_")[1]
-            if res:
-                report["results"].setdefault("offload", {})[model] = res.get("models", {}).get(model)
-                report["results"].setdefault("offload_env", res.get("environment"))
-                rows = (res.get("models", {}).get(model) or {}).get("rows", [])
-                bad = sum(1 for x in rows if "error" in x)
-                skipped = sum(1 for x in rows if "skipped" in x)
-                part["note"] = f"{len(rows)} rows: {bad} failed, {skipped} skipped"
-                if "skipped" in (res.get("models", {}).get(model) or {}):
-                    part["note"] = res["models"][model]["skipped"]
-        elif name == "stress":
+        if name == "stress":
             # alloc_stress.py prints its JSON summary as its last line (none without a GPU: exit 2)
             summary = next((x for x in reversed(tails) if x.strip().startswith("{")), None)
             try:
@@ -1095,15 +1629,17 @@ def main(argv=None):
             report["results"]["copy"] = read_json(result_file)
         elif name == "ooo":
             report["results"]["ooo"] = read_json(result_file)
-        elif name == "trainer":
-            report["results"]["trainer"] = read_json(result_file)
         elif name == "allocator":
             res = read_json(result_file)
             report["results"]["allocator"] = res
             if res is None and status == "ok":
                 part["status"] = "skipped"
                 part["note"] = tails[-1] if tails else "no output"
-        if name in ("ooo", "trainer") and status == "ok" and report["results"].get(name) is None:
+            elif res:
+                part["note"] = (f"step ratios for {len(res.get('step_ratio', {}))} families"
+                                + (f"; {len(res['errors'])} workers failed" if res.get("errors") else "")
+                                + (f"; {len(res['skipped'])} not started (time budget)" if res.get("skipped") else ""))
+        if name in ("ooo", "trainer", "copy") and part["status"] == "ok" and report["results"].get(name) is None:
             part["status"] = "failed (no JSON)"
         report["parts"][name] = part
         say(f"{name}: {part['status']}" + (f" -- {part['note']}" if part.get("note") else "")
@@ -1111,6 +1647,10 @@ def main(argv=None):
         pending.pop(0)
         write()
 
+    packed = pack_crash_inputs(run.dump_root, out_dir)
+    if packed:
+        report["crash_inputs"] = packed  # Note [A crash's planning input comes back]
+        say(f"planning inputs of crashed processes: {packed}")
     md = write()
     log.close()
     print("\n" + md, flush=True)

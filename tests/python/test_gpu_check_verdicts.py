@@ -55,13 +55,21 @@ def _ooo_rows(plain_ms=10.0, ooo_ms=9.0, fused_ms=10.2, oib_ms=11.0, plain_peak=
 
 
 def _junit(**outcomes):
-    out = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "outcomes": {}}
+    """The cuda_tests result as gpu_check.summarize_tests shapes it (outcomes: passed, failed, errors,
+    skipped, crashed, not run)."""
+    out = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "crashed": 0, "not_run": 0,
+           "failures": [], "outcomes": {}, "crashes": [], "processes": [{"rc": 0}]}
     for name, o in outcomes.items():
         out["tests"] += 1
-        out[o] += 1
+        out[o.replace(" ", "_")] += 1
         out["outcomes"][f"test_mod::{name}"] = o
-        if o in ("failed", "errors"):
-            out["failures"].append({"test": f"test_mod::{name}", "kind": "failure", "message": "boom"})
+        if o in ("failed", "errors", "crashed"):
+            out["failures"].append({"test": f"test_mod::{name}", "kind": {"failed": "failure", "errors": "error"}.get(o, o),
+                                    "message": "boom"})
+        if o == "crashed":
+            out["crashes"].append({"test": f"test_mod::{name}", "rc": -11, "frame": "python/memsched/planning.py:262 in plan"})
+    if out["not_run"]:
+        out["not_run_why"] = "the part's time ran out while test_mod::test_slow ran"
     return out
 
 
@@ -158,6 +166,9 @@ BREAKS = [
     (13, "optim_in_bwd", _ooo(TRANSFORMER, "optim_in_bwd", median_ms=10.1)),
     (14, "every pytest", _set(["results", "cuda_tests"], _junit(test_a="passed", test_b="errors")),
      [(10, "test_pinned_pool_on_gpu")]),
+    # a test that killed its process (Note [CUDA tests that crash]) fails both, like a failed one
+    (14, "every pytest", _set(["results", "cuda_tests"], _junit(test_pinned_pool_on_gpu="passed", test_b="crashed")),
+     [(10, "test_pinned_pool_on_gpu")]),
     (14, "whole-step", _set(["results", "allocator", "step_ratio", "cnn", "median"], 1.13)),
     (14, "fragmentation", _set(["results", "allocator", "step_ratio", "mlp", "fragmentation", "memsched"], 1.4)),
     (17, "Trainer", _set(["results", "trainer", "rows", 2], {"row": "memsched-dp-50%",
@@ -165,7 +176,7 @@ BREAKS = [
 ]
 
 
-@pytest.mark.parametrize("case", BREAKS, ids=[f"{c[0]}-{c[1]}" for c in BREAKS])
+@pytest.mark.parametrize("case", BREAKS, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(BREAKS)])
 def test_not_met(case):
     issue, words, brk = case[:3]
     rep = met_report()
@@ -276,3 +287,33 @@ def test_a_row_over_its_budget_says_where_its_peak_went():
     assert v["verdict"] == "NOT met"
     assert ("over: memsched hybrid 30% (peak in the backward: late release 0.25 GiB, not in the profiled step "
             "0.25 GiB)") in v["measured"], v["measured"]
+
+
+def test_cuda_tests_not_run_or_crashed():
+    """Tests the part's time did not reach leave the criteria open (a failure or crash among the rest still
+    settles them); the markdown names each crashed test with its innermost Python frame."""
+    rep = met_report()
+    rep["results"]["cuda_tests"] = _junit(test_pinned_pool_on_gpu="passed", test_a="passed", test_slow="not run")
+    for words in ("every pytest", "test_pinned_pool_on_gpu"):
+        v = _find(by_criterion(rep), 10 if "pinned" in words else 14, words)
+        assert v["verdict"].startswith("not measured: 1 not run (the part's time ran out while test_mod::test_slow"), v
+        assert "1 not run" in v["measured"]
+    rep["results"]["cuda_tests"] = _junit(test_pinned_pool_on_gpu="not run", test_a="crashed", test_b="not run")
+    v = _find(by_criterion(rep), 14, "every pytest")
+    assert v["verdict"] == "NOT met" and "1 crashed" in v["measured"] and "test_mod::test_a (crashed)" in v["measured"]
+    md = gc.tests_md(rep["results"]["cuda_tests"])
+    assert "| test_mod::test_a | rc -11, SIGSEGV | python/memsched/planning.py:262 in plan |" in md, md
+    assert "1 crashed, 2 not run" in md
+
+
+def test_trainer_and_keep_all_figures_a_cut_run_did_not_write():
+    """bench_trainer_gpu adds vs_plain, and bench_offload keep_all_fidelity, at their ends, which a killed or
+    resumed process never reaches: gpu_check works them out from the rows."""
+    rep = met_report()
+    md = gc.trainer_md({"model": "m", "batch": 8, "seq": 1024, "rows": rep["results"]["trainer"]["rows"]})
+    assert "| memsched-dp-50% | 120.0 | 119.0-121.0 | 1.20x |" in md, md
+    rows = rep["results"]["offload"]["gpt"]["rows"]
+    assert gc.keep_all_fidelity(rows) is None  # no memsched row with a keep_all figure
+    rows[5]["keep_all_sim_peak_bytes"] = 16.4 * GIB
+    fid = gc.keep_all_fidelity(rows)
+    assert fid["ratio"] == pytest.approx(16.4 / 16) and fid["trace_of"] == "memsched dp 70%"
