@@ -279,7 +279,7 @@ def plan(trace, budget=None, planner="dp", device=None, durations="auto"):
 # Note [Planning inputs kept for a crash]
 #   Rationale: the first H100 run had the planner crash (SIGSEGV inside _C.make_plan) on traces only a
 #   GPU makes -- CUDA-timed durations, the allocator's unmodeled memory, CUDA op names -- while every
-#   CPU trace, and thousands of fuzzed ones under AddressSanitizer, plan cleanly: without the trace the
+#   CPU trace, and some 600 fuzzed CUDA-like ones under AddressSanitizer, plan cleanly: without the trace the
 #   crash cannot be replayed where there is no GPU.
 #   Approach: with MEMSCHED_PLAN_DUMP_DIR set, plan() writes each call's inputs before it plans -- the
 #   trace as JSON and one JSON of the device model, budget and planner beside it -- so the last pair
