@@ -153,6 +153,8 @@ void bind_ooo(py::module_& m) {
           "fused", [](const DwRuntime& rt) { return rt.fused; }, &DwRuntime::set_fused,
           "Whether the owner steps parameters during backward (counted process-wide until shutdown()).")
       .def("held_params", &DwRuntime::held_params)
+      .def("params_with_grad", &DwRuntime::params_with_grad,
+           "Indices of the registered parameters whose .grad is defined, ascending.")
       .def_property("watching", &DwRuntime::watching, &DwRuntime::set_watch,
                     "Whether every parameter is held while a ParameterReadWatch observes the iteration's "
                     "reads; set False, the parameters it saw read are held from then on.")

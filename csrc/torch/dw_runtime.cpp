@@ -271,6 +271,15 @@ std::vector<int32_t> DwRuntime::held_params() {
   return out;
 }
 
+std::vector<int32_t> DwRuntime::params_with_grad() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].grad().defined()) out.push_back(static_cast<int32_t>(i));
+  }
+  return out;
+}
+
 void DwRuntime::shutdown() {
   std::unique_ptr<ParameterReadWatch> watch;
   {

@@ -227,6 +227,10 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void snapshot_versions();
   int32_t first_changed_version(int32_t from = 0);
   std::vector<int32_t> held_params();      // held this iteration, in index order
+  // The parameters whose .grad is defined now, in index order: the end of a fused backward pass asks
+  // for its leftovers once per pass, which a Python scan of every parameter's .grad made a per-parameter
+  // cost of each step (See Note [Gradients the fused update did not see] in backward.py).
+  std::vector<int32_t> params_with_grad();
 
   // -- forward: use counting (See Note [AccumulateGrad gate] in backward.py) --------------------
   // Each returns -1, or the index of a parameter used by a forward that runs during backward

@@ -140,3 +140,49 @@ def test_optimizer_parameters_outside_the_model_are_stepped_by_the_fused_update(
     assert twin_temperature.grad is None
     _assert_plain(model, opt, twin, twin_opt)
     assert opt.state[temperature]["step"] == twin_opt.state[twin_temperature]["step"]
+
+
+@pytest.mark.parametrize("how", ["add_param_group", "append_to_group", "swap"])
+def test_optimizer_parameters_outside_the_model_found_again_when_groups_change(how):
+    # _step_outside keeps the optimizer's parameters outside the model from one pass to the next and looks
+    # again only when a group's parameters changed: one added between steps (a new group, or appended to
+    # a group's list in place, or one of the model's replaced by it at the same position) is stepped by the
+    # fused update from the step it joins, as plain optimizer.step() steps it
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        temperature = nn.Parameter(torch.tensor(1.5))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return model, temperature, opt
+
+    def join(model, temperature, opt):
+        if how == "add_param_group":
+            opt.add_param_group({"params": [temperature]})
+        elif how == "append_to_group":
+            opt.param_groups[0]["params"].append(temperature)
+        else:  # the last layer's bias leaves the optimizer, the temperature takes its place
+            opt.param_groups[0]["params"][-1] = temperature
+
+    def loss(model, temperature, s):
+        x, y = _batch(s)
+        return F.cross_entropy(model(x) / temperature, y)
+
+    model, temperature, opt = setup()
+    for step in range(4):
+        if step == 2:
+            join(model, temperature, opt)
+        loss(model, temperature, step).backward()
+        opt.step()
+        opt.zero_grad()
+    twin, twin_temperature, twin_opt = setup()
+    with memsched.optimize(twin, twin_opt, fuse_optimizer=True) as run:
+        for step in range(4):
+            if step == 2:
+                join(twin, twin_temperature, twin_opt)
+            loss(twin, twin_temperature, step).backward()
+            run.step()
+    assert twin_temperature.item() != 1.5
+    assert torch.equal(temperature, twin_temperature)
+    assert opt.state[temperature]["step"] == twin_opt.state[twin_temperature]["step"]
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), f"{n}: max |diff| {(p - q).abs().max().item():.3g}"
