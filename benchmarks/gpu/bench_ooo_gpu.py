@@ -17,8 +17,8 @@ step into the backward pass": one AdamW per parameter, same hyper-parameters, fo
 stepped and zeroed from Tensor.register_post_accumulate_grad_hook; loss.backward() is the whole step).
 Columns: median step time [IQR] over --steps after --warmup, ratio to plain (source S4 reports 1.03-1.58x
 single-GPU speedup; the goal is >= 1.1x on one model), peak allocated memory, and the largest
-|parameter difference| to plain after the timed steps (cuBLAS/cuDNN may pick other algorithms for a
-separate dW call: rounding-level differences, not bitwise). Every row also carries param_grad_bytes (the
+|parameter difference| to plain after the timed steps (no dropout anywhere, so it is memsched's: cuBLAS/cuDNN
+may pick other algorithms for a separate dW call, rounding-level differences; bitwise on CPU). Every row also carries param_grad_bytes (the
 bytes of one gradient per trainable parameter), the figure issue 13's fused-update peak goal is stated in.
 Timing: the four variants run interleaved step by step on identical copies; torch.cuda.synchronize()
 before each clock read. Results go to stdout and, with --out, to JSON with GPU model, torch and CUDA
@@ -82,7 +82,9 @@ def build(name, small, batch, device):
             import torchvision
 
             torch.manual_seed(0)
-            model = torchvision.models.mobilenet_v3_small(num_classes=classes)
+            # dropout=0: its classifier's Dropout drew each variant's own mask, so the parameter difference
+            # column measured dropout (5e-3 on the H100; two plain copies differ as much), not memsched
+            model = torchvision.models.mobilenet_v3_small(num_classes=classes, dropout=0.0)
             label = f"MobileNetV3-small (torchvision) b{batch} {image}px"
         except ImportError:
             torch.manual_seed(0)
