@@ -228,6 +228,11 @@ def main(argv=None):
             sp = f"x{r['speedup_vs_plain']:.3f}" if "speedup_vs_plain" in r else ""
             print(f"  {m:12s} {r['median_ms']:10.2f} {r['host_ms']:8.2f} {r['iqr_ms']:8.2f} {sp:>8s} {peak:>9s} {above:>9s} "
                   f"{r['max_abs_param_diff_vs_plain']:9.2e}", flush=True)
+        for m in MODES:
+            rep = rows[m]["report"]
+            if rep and rep.get("fused_calls_in_cpp") and rep.get("iterations"):
+                print(f"  {m}: {rep['fused_calls_in_cpp'] / rep['iterations']:.1f} C++ update calls per backward "
+                      f"pass (update_batch_bytes {rep['update_batch_bytes'] / 2**20:.1f} MiB; Note [Update batches])")
 
 
 if __name__ == "__main__":

@@ -214,7 +214,10 @@ void bind_ooo(py::module_& m) {
            "The parameters (indices) the C++ Adam update stepped since the last call.")
       .def("step_native", &DwRuntime::step_native, py::arg("params"))
       .def_property_readonly("native_updates", &DwRuntime::native_updates)
-      .def_property_readonly("native_calls", &DwRuntime::native_calls);
+      .def_property_readonly("native_calls", &DwRuntime::native_calls)
+      .def_property("update_batch_bytes", &DwRuntime::update_batch_bytes, &DwRuntime::set_update_batch_bytes,
+                    "Complete step units wait until their gradients reach this many bytes, then are updated "
+                    "together; 0: each unit at once (Note [Update batches] in backward.py).");
 
   m.def(
       "autocast_cast",

@@ -775,13 +775,51 @@ std::vector<int32_t> DwRuntime::step_native_on(const std::vector<int32_t>& param
   return rest;
 }
 
-void DwRuntime::hand_over(const Completion& given, Side* side) {
+std::vector<std::vector<int32_t>> DwRuntime::batch_locked(const std::vector<std::vector<int32_t>>& groups) {
+  for (const auto& group : groups) {
+    for (int32_t i : group) {
+      batch_.push_back(i);
+      const at::Tensor& g = params_[i].grad();
+      if (g.defined()) batch_grad_bytes_ += nbytes(g);
+    }
+  }
+  std::vector<std::vector<int32_t>> out;
+  if (!batch_.empty() && batch_grad_bytes_ >= update_batch_bytes_) {
+    out.push_back(std::exchange(batch_, {}));
+    batch_grad_bytes_ = 0;
+  }
+  return out;
+}
+
+void DwRuntime::set_update_batch_bytes(int64_t bytes) {
+  MEMSCHED_CHECK(bytes >= 0, "DwRuntime.update_batch_bytes: must be >= 0 bytes (0: no batching), got ", bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  MEMSCHED_CHECK(batch_.empty(), "DwRuntime.update_batch_bytes: cannot change while units wait in a batch "
+                 "(during a backward pass)");
+  update_batch_bytes_ = bytes;
+}
+
+int64_t DwRuntime::update_batch_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return update_batch_bytes_;
+}
+
+void DwRuntime::hand_over(const Completion& given, Side* side, bool batch) {
   if (given.groups.empty() && given.ready_buckets.empty()) return;
   const Completion* pc = &given;
   Completion rest;
+  std::vector<std::vector<int32_t>> batched;
+  const std::vector<std::vector<int32_t>>* to_step = &given.groups;
+  if (batch && !given.groups.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (update_batch_bytes_ > 0) {
+      batched = batch_locked(given.groups);
+      to_step = &batched;
+    }
+  }
   if (!given.groups.empty()) {
     rest.ready_buckets = given.ready_buckets;
-    for (const auto& group : given.groups) {
+    for (const auto& group : *to_step) {
       std::vector<int32_t> left = step_native_on(group, side);
       if (!left.empty()) rest.groups.push_back(std::move(left));
     }
@@ -865,6 +903,14 @@ void DwRuntime::end_iteration(bool allow_missing) {
     collect(done, &out);
   }
   hand_over(out, side);
+  // Note [Update batches] (backward.py): what waits in the batch is stepped before backward ends.
+  Completion last;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!batch_.empty()) last.groups.push_back(std::exchange(batch_, {}));
+    batch_grad_bytes_ = 0;
+  }
+  hand_over(last, side, false);
 }
 
 void DwRuntime::sync_streams() {
@@ -919,6 +965,8 @@ void DwRuntime::abandon() {
       seen_[i] = AutogradSeen{};
     }
     for (auto& ready : unit_ready_) ready.clear();  // final but not stepped: they keep .grad and old values
+    batch_.clear();  // the same
+    batch_grad_bytes_ = 0;
     plan.swap(adam_);
     new_scheduler();
     backward_started = false;

@@ -251,6 +251,10 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void set_units(const std::vector<int32_t>& unit_of);
   // End of backward: the units some of whose parameters got no gradient, as they are.
   std::vector<std::vector<int32_t>> take_partial_units();
+  // See Note [Update batches] (backward.py): complete units wait until their gradients reach this many bytes, then
+  // go to the update together (0: each unit at once). end_iteration() steps what is left.
+  void set_update_batch_bytes(int64_t bytes);
+  int64_t update_batch_bytes();
 
   // -- the fused update in C++ (See Note [Adam update in C++] in adam_update.h) --------------
   // For this backward pass: param p is stepped here with hypers[group_of[p]] and slots[p]
@@ -358,7 +362,12 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   void add_pending(int32_t param, at::Tensor g, std::vector<at::Tensor>* released);
   void finalize(int32_t param, std::vector<at::Tensor>* released);
   void collect(const DwCompletion& done, Completion* out);  // under the lock
-  void hand_over(const Completion& c, Side* side);  // no lock; GIL taken when the owner is called
+  // no lock; GIL taken when the owner is called. batch: complete units join the update batch first
+  // (Note [Update batches] in backward.py); false steps c's groups as they are.
+  void hand_over(const Completion& c, Side* side, bool batch = true);
+  // Under the lock: c's groups added to the update batch; the batch as one group once it holds
+  // update_batch_bytes_ of gradients (else none).
+  std::vector<std::vector<int32_t>> batch_locked(const std::vector<std::vector<int32_t>>& groups);
   // step_native on `side`'s stream (nullptr: the current one); no lock held.
   std::vector<int32_t> step_native_on(const std::vector<int32_t>& params, Side* side);
   // Note [The worker's intra-op threads]
@@ -429,6 +438,9 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<int32_t> unit_of_;                // per parameter, its step unit (empty: no grouping)
   std::vector<int32_t> unit_size_;              // per unit, its parameters
   std::vector<std::vector<int32_t>> unit_ready_;  // per unit, its final parameters not yet handed over
+  int64_t update_batch_bytes_ = 0;              // Note [Update batches] (backward.py); 0: none
+  std::vector<int32_t> batch_;                  // complete units' parameters waiting for their update
+  int64_t batch_grad_bytes_ = 0;                // their gradients' bytes
 
   std::shared_ptr<const AdamPlan> adam_;       // null: every fused update goes to the owner
   int64_t native_updates_ = 0;                  // COUNT

@@ -68,6 +68,24 @@ Note [Step units]
   (one at the start, one at the end) keeps the first-final one's gradient
   until the other is final; memory is bounded by that module's parameters.
 
+Note [Update batches]
+  Rationale: on a GPU each C++ Adam update of a unit launches its own kernels (the foreach
+  path: about ten multi-tensor kernels a call, whatever the unit's size), so a model of many small
+  units pays hundreds of launches per backward pass more than one optimizer.step() over all of
+  them: the first H100 run measured the fused update about 750 launches a step over plain, 1.26x
+  ooo's step on MobileNetV3-small b32 and 1.31x on a small transformer, all host-bound.
+  Approach: on an accelerator, complete units join a batch (DwRuntime.update_batch_bytes) that is
+  updated in one call, split by param group, once its gradients reach update_batch_bytes; what is
+  left is updated at the end of the backward pass (DwRuntime.end_iteration), before the owner
+  books what C++ stepped. The update is elementwise per tensor, so a parameter is updated bitwise
+  as in its own unit's call. The default is an eighth of the fused parameters' bytes: about eight
+  calls a pass, and at most that eighth (plus the unit that filled it) of gradients alive beside
+  the one being made, so the fused update still frees most of the gradient memory.
+  On CPU the kernels cost their work, not their launch, and the default is 0: each unit at once,
+  as before (one layer's gradient at a time). update_batch_bytes=... sets it either way.
+  Limitations: units held for the end of backward (Note [A parameter read after its gradient is
+  final]) and DDP buckets are stepped as before, not batched.
+
 Note [Fused update and gradient accumulation]
   Rationale: with fuse_optimizer a parameter is stepped inside the backward
   pass that completes its gradient: on every backward pass when
@@ -765,11 +783,15 @@ class OutOfOrderBackward:
       max_grad_norm: global gradient-norm clipping. Not possible with a fused
         update (raises); without fusion, step() clips before returning True.
       executor: "auto" (stream on CUDA, inline on CPU), "inline", "thread", "stream".
+      update_batch_bytes: with fuse_optimizer, layers whose gradients are final wait until they
+        hold this many bytes of gradients and are updated in one call; int or "32MiB"; 0: each
+        layer at once. Default: 0 on CPU, an eighth of the parameters' bytes on a GPU (See
+        Note [Update batches]).
     """
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  fuse_optimizer: bool = False, max_deferred_bytes=None, grad_accumulation_steps: int = 1,
-                 max_grad_norm: Optional[float] = None, executor: str = "auto"):
+                 max_grad_norm: Optional[float] = None, executor: str = "auto", update_batch_bytes=None):
         if not isinstance(model, nn.Module):
             raise MemschedArgumentError(f"model: expected a torch.nn.Module (or a DistributedDataParallel wrapping one), "
                                 f"got {type(model).__name__}")
@@ -823,6 +845,13 @@ class OutOfOrderBackward:
                 max_deferred_bytes = parse_bytes(max_deferred_bytes, name="max_deferred_bytes")
             except ValueError as e:
                 raise MemschedArgumentError(f"{e} (max_deferred_bytes >= 0; 0 = run every item at once)") from None
+        if update_batch_bytes is not None:
+            try:
+                update_batch_bytes = parse_bytes(update_batch_bytes, name="update_batch_bytes")
+            except ValueError as e:
+                raise MemschedArgumentError(f"{e} (update_batch_bytes >= 0; 0 = update each layer at once; "
+                                            f"None = the default, Note [Update batches])") from None
+        self.update_batch_bytes = update_batch_bytes  # None: resolved at install (Note [Update batches])
         self.model = model
         self.optimizer = optimizer
         self.fuse_optimizer = bool(fuse_optimizer)
@@ -837,6 +866,15 @@ class OutOfOrderBackward:
         self._reset_state()
 
     _PHASES = {"idle": 0, "forward": 1, "backward": 2}
+
+    def _resolved_update_batch_bytes(self) -> int:
+        """See Note [Update batches]: the caller's, else 0 on CPU and an eighth of the parameters' bytes on
+        an accelerator."""
+        if self.update_batch_bytes is not None:
+            return int(self.update_batch_bytes)
+        if all(p.device.type == "cpu" for p in self._params):
+            return 0
+        return sum(_nbytes(p) for p in self._params) // 8
 
     @property
     def _phase(self) -> str:
@@ -1048,6 +1086,7 @@ class OutOfOrderBackward:
         rt.watching = self._stepper is not None and self.fusion_paused is None
         if self._stepper is not None and self._reducer is None:
             rt.set_units(self._unit_of)  # final parameters come back a whole unit at a time
+            rt.update_batch_bytes = self._resolved_update_batch_bytes()  # See Note [Update batches]
         rt.poll_after_defer = self._reducer is not None
         # See Note [Fast path of a patched layer call] (csrc/torch/layer_fast_path.h): it reads and
         # writes these two dicts in place, and leaves calls a queueing executor orders to Python
@@ -2344,6 +2383,9 @@ class OutOfOrderBackward:
             "max_deferred_bytes": self.max_deferred_bytes,
             "fused_updates": self._fused_steps,
             "fused_updates_in_cpp": self._native_steps,  # of those, Adam/AdamW updates run in C++
+            # C++ update calls (one per param group of a unit or batch) and the batch size (Note [Update batches])
+            "fused_calls_in_cpp": self._rt.native_calls if self._rt is not None else 0,
+            "update_batch_bytes": self._rt.update_batch_bytes if self._rt is not None else 0,
             "param_bytes": sum(_nbytes(p) for p in self._params),
             "peak_grad_bytes": self._last_peak_grad_bytes,
             "buckets": len(self._reducer.buckets) if self._reducer is not None else 0,
