@@ -84,7 +84,8 @@ Note [Update batches]
   On CPU the kernels cost their work, not their launch, and the default is 0: each unit at once,
   as before (one layer's gradient at a time). update_batch_bytes=... sets it either way.
   Limitations: units held for the end of backward (Note [A parameter read after its gradient is
-  final]) and DDP buckets are stepped as before, not batched.
+  final]) and DDP buckets are stepped as before, not batched; so is a model spread over several
+  devices by default (a batch is stepped on one device's side stream).
 
 Note [Fused update and gradient accumulation]
   Rationale: with fuse_optimizer a parameter is stepped inside the backward
@@ -872,8 +873,9 @@ class OutOfOrderBackward:
         an accelerator."""
         if self.update_batch_bytes is not None:
             return int(self.update_batch_bytes)
-        if all(p.device.type == "cpu" for p in self._params):
-            return 0
+        devices = {p.device for p in self._params}
+        if len(devices) != 1 or next(iter(devices)).type == "cpu":
+            return 0  # CPU; or a model spread over devices, whose units are stepped on their own side streams
         return sum(_nbytes(p) for p in self._params) // 8
 
     @property
