@@ -73,7 +73,11 @@ void bind_plan(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("planner", &Plan::planner)
       .def_readwrite("budget_bytes", &Plan::budget_bytes)
-      .def_readwrite("decisions", &Plan::decisions, "list of TensorDecision (a copy; assign the whole list)")
+      // See Note [Element lists are copies] (bind_trace.cpp): elements by value, never into the vector.
+      .def_property(
+          "decisions", [](const Plan& p) { return std::vector<TensorDecision>(p.decisions); },
+          [](Plan& p, std::vector<TensorDecision> v) { p.decisions = std::move(v); },
+          "list of TensorDecision (copies; assign the whole list)")
       .def_readwrite("objective", &Plan::objective)
       .def_readwrite("objective_name", &Plan::objective_name)
       .def_readwrite("copies_on_compute_stream", &Plan::copies_on_compute_stream)

@@ -82,6 +82,27 @@ std::string str_arg(const py::handle& value, const char* name) {
   return out;
 }
 
+// Note [Element lists are copies]
+//   Rationale: def_readwrite of a std::vector of bound classes (Trace.ops, Trace.tensors,
+//   Plan.decisions) returns a list whose elements point INTO the vector (pybind11 casts each element
+//   with reference_internal): `rec = trace.tensors[0]` then `trace.add_tensor(...)` (push_back
+//   reallocates) or `trace.tensors = [...]` with more elements left `rec` on freed memory -- reading it
+//   gave the allocator's free-list words, writing `rec.bytes = n` corrupted the heap and crashed a later
+//   allocation far away (heap-use-after-free under ASan, from pure Python).
+//   Approach: these properties return the elements by value -- every Op/TensorRecord/TensorDecision in
+//   the list is a copy owned by Python -- and the setter replaces the whole vector, as the docstrings
+//   always said ("a copy; assign the whole list"). Changing an element in place therefore no longer
+//   changes the trace or plan: assign the list back (`plan.decisions = decisions`).
+template <typename T, typename V>
+auto copy_getter(std::vector<V> T::*member) {
+  return [member](const T& self) { return std::vector<V>(self.*member); };
+}
+
+template <typename T, typename V>
+auto vector_setter(std::vector<V> T::*member) {
+  return [member](T& self, std::vector<V> value) { self.*member = std::move(value); };
+}
+
 }  // namespace
 
 void bind_trace(py::module_& m) {
@@ -141,8 +162,11 @@ void bind_trace(py::module_& m) {
           },
           "Activations below this many bytes are neither offloaded nor recomputed by any planner (the "
           "executor's min_offload_bytes); 0: none. See Note [The executor's size floor].")
-      .def_readwrite("ops", &Trace::ops, "list of Op (a copy; use add_op to append)")
-      .def_readwrite("tensors", &Trace::tensors, "list of TensorRecord (a copy; use add_tensor)")
+      // See Note [Element lists are copies].
+      .def_property("ops", copy_getter(&Trace::ops), vector_setter(&Trace::ops),
+                    "list of Op (copies; use add_op to append, or assign the whole list)")
+      .def_property("tensors", copy_getter(&Trace::tensors), vector_setter(&Trace::tensors),
+                    "list of TensorRecord (copies; use add_tensor to append, or assign the whole list)")
       .def("add_op",
            [](Trace& t, py::object name, py::object module_path, py::object phase, py::object duration_us,
               py::object flops, py::object bytes_read, py::object bytes_written, py::object rng) {

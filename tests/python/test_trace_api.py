@@ -87,3 +87,32 @@ def test_json_paths_may_be_pathlib_paths(tmp_path):
     assert back.to_json_string() == t.to_json_string()
     with pytest.raises(TypeError, match="os.PathLike"):
         memsched.Trace.from_json(3)
+
+
+def test_elements_taken_before_the_lists_grow_stay_valid():
+    """Note [Element lists are copies] (csrc/bindings/bind_trace.cpp): an Op, TensorRecord or TensorDecision
+    taken from trace.ops / trace.tensors / plan.decisions is a copy, not a pointer into the C++ vector: one
+    kept across add_op/add_tensor (which reallocate) read the allocator's free-list words (heap-use-after-free
+    under ASan) and a write through it corrupted the heap."""
+    t = build_trace()
+    op, rec = t.ops[0], t.tensors[1]
+    for i in range(200):  # enough push_backs to move both vectors
+        t.add_op(f"extra{i}", "", "backward")
+        t.add_tensor(8 + i, "float32", "temporary", producer_op=3 + i, freed_after_op=3 + i)
+    assert (op.id, op.name, op.duration_us) == (0, "fc1", 5.0)
+    assert (rec.id, rec.bytes, rec.producer_op, list(rec.uses)) == (1, 64, 0, [1, 2])
+    rec.bytes = 1 << 40  # a copy: the trace does not change, and nothing else is written
+    op.name = "renamed"
+    assert t.tensors[1].bytes == 64 and t.ops[0].name == "fc1"
+    t.validate()
+
+    plan = memsched.plan(build_trace(), budget=None, planner="keep_all")
+    d = plan.decisions[0]
+    plan.decisions = plan.decisions * 64  # a longer list: a new buffer
+    assert (d.tensor_id, d.offload) == (1, False)
+    d.offload = True  # a copy: assign the list back to change the plan
+    assert not plan.decisions[0].offload
+    decisions = plan.decisions
+    decisions[0].offload = True
+    plan.decisions = decisions
+    assert plan.decisions[0].offload

@@ -60,13 +60,14 @@ def plot_memory_curve(trace, path, title):
     ax.plot(range(len(live)), [b / 2**20 for b in live], lw=1.2, label="live bytes")
     colors = {"forward": "#dbe9f6", "backward": "#fde3cf", "optimizer": "#e2f0d9"}
     start = 0
-    for i in range(1, len(trace.ops) + 1):  # shade each run of one phase
-        if i == len(trace.ops) or trace.ops[i].phase != trace.ops[start].phase:
-            ax.axvspan(start - 0.5, i - 0.5, color=colors[trace.ops[start].phase], lw=0)
+    ops = trace.ops  # once: each read copies every op
+    for i in range(1, len(ops) + 1):  # shade each run of one phase
+        if i == len(ops) or ops[i].phase != ops[start].phase:
+            ax.axvspan(start - 0.5, i - 0.5, color=colors[ops[start].phase], lw=0)
             start = i
     peak = trace.peak_op()
     if peak >= 0:
-        ax.plot([peak], [live[peak] / 2**20], "r.", ms=8, label=f"peak: op {peak} {trace.ops[peak].name}")
+        ax.plot([peak], [live[peak] / 2**20], "r.", ms=8, label=f"peak: op {peak} {ops[peak].name}")
     ax.set_xlabel("op (execution order; blue forward, orange backward, green optimizer)")
     ax.set_ylabel("live MiB")
     ax.set_title(title)

@@ -79,10 +79,11 @@ def _op_args(op):
     return {"op_id": op.id, "module": op.module_path, "phase": op.phase, "profiled_us": op.duration_us}
 
 
-def _tensor_args(trace, tensor_id, nbytes, on_compute_stream=False):
+def _tensor_args(tensors, tensor_id, nbytes, on_compute_stream=False):
+    """tensors: trace.tensors, read once by the caller (each read copies every record)."""
     args = {"tensor_id": tensor_id, "bytes": int(nbytes)}
-    if 0 <= tensor_id < len(trace.tensors) and trace.tensors[tensor_id].label:
-        args["label"] = trace.tensors[tensor_id].label
+    if 0 <= tensor_id < len(tensors) and tensors[tensor_id].label:
+        args["label"] = tensors[tensor_id].label
     if on_compute_stream:
         args["on_compute_stream"] = True
     return args
@@ -93,6 +94,7 @@ def planned_events(trace, simulation, memory, memory_name):
     memory: [(t_s, bytes)] the counter to draw (Run._planned_timeline()'s curve)."""
     ev = _metadata(PID_PLANNED, "memsched planned (simulated)", (TID_COMPUTE, TID_D2H, TID_H2D, TID_STALL))
     ops = trace.ops
+    tensors = trace.tensors  # once: each read of the property copies every record (Note [Element lists are copies])
     if simulation is not None:
         tl = simulation.timeline
         for e in tl.get("compute", []):
@@ -102,14 +104,14 @@ def planned_events(trace, simulation, memory, memory_name):
                                 _op_args(op)))
             elif e["kind"] == "recompute":  # the ops that recreate tensor e["id"], on the compute stream
                 ev.append(_span(f"recompute tensor {e['id']}", "recompute", PID_PLANNED, TID_COMPUTE,
-                                e["start_us"], e["end_us"], _tensor_args(trace, e["id"], e["bytes"])))
+                                e["start_us"], e["end_us"], _tensor_args(tensors, e["id"], e["bytes"])))
             else:  # a copy the plan runs on the compute stream (Note [Plan semantics])
                 ev.append(_span(f"{e['kind'].upper()} tensor {e['id']}", "copy", PID_PLANNED, _COPY_TID[e["kind"]],
-                                e["start_us"], e["end_us"], _tensor_args(trace, e["id"], e["bytes"], True)))
+                                e["start_us"], e["end_us"], _tensor_args(tensors, e["id"], e["bytes"], True)))
         for kind, tid in _COPY_TID.items():
             for e in tl.get(kind, []):
                 ev.append(_span(f"{kind.upper()} tensor {e['id']}", "copy", PID_PLANNED, tid, e["start_us"],
-                                e["end_us"], _tensor_args(trace, e["id"], e["bytes"])))
+                                e["end_us"], _tensor_args(tensors, e["id"], e["bytes"])))
         for op, stall, start in zip(ops, simulation.stall_us_per_op, simulation.op_start_us):
             if stall > 0:
                 ev.append(_span(f"stall before {op.name}", "stall", PID_PLANNED, TID_STALL, start - stall, start,

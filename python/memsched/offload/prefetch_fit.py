@@ -75,8 +75,9 @@ def fit_prefetches(trace, plan, points):
     plan.decisions = decisions
     if earlier:
         mem = list(modelled_memory(trace, plan))
+        tensors = trace.tensors  # once: each read copies every record
         for k, q, late in sorted(earlier, key=lambda e: e[1]):
-            nbytes = trace.tensors[decisions[k].tensor_id].bytes
+            nbytes = tensors[decisions[k].tensor_id].bytes
             if max(mem[q:late], default=0) + nbytes <= limit:  # resident over [q, late) instead
                 decisions[k].prefetch_at_op = q
                 for i in range(q, late):
