@@ -59,6 +59,8 @@ import zipfile
 
 import torch
 import torch.nn as nn
+
+from peak_snapshot import format_summary, record_step  # benchmarks/gpu/peak_snapshot.py
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -282,10 +284,13 @@ def _fraction_device(device):
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def run_method(spec, method, batch, device, steps, warmup, device_model=None, budget_bytes=None, extra=None):
+def run_method(spec, method, batch, device, steps, warmup, device_model=None, budget_bytes=None, extra=None,
+               snapshot=False):
     """Train `steps + warmup` steps with `method`; returns a dict of measurements.
 
     extra: {"compile_on_cpu": bool, "trl": (module, stubbed) or a message why TRL is absent}.
+    snapshot: on CUDA, one more step after the timed ones, recorded by the allocator: row["peak_snapshot"]
+    (Note [Where a planned step's extra memory was allocated] in peak_snapshot.py); not in any figure.
     Raises Skipped when the method cannot run here.
     """
     extra = extra or {}
@@ -341,10 +346,14 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
                     host_times.append(host)
-        executed = [s for s in run.step_stats if s.mode == "planned"][-steps:]
+            timed_stats = list(run.step_stats)
+            timed_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            if snapshot and device.type == "cuda":
+                row["peak_snapshot"] = record_step(lambda: (fwd_bwd(), run.step()), device)
+        executed = [s for s in timed_stats if s.mode == "planned"][-steps:]
         moved = [s.d2h_bytes + s.h2d_bytes for s in executed]
         row["stall_ms"] = statistics.median(s.stall_s for s in executed) * 1e3 if executed else None
-        row["plain_steps"] = sum(1 for s in run.step_stats if s.mode != "planned")
+        row["plain_steps"] = sum(1 for s in timed_stats if s.mode != "planned")
         if run.simulation is not None:
             row["sim_step_ms"] = run.simulation.step_time_us / 1e3
             row["sim_peak_bytes"] = run.simulation.peak_bytes
@@ -392,22 +401,26 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
             if stubbed:
                 row["trl_stubbed_imports"] = stubbed
         first_step_s = None
+
+        def one_step():
+            if hooks is not None:
+                hooks.bytes = 0
+            ctx = hooks if hooks is not None else \
+                trl_module.OffloadActivations(use_streams=True) if method == TRL else contextlib.nullcontext()
+            with ctx:
+                with _autocast(device):
+                    loss = spec.loss(forward_model, data)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
         with settings:
             for i in range(warmup + steps):
                 if i == warmup and device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 _sync(device)
                 t0 = time.perf_counter()
-                if hooks is not None:
-                    hooks.bytes = 0
-                ctx = hooks if hooks is not None else \
-                    trl_module.OffloadActivations(use_streams=True) if method == TRL else contextlib.nullcontext()
-                with ctx:
-                    with _autocast(device):
-                        loss = spec.loss(forward_model, data)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                one_step()
                 host = time.perf_counter() - t0  # enqueued: what the host spent (no wait for the GPU)
                 _sync(device)
                 if i == 0:
@@ -416,6 +429,9 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
                     times.append(time.perf_counter() - t0)
                     host_times.append(host)
                     moved.append(2 * hooks.bytes if hooks is not None else (None if method == TRL else 0))
+            timed_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            if snapshot and device.type == "cuda":
+                row["peak_snapshot"] = record_step(one_step, device)
         if method == COMPILE:
             row["first_step_s"] = first_step_s  # includes compilation
             torch._dynamo.reset()
@@ -426,7 +442,7 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
     row["step_ms_spread"] = (min(times) * 1e3, max(times) * 1e3)
     # TRL's offloader does not say what it moved: None ("-"), not 0.
     row["bytes_moved"] = statistics.median(moved) if moved and None not in moved else (0 if not moved else None)
-    row["peak_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    row["peak_bytes"] = timed_peak  # (before a snapshot step)
     if row["peak_bytes"] is not None and method.startswith(("memsched", "offload_all")):
         # The executor starts a new peak at each step's first forward: the counter above covers the
         # last step only, where plain rows cover every timed step; take the timed steps' own peaks too.
@@ -582,6 +598,9 @@ def main(argv=None):
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds: rows not started by then, and largest-batch searches unlikely to end by then, "
                         "are recorded as skipped")
+    p.add_argument("--peak-snapshot", default="",
+                   help="comma-separated rows that run one more step recorded by the CUDA allocator, whose "
+                        "peak is then split by where its blocks were allocated (CUDA only; not timed)")
     p.add_argument("--compile-on-cpu", action="store_true", help="run the torch.compile row on CPU too (slow)")
     p.add_argument("--trl-wheel", default=None,
                    help="TRL wheel to read trl/models/activation_offloading.py from "
@@ -598,6 +617,9 @@ def main(argv=None):
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         p.error(f"--methods: unknown {unknown}; choose from {METHODS}")
+    snapshot_rows = {m.strip() for m in args.peak_snapshot.split(",") if m.strip()}
+    if snapshot_rows - set(METHODS):
+        p.error(f"--peak-snapshot: unknown {sorted(snapshot_rows - set(METHODS))}; choose from {METHODS}")
     device_model = "cpu" if device.type == "cpu" else None
     if device.type == "cuda" and hasattr(memsched, "measure_device"):
         device_model = memsched.measure_device(str(device))
@@ -651,7 +673,8 @@ def main(argv=None):
                 row = {"method": method, "skipped": f"skipped: time budget ({args.time_budget:g} s) spent"}
             else:
                 try:
-                    row = run_method(spec, method, batch, device, steps, warmup, device_model, extra=extra)
+                    row = run_method(spec, method, batch, device, steps, warmup, device_model, extra=extra,
+                                     snapshot=method in snapshot_rows)
                 except Skipped as e:
                     row = {"method": method, "skipped": str(e)}
                 except Exception as e:  # keep going: the row says what failed
@@ -697,6 +720,10 @@ def main(argv=None):
         print(format_rows(rows, device))
         for line in format_gaps(rows):
             print(line)
+        for row in rows:  # Note [Where a planned step's extra memory was allocated] (peak_snapshot.py)
+            if row.get("peak_snapshot"):
+                for line in format_summary(row["method"], row["peak_snapshot"], _fmt_bytes):
+                    print(line)
         floor = floor_line(rows)
         if floor:
             print(floor)
