@@ -284,6 +284,14 @@ def _fraction_device(device):
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _snapshot_into(row, step, device):
+    """row["peak_snapshot"] from one recorded step; a failure there costs the snapshot, not the row's figures."""
+    try:
+        row["peak_snapshot"] = record_step(step, device)
+    except Exception as e:  # (an allocator API this torch lacks, out of memory in the extra step)
+        row["peak_snapshot_error"] = f"{type(e).__name__}: {e}"
+
+
 def run_method(spec, method, batch, device, steps, warmup, device_model=None, budget_bytes=None, extra=None,
                snapshot=False):
     """Train `steps + warmup` steps with `method`; returns a dict of measurements.
@@ -349,7 +357,7 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
             timed_stats = list(run.step_stats)
             timed_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             if snapshot and device.type == "cuda":
-                row["peak_snapshot"] = record_step(lambda: (fwd_bwd(), run.step()), device)
+                _snapshot_into(row, lambda: (fwd_bwd(), run.step()), device)
         executed = [s for s in timed_stats if s.mode == "planned"][-steps:]
         moved = [s.d2h_bytes + s.h2d_bytes for s in executed]
         row["stall_ms"] = statistics.median(s.stall_s for s in executed) * 1e3 if executed else None
@@ -431,7 +439,7 @@ def run_method(spec, method, batch, device, steps, warmup, device_model=None, bu
                     moved.append(2 * hooks.bytes if hooks is not None else (None if method == TRL else 0))
             timed_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             if snapshot and device.type == "cuda":
-                row["peak_snapshot"] = record_step(one_step, device)
+                _snapshot_into(row, one_step, device)
         if method == COMPILE:
             row["first_step_s"] = first_step_s  # includes compilation
             torch._dynamo.reset()
