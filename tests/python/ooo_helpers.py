@@ -95,3 +95,50 @@ def weighted_sum_steps(model, opt, input_of, ooo_kw=None, steps=3, keep_grads=Fa
         if ooo is not None:
             ooo.remove()
     return grads
+
+
+# A backward pass that raises part way (Note [A failed backward] in memsched/ooo/backward.py): Guard raises
+# in its backward while Guard.armed; GuardedNet puts it before its last layer (that layer is final and
+# stepped first) or, with guard_at_loss, at the output (nothing final yet).
+class Guard(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if Guard.armed:
+            raise FloatingPointError("non-finite gradient")
+        return g
+
+
+class GuardedNet(torch.nn.Module):
+    def __init__(self, guard_at_loss):
+        super().__init__()
+        self.guard_at_loss = guard_at_loss
+        self.a, self.b, self.c = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.relu(self.a(x))))
+        if not self.guard_at_loss:
+            h = Guard.apply(h)  # raises after c's backward: c is already stepped
+        out = self.c(h)
+        return Guard.apply(out) if self.guard_at_loss else out
+
+
+def guarded_loop(m, opt, step):
+    """Four steps of GuardedNet; the second one's backward raises (the loop zeroes and goes on)."""
+    for s in range(4):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+        Guard.armed = s == 1
+        try:
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+        except FloatingPointError:
+            opt.zero_grad()
+            continue
+        finally:
+            Guard.armed = False
+        step()

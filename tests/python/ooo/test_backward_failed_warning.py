@@ -6,53 +6,10 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import memsched
-
-
-class Guard(torch.autograd.Function):
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if Guard.armed:
-            raise FloatingPointError("non-finite gradient")
-        return g
-
-
-class Net(nn.Module):
-    def __init__(self, guard_at_loss):
-        super().__init__()
-        self.guard_at_loss = guard_at_loss
-        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 5)
-
-    def forward(self, x):
-        h = torch.tanh(self.b(torch.relu(self.a(x))))
-        if not self.guard_at_loss:
-            h = Guard.apply(h)  # raises after c's backward: c is already stepped
-        out = self.c(h)
-        return Guard.apply(out) if self.guard_at_loss else out
-
-
-def _loop(m, opt, step):
-    for s in range(4):
-        g = torch.Generator().manual_seed(s)
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
-        Guard.armed = s == 1
-        try:
-            F.cross_entropy(m(x), y).backward()
-        except FloatingPointError:
-            opt.zero_grad()
-            continue
-        finally:
-            Guard.armed = False
-        step()
+from ooo_helpers import GuardedNet as Net, guarded_loop as _loop
 
 
 def _run(guard_at_loss, flags):

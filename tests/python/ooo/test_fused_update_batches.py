@@ -10,7 +10,7 @@ import torch
 
 from memsched import MemschedError, models
 from memsched.ooo import OutOfOrderBackward
-from ooo_helpers import assert_same_state, batches, plain_loop
+from ooo_helpers import GuardedNet, assert_same_state, batches, guarded_loop, plain_loop
 
 OPTIMIZERS = {
     "adamw_default": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
@@ -86,58 +86,19 @@ def test_the_default_on_cpu_updates_each_unit_at_once():
     assert report["update_batch_bytes"] == 0
 
 
-class _Guard(torch.autograd.Function):
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Guard.armed:
-            raise FloatingPointError("non-finite gradient")
-        return g
-
-
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.c = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 5)
-
-    def forward(self, x):
-        h = torch.tanh(self.b(torch.relu(self.a(x))))
-        return self.c(_Guard.apply(h))  # raises after c's backward: c's unit is complete
-
-
-def _guarded_loop(m, opt, step):
-    for s in range(4):
-        g = torch.Generator().manual_seed(s)
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
-        _Guard.armed = s == 1
-        try:
-            torch.nn.functional.cross_entropy(m(x), y).backward()
-        except FloatingPointError:
-            opt.zero_grad()
-            continue
-        finally:
-            _Guard.armed = False
-        step()
-
-
 def test_units_waiting_in_a_batch_are_not_stepped_by_a_backward_that_raises():
     """A backward pass that raises after a unit completed: unbatched, that unit keeps its update (and a
     warning says so: test_backward_failed_warning.py); waiting in a batch, it is not stepped, and the
     run equals a plain loop that skips the failed step, bit for bit, without a warning."""
     torch.manual_seed(0)
-    base = _Net()
+    base = GuardedNet(guard_at_loss=False)  # raises after its last layer's backward: that unit is complete
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     oa, ob = torch.optim.AdamW(a.parameters()), torch.optim.AdamW(b.parameters())
-    _guarded_loop(a, oa, lambda: (oa.step(), oa.zero_grad()))
+    guarded_loop(a, oa, lambda: (oa.step(), oa.zero_grad()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with OutOfOrderBackward(b, optimizer=ob, fuse_optimizer=True, update_batch_bytes="1GiB") as ooo:
-            _guarded_loop(b, ob, ooo.step)
+            guarded_loop(b, ob, ooo.step)
     assert_same_state(a, oa, b, ob)
 
 
