@@ -59,10 +59,10 @@ import zipfile
 
 import torch
 import torch.nn as nn
-
-from peak_snapshot import format_summary, record_step  # benchmarks/gpu/peak_snapshot.py
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from peak_snapshot import format_summary, record_step  # benchmarks/gpu/peak_snapshot.py
 
 import memsched
 

@@ -19,7 +19,9 @@ Note [Where a planned step's extra memory was allocated]
   (autograd thread)"; their sizes, set beside the trace's tensors, still tell an activation brought
   back from a gradient. Rows measured this way side by side (plain, budget=None, dp) show what the
   planned step adds.
-  Limitations: recording with Python stacks slows the recorded step (it is not timed); the ring
+  Limitations: recording with Python stacks slows the recorded step's host (it is not timed), so the
+  GPU falls less far behind than in a timed step and copies still in flight ("late release") may hold
+  less there: the snapshot names what the step allocates, not how late it is given back; the ring
   buffer keeps max_entries events (a truncated trace says so); blocks the step did not allocate
   (parameters, optimizer state) are the baseline, not attributed.
 """
