@@ -784,7 +784,7 @@ std::vector<std::vector<int32_t>> DwRuntime::batch_locked(const std::vector<std:
     }
   }
   std::vector<std::vector<int32_t>> out;
-  if (!batch_.empty() && batch_grad_bytes_ >= update_batch_bytes_) {
+  if (!batch_.empty() && batch_grad_bytes_ >= update_batch_bytes_.load(std::memory_order_relaxed)) {
     out.push_back(std::exchange(batch_, {}));
     batch_grad_bytes_ = 0;
   }
@@ -799,10 +799,7 @@ void DwRuntime::set_update_batch_bytes(int64_t bytes) {
   update_batch_bytes_ = bytes;
 }
 
-int64_t DwRuntime::update_batch_bytes() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return update_batch_bytes_;
-}
+int64_t DwRuntime::update_batch_bytes() { return update_batch_bytes_.load(std::memory_order_relaxed); }
 
 void DwRuntime::hand_over(const Completion& given, Side* side, bool batch) {
   if (given.groups.empty() && given.ready_buckets.empty()) return;
@@ -810,12 +807,11 @@ void DwRuntime::hand_over(const Completion& given, Side* side, bool batch) {
   Completion rest;
   std::vector<std::vector<int32_t>> batched;
   const std::vector<std::vector<int32_t>>* to_step = &given.groups;
-  if (batch && !given.groups.empty()) {
+  if (batch && !given.groups.empty() && update_batch_bytes_.load(std::memory_order_relaxed) > 0) {
+    // (set only between backward passes: no lock to read it, so unbatched hand-overs take none)
     std::lock_guard<std::mutex> lock(mu_);
-    if (update_batch_bytes_ > 0) {
-      batched = batch_locked(given.groups);
-      to_step = &batched;
-    }
+    batched = batch_locked(given.groups);
+    to_step = &batched;
   }
   if (!given.groups.empty()) {
     rest.ready_buckets = given.ready_buckets;

@@ -438,7 +438,7 @@ class DwRuntime : public std::enable_shared_from_this<DwRuntime> {
   std::vector<int32_t> unit_of_;                // per parameter, its step unit (empty: no grouping)
   std::vector<int32_t> unit_size_;              // per unit, its parameters
   std::vector<std::vector<int32_t>> unit_ready_;  // per unit, its final parameters not yet handed over
-  int64_t update_batch_bytes_ = 0;              // Note [Update batches] (backward.py); 0: none
+  std::atomic<int64_t> update_batch_bytes_{0};  // Note [Update batches] (backward.py); 0: none (read unlocked)
   std::vector<int32_t> batch_;                  // complete units' parameters waiting for their update
   int64_t batch_grad_bytes_ = 0;                // their gradients' bytes
 
